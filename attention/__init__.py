@@ -1,0 +1,6 @@
+"""Attention mechanisms. Importing this package registers every mechanism (one import line each)."""
+
+from attention.registry import REGISTRY, build_attention, describe, get_mechanism, register_attention  # noqa: F401
+
+# One line per mechanism module: importing it runs its @register_attention.
+from attention import softmax, parallax  # noqa: F401,E401

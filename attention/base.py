@@ -1,0 +1,106 @@
+"""The contract between the model and every attention mechanism.
+
+A mechanism is an ``nn.Module`` registered with :func:`attention.registry.register_attention`.
+The model builds it as ``cls(args, opts)`` and calls ``module(x, ctx)``:
+
+- ``args`` (:class:`AttentionArgs`): sizes shared by every mechanism (dim, heads, head dim, layer index).
+- ``opts``: the mechanism's own options dataclass, filled from ``[attention.<name>]`` in the TOML.
+- ``x``: ``[B, T, dim]`` hidden states (already normed by the block).
+- ``ctx`` (:class:`AttentionContext`): token positions, document boundaries, the RoPE table and,
+  when decoding, the per-layer cache.
+
+Every mechanism module implements
+
+- ``forward(x, ctx) -> [B, T, dim]``;
+- ``init_weights(init_std)``: called under ``torch.no_grad()`` after meta-device construction; output
+  projections use ``init_std`` (depth-scaled), input projections 0.02 (torchtitan's convention);
+- ``flops_per_token(seq_len) -> int``: forward FLOPs per token of the parameter-free token mixing
+  (matmuls with weights are counted by the model as 6·N); the model multiplies by 3 for fwd+bwd;
+- ``init_cache(batch_size, max_len, device, dtype)`` (optional): a cache object for decoding.
+  During decoding ``ctx.cache`` is this layer's cache and ``ctx.positions`` holds absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchtitan.models.qwen3.model.model import precompute_rope_cache, rotate_half
+
+
+@dataclass
+class AttentionArgs:
+    """Sizes every mechanism receives. ``impl`` is ``[attention] impl`` ("auto" picks per device)."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    layer_id: int = 0
+    n_layers: int = 1
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_seq_len: int = 4096
+    impl: str = "auto"
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward information shared by all layers.
+
+    positions:  [B, T] int64, position of each token inside its document (restarts at 0 after a
+                document boundary when documents are packed), absolute positions when decoding.
+    cu_seqlens: [N + 1] int32 offsets of the N documents in the flattened ``B*T`` token stream
+                (fla's varlen convention; each batch row boundary is also a document boundary), or
+                None when every row is one causal sequence.
+    max_seqlen: longest document (int), valid when ``cu_seqlens`` is set.
+    rope_theta: RoPE base; ``rope(head_dim)`` returns the cos/sin table for that head dim.
+    cache:      the layer's decode cache (set by the model per layer), or None when training.
+    """
+
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    rope_theta: float = 1e6
+    cache: Any = None
+    _rope: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    def rope(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [B, T, 1, head_dim] float32 for ``self.positions`` (HF/Qwen3 half-rotation layout)."""
+        if head_dim not in self._rope:
+            n = int(self.positions.max().item()) + 1 if self.positions.numel() else 1
+            table = precompute_rope_cache(head_dim, n, self.rope_theta).to(self.positions.device)
+            t = table[self.positions]  # [B, T, 2*head_dim]
+            self._rope[head_dim] = (t[..., None, :head_dim], t[..., None, head_dim:])
+        return self._rope[head_dim]
+
+    @staticmethod
+    def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float) -> "AttentionContext":
+        """Build the context for a training batch. With ``block_causal`` a new document starts wherever
+        ``positions == 0`` (and at every row start)."""
+        B, T = positions.shape
+        if not block_causal:
+            return AttentionContext(positions=positions, rope_theta=rope_theta)
+        starts = positions.reshape(-1) == 0
+        starts[::T] = True  # every row starts a document
+        idx = torch.nonzero(starts).flatten()
+        cu = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+        return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-rotation layout (Qwen3/HF). x: [B, T, H, D]; cos, sin: [B, T, 1, D]."""
+    return (x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)).type_as(x)
+
+
+def document_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[B, T] int64 document index of every token, from fla-style ``cu_seqlens`` over ``B*T`` tokens."""
+    seq = torch.arange(B * T, device=cu_seqlens.device)
+    return (torch.searchsorted(cu_seqlens[1:].to(torch.int64), seq, right=True)).view(B, T)

@@ -1,0 +1,55 @@
+"""Public entry for the softmax/Parallax attention family: one function, several implementations.
+
+``parallax_attention(q, k, v, r=None, ...)`` computes Parallax when a probe ``r`` is given and plain
+softmax attention when it is None. ``impl`` selects the implementation:
+
+- "reference": :func:`naive_parallax` (PyTorch, O(T²) memory, any device);
+- "triton":    the streaming Triton kernels (``attention/ops/parallax/kernels``) when present;
+- "auto":      Triton on CUDA when the kernels are available, else the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.ops.parallax.naive import naive_parallax
+
+IMPLS = ("auto", "triton", "reference")
+
+
+def _triton_impl():
+    try:
+        from attention.ops.parallax import kernels  # noqa: F401  (added by the kernel work)
+    except ImportError:
+        return None
+    return kernels.parallax_triton
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention.impl={impl!r} is not valid for softmax/parallax; choose from {list(IMPLS)}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and _triton_impl() is not None else "reference"
+    if impl == "triton" and _triton_impl() is None:
+        raise ValueError("attention.impl='triton' but the Triton kernels are not available in this build")
+    return impl
+
+
+def parallax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
+    window_size: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Causal softmax (r=None) or Parallax attention. Shapes as in :func:`naive_parallax`:
+    q, r: [B, T, HQ, D]; k, v: [B, T, HKV, D]; returns [B, T, HQ, D]."""
+    if impl == "reference" or resolve_impl(impl, q.device) == "reference":
+        return naive_parallax(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size)
+    return _triton_impl()(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                          window_size=window_size)

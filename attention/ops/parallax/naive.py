@@ -1,0 +1,69 @@
+"""Parallax attention, reference implementation (the oracle for every kernel).
+
+Per query head, with causal softmax weights p_ij = softmax_j(q_i·k_j · scale) over the visible keys and
+a probe ρ_i (``r``), the output is eq. (8)/(35) of the Parallax paper:
+
+    o_i = Σ_j p_ij (1 + t̄_i − t_ij) v_j,   t_ij = ρ_i·k_j (NOT scaled),   t̄_i = Σ_j p_ij t_ij
+
+With ``r=None`` (or ρ = 0) this is plain softmax attention. O(T²) memory; computes in float32 (float64
+when the inputs are float64) and returns the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.base import document_ids
+
+
+def visibility_mask(
+    B: int, T: int, device, cu_seqlens: torch.Tensor | None = None, window_size: int | None = None
+) -> torch.Tensor:
+    """[B, 1, T, T] bool: key j is visible from query i (causal, same document, inside the window)."""
+    i = torch.arange(T, device=device)
+    mask = (i[:, None] >= i[None, :])[None, None]  # [1, 1, T, T]
+    if window_size is not None and window_size > 0:
+        mask = mask & ((i[:, None] - i[None, :]) < window_size)[None, None]
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, B, T)  # [B, T]
+        mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
+    return mask
+
+
+def naive_parallax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: int | None = None,
+) -> torch.Tensor:
+    """
+    q: [B, T, HQ, D]; k, v: [B, T, HKV, D] with HQ % HKV == 0 (GQA); r: [B, T, HQ, D] or None.
+    cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (no attention across them).
+    window_size: each query sees at most this many most recent keys (itself included).
+    scale: applied to q·k only; default D**-0.5.
+    Returns o: [B, T, HQ, D] in q's dtype.
+    """
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    if HQ % HKV:
+        raise ValueError(f"q heads ({HQ}) must be a multiple of kv heads ({HKV})")
+    scale = D**-0.5 if scale is None else scale
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    G = HQ // HKV
+    qf = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
+    kf = k.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)  # [B, HQ, T, D]
+    vf = v.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)
+    mask = visibility_mask(B, T, q.device, cu_seqlens, window_size)  # [B|1, 1, T, T]
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)  # [B, HQ, T, T]
+    if r is None:
+        w = p
+    else:
+        t = r.to(ct).transpose(1, 2) @ kf.transpose(-1, -2)  # [B, HQ, T, T], t_ij = ρ_i·k_j
+        tbar = (p * t).sum(-1, keepdim=True)
+        w = p * (1 + tbar - t)  # s_ij of eq. (8)
+    o = w @ vf  # [B, HQ, T, D]
+    return o.transpose(1, 2).to(q.dtype)

@@ -1,0 +1,73 @@
+"""Parallax attention (Zuo et al., 2026): softmax attention plus a learned probe of the KV covariance.
+
+    o_i = v̄_i − Σ_KV(i) ρ_i,   ρ_i = RMSNorm(W_R x_i) per q head   (eq. 8; spec ``parallax.md`` §1)
+
+Departures from softmax attention: one more projection ``wr`` (q's shape and head grouping), an RMSNorm
+``r_norm`` on ρ, optional RoPE on ρ (same positions and θ as q, k), an optional sigmoid gate per head
+``ρ_i = σ(w_g·x_i)·W_R x_i`` (Section 4.3). With ``W_R = 0`` the output is exactly softmax attention, so a
+Transformer checkpoint converts by adding a zero ``wr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtitan.models.utils import trunc_normal_
+
+from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.registry import register_attention
+from attention.softmax import SoftmaxAttention, SoftmaxOptions
+
+
+@dataclass
+class ParallaxOptions(SoftmaxOptions):
+    rope_on_rho: bool = True
+    """Apply RoPE to ρ (the paper's best 0.6B/1.7B setting)."""
+    rho_gate: bool = False
+    """Sigmoid gate per token and head on ρ (Section 4.3)."""
+    rho_gate_bias: float = 0.0
+    """Initial bias of the gate (σ(bias) is the initial gate value)."""
+    wr_init: str = "normal"
+    """Initialisation of W_R: "normal" (like W_Q, std 0.02) or "zero" (starts as softmax attention)."""
+
+
+@register_attention("parallax", options=ParallaxOptions, description="Parallax: softmax attention + learned covariance probe ρ (W_R=0 is softmax)")
+class ParallaxAttention(SoftmaxAttention):
+    """Softmax attention with a learned probe ρ = RMSNorm(W_R x) (optionally gated and RoPE'd)."""
+
+    def __init__(self, args: AttentionArgs, opts: ParallaxOptions):
+        super().__init__(args, opts)
+        if opts.wr_init not in ("normal", "zero"):
+            raise ValueError(f"attention.parallax.wr_init={opts.wr_init!r}; choose from ['normal', 'zero']")
+        self.wr = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.r_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.r_gate = nn.Linear(args.dim, args.n_heads, bias=True) if opts.rho_gate else None
+
+    def init_weights(self, init_std: float) -> None:
+        super().init_weights(init_std)
+        if self.opts.wr_init == "zero":
+            nn.init.zeros_(self.wr.weight)
+        else:
+            trunc_normal_(self.wr.weight, mean=0.0, std=0.02)
+        self.r_norm.reset_parameters()
+        if self.r_gate is not None:
+            trunc_normal_(self.r_gate.weight, mean=0.0, std=0.02)
+            nn.init.constant_(self.r_gate.bias, self.opts.rho_gate_bias)
+
+    def probe(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """ρ: [B, T, HQ, D]."""
+        B, T, _ = x.shape
+        r = self.r_norm(self.wr(x).view(B, T, -1, self.head_dim))
+        if self.r_gate is not None:
+            r = r * torch.sigmoid(self.r_gate(x)).unsqueeze(-1).to(r.dtype)
+        if self.opts.rope_on_rho:
+            cos, sin = ctx.rope(self.head_dim)
+            r = apply_rope(r, cos, sin)
+        return r
+
+    def flops_per_token(self, seq_len: int) -> int:
+        # Two more GEMMs per tile (ρ·k and p∘t · v): twice softmax's mixing FLOPs (spec eq. 15).
+        return 2 * super().flops_per_token(seq_len)

@@ -1,0 +1,67 @@
+"""Attention registry: ``[model] attention = "<name>"`` picks a mechanism registered here.
+
+Adding a mechanism is one module file in ``attention/`` that decorates its ``nn.Module`` with
+:func:`register_attention` (giving its options dataclass and a one-line description), plus one line in
+``attention/__init__.py`` importing that file. The options dataclass becomes the TOML section
+``[attention.<name>]`` automatically (see ``config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from attention.base import AttentionArgs
+
+
+@dataclass
+class NoOptions:
+    """This mechanism has no options."""
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    cls: type[nn.Module]
+    options: type
+    description: str
+
+
+REGISTRY: dict[str, Mechanism] = {}
+
+
+def register_attention(name: str, *, options: type = NoOptions, description: str = ""):
+    """Class decorator registering an attention module under ``name``."""
+
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in REGISTRY:
+            raise ValueError(f"attention mechanism {name!r} is registered twice")
+        if not dataclasses.is_dataclass(options):
+            raise TypeError(f"options of attention {name!r} must be a dataclass, got {options!r}")
+        desc = description or (cls.__doc__ or "").strip().splitlines()[0]
+        REGISTRY[name] = Mechanism(name, cls, options, desc)
+        cls.mechanism = name
+        return cls
+
+    return wrap
+
+
+def get_mechanism(name: str, key: str = "model.attention") -> Mechanism:
+    if name not in REGISTRY:
+        raise ValueError(f"{key}={name!r} is not registered; choose from {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def build_attention(name: str, args: AttentionArgs, opts: Any = None) -> nn.Module:
+    """Instantiate mechanism ``name``; ``opts`` defaults to the options dataclass's defaults."""
+    mech = get_mechanism(name)
+    return mech.cls(args, opts if opts is not None else mech.options())
+
+
+def describe() -> str:
+    """One line per registered mechanism (``python train.py --list-attention``)."""
+    width = max(len(n) for n in REGISTRY)
+    return "\n".join(f"{n:<{width}}  {REGISTRY[n].description}" for n in sorted(REGISTRY))

@@ -1,0 +1,128 @@
+"""Softmax attention, Qwen3 style: q/k RMSNorm before RoPE, GQA, optional sliding window.
+
+Parameter names follow torchtitan's Qwen3 (``wq wk wv wo q_norm k_norm``) so its Hugging Face state-dict
+adapter applies unchanged. Kernels (``[attention] impl``):
+
+- "auto": SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA torch's
+  ``varlen_attn``; on CPU a boolean-masked SDPA (exact, O(T²) memory);
+- "sdpa": always SDPA with an explicit mask when documents or a window are present;
+- "triton": the project's streaming kernel (``attention/ops/parallax``, probe off);
+- "reference": the float32 PyTorch oracle ``naive_parallax``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.utils import trunc_normal_
+
+from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.ops.parallax import parallax_attention
+from attention.ops.parallax.naive import visibility_mask
+from attention.registry import register_attention
+
+SOFTMAX_IMPLS = ("auto", "sdpa", "triton", "reference")
+
+
+@dataclass
+class SoftmaxOptions:
+    window_size: int = 0
+    """Sliding-window size in tokens (each query sees this many most recent keys); 0 = full causal."""
+    qk_norm: bool = True
+    """RMSNorm on q and k per head before RoPE (Qwen3)."""
+
+
+def _sdpa(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> torch.Tensor:
+    """q: [B, T, HQ, D]; k, v: [B, T, HKV, D] -> [B, T, HQ, D]."""
+    B, T, HQ, D = q.shape
+    gqa = HQ != k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if ctx.cu_seqlens is None and not window:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = visibility_mask(B, T, q.device, ctx.cu_seqlens, window)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)
+
+
+def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> torch.Tensor:
+    """Packed documents on CUDA through torch's flash varlen kernel."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, T, HQ, D = q.shape
+    flat = [t.reshape(B * T, t.shape[2], D) for t in (q, k, v)]
+    cu = ctx.cu_seqlens.to(torch.int32)
+    kw = {"window_size": (window - 1, 0)} if window else {}
+    if HQ != k.shape[2]:
+        kw["enable_gqa"] = True
+    o = varlen_attn(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, scale=scale, **kw)
+    return o.view(B, T, HQ, D)
+
+
+@register_attention("softmax", options=SoftmaxOptions, description="softmax attention (SDPA / varlen / Triton), the Qwen3 baseline")
+class SoftmaxAttention(nn.Module):
+    """Multi-head causal softmax attention with GQA, q/k RMSNorm and RoPE."""
+
+    def __init__(self, args: AttentionArgs, opts: SoftmaxOptions):
+        super().__init__()
+        if args.n_heads % args.n_kv_heads:
+            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
+        if args.impl not in SOFTMAX_IMPLS:
+            raise ValueError(f"attention.impl={args.impl!r} is not valid for {self.mechanism}; choose from {list(SOFTMAX_IMPLS)}")
+        self.args, self.opts = args, opts
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if opts.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if opts.qk_norm else None
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def project_qkv(self, x: torch.Tensor, ctx: AttentionContext):
+        """x: [B, T, dim] -> q [B, T, HQ, D], k, v [B, T, HKV, D], RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope(self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def mix(self, q, k, v, r, ctx: AttentionContext) -> torch.Tensor:
+        """Token mixing: [B, T, HQ, D]. ``r`` is the probe (None for softmax)."""
+        window = self.opts.window_size or None
+        impl = self.args.impl
+        if r is None and impl in ("auto", "sdpa"):
+            if impl == "auto" and q.is_cuda and ctx.cu_seqlens is not None:
+                return _varlen(q, k, v, ctx, window, self.scale)
+            return _sdpa(q, k, v, ctx, window, self.scale)
+        return parallax_attention(q, k, v, r, scale=self.scale, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
+                                  window_size=window, impl="auto" if impl == "sdpa" else impl)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, ctx)
+        o = self.mix(q, k, v, self.probe(x, ctx), ctx)
+        return self.wo(o.reshape(B, T, -1))
+
+    def probe(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:
+        return None
+
+    def flops_per_token(self, seq_len: int) -> int:
+        # torchtitan's convention (non-causal count, comparable with its stock MFU): q·k and p·v,
+        # 2 FLOPs per multiply-add, over seq_len keys.
+        return 2 * 2 * self.n_heads * self.head_dim * seq_len
