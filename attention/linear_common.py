@@ -1,0 +1,242 @@
+"""Shared pieces of the linear-attention family (delta rule, GLA, gated/plain linear attention, ...).
+
+What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_family_and_cala.md`` §5, §9, §10):
+
+- :class:`ShortConvolution`: causal depthwise conv (kernel 4) + SiLU on q/k/v (fla ``ShortConvolution``),
+  respecting packed-document boundaries and carrying a decode state of the last ``kernel_size - 1`` inputs.
+- :class:`GatedRMSNorm`: ``RMSNorm(o) * act(g)`` per head (fla ``FusedRMSNormGated``; swish or sigmoid).
+- :func:`l2norm`: ``x / sqrt(sum x^2 + eps)`` (fla's eps 1e-6 inside the sqrt).
+- The Mamba2-style log-gate ``log γ = -exp(A_log) * softplus(a + dt_bias)`` (:func:`log_gate`) and the
+  initialisers of ``A_log`` (:func:`reset_A_log_`) and ``dt_bias`` (:func:`reset_dt_bias_`).
+- :func:`mark_adam`: the optimizer hint ``p._optim = "adam"`` for parameters that are not hidden matrices
+  (conv kernels, ``A_log``, ``dt_bias``, β and gate projections). The hint is lost when a parameter is
+  re-wrapped (``to_empty``, FSDP), so modules call it again in ``init_weights``; the names (``conv*``,
+  ``A_log``, ``dt_bias``, ``b_proj``, ``a_proj``/``g_proj``) are the fallback the optimizer can match.
+- :class:`RecurrentCache`: per-layer decode cache (conv states + recurrent state).
+- :func:`check_impl` / :func:`fla_gated_backward_ok`: ``[attention] impl`` validation and the fla safety
+  check (fla-core 0.6.0 refuses gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1, issue #640).
+
+Part B of the family (gla, gated_linear, linear, fox, path) imports from this file: keep signatures stable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+LINEAR_IMPLS = ("auto", "recurrent", "chunk", "fla")
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def mark_adam(*params: nn.Parameter) -> None:
+    """Hint for the optimizer builder: route these parameters to the Adam-style group (no Muon)."""
+    for p in params:
+        if p is not None:
+            p._optim = "adam"
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (or float64), returned in x's dtype."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """Mamba2/GDN/KDA log-space decay ``-exp(A_log) * softplus(a + dt_bias)`` in float32 (always <= 0).
+
+    a: [..., H] (or [..., H, K]); A_log broadcasts against a's last dims ([H] or [H, 1]); dt_bias like a's
+    last dims ([H] or [H, K]).
+    """
+    a = a.float()
+    if dt_bias is not None:
+        a = a + dt_bias.float()
+    return -torch.exp(A_log.float()) * F.softplus(a)
+
+
+@torch.no_grad()
+def reset_A_log_(p: torch.Tensor, low: float = 0.0, high: float = 16.0) -> None:
+    """``A ~ U(low, high)``, ``A_log = log A`` (GDN: U(0,16); KDA: U(1,16)). Clamped away from A = 0."""
+    A = torch.empty(p.shape, dtype=torch.float32, device=p.device).uniform_(low, high).clamp_min_(1e-4)
+    p.copy_(torch.log(A))
+    mark_adam(p)
+
+
+@torch.no_grad()
+def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4) -> None:
+    """``dt ~ LogUniform(dt_min, dt_max)`` clamped >= dt_floor; ``dt_bias = softplus^{-1}(dt)`` (Mamba2)."""
+    u = torch.rand(p.shape, dtype=torch.float32, device=p.device)
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min_(dt_floor)
+    p.copy_(dt + torch.log(-torch.expm1(-dt)))
+    mark_adam(p)
+
+
+def check_impl(impl: str, mechanism: str, valid: tuple[str, ...] = LINEAR_IMPLS) -> str:
+    """Validate ``[attention] impl`` for a linear-family mechanism; returns it."""
+    if impl not in valid:
+        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(valid)}")
+    return impl
+
+
+_LOGGED: set[str] = set()
+
+
+def log_once(msg: str) -> None:
+    """One-line log message, printed once per distinct text (fallback notices)."""
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        logger.warning(msg)
+
+
+def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
+    """Whether fla-core's *gated* chunk backward (GDN, KDA, GLA, simple GLA, ...) is safe on ``device``.
+
+    fla-core 0.6.0 raises in ``chunk_bwd_dqkwg`` on Hopper (sm_90) with 3.4.0 <= Triton < 3.7.1 (a Triton
+    miscompile, fla issue #640). Returns (ok, reason).
+    """
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    import triton
+    from packaging.version import Version
+
+    tv = Version(triton.__version__.split("+")[0])
+    major, _ = torch.cuda.get_device_capability(device)
+    if major == 9 and Version("3.4.0") <= tv < Version("3.7.1"):
+        return False, f"Triton {triton.__version__} on Hopper (sm_90) miscompiles fla's gated backward (needs >= 3.7.1)"
+    return True, ""
+
+
+def fla_importable() -> tuple[bool, str]:
+    """Whether ``fla`` (fla-core) imports; (ok, reason)."""
+    try:
+        import fla  # noqa: F401
+    except Exception as e:  # ImportError, or a Triton/driver error at import time
+        return False, f"fla-core not importable ({type(e).__name__}: {e})"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------------------------- packing
+def position_in_doc(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """[B, T] int64 index of each token inside its document (``cu_seqlens`` over the flattened B*T
+    tokens, fla's convention); without documents simply ``arange(T)`` per row."""
+    if cu_seqlens is None:
+        return torch.arange(T, device=device).expand(B, T)
+    seq = torch.arange(B * T, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    doc = torch.searchsorted(cu[1:], seq, right=True)
+    return (seq - cu[doc]).view(B, T)
+
+
+def row_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """int64 cu_seqlens over the flattened B*T tokens: the given ones, or one document per row."""
+    if cu_seqlens is not None:
+        return cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------- cache
+@dataclass
+class RecurrentCache:
+    """Decode cache of one linear-attention layer.
+
+    conv:  name -> [B, C, kernel_size - 1] last inputs of each short convolution (zeros at the start).
+    state: [B, H, K, V] float32 recurrent state (fla layout ``h = S^T``), or None before the first token.
+    extra: free slots for mechanism-specific state (e.g. normaliser, key cache).
+    seen:  number of tokens already processed.
+    """
+
+    conv: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    seen: int = 0
+
+
+# ----------------------------------------------------------------------------------------------- modules
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution over time with optional SiLU (fla ``ShortConvolution``, no bias).
+
+    ``y_t = act(sum_{j=0}^{K-1} w[:, K-1-j] * x_{t-j})``, where inputs from before the token's document
+    start (``cu_seqlens``) or before the sequence start count as zero, or come from the decode state.
+
+    weight: [C, kernel_size] (``kernel_size - 1`` is the oldest lag); routed to Adam (``_optim``).
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu"):
+        super().__init__()
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"ShortConvolution activation={activation!r}; choose from [None, 'silu', 'swish']")
+        self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        mark_adam(self.weight)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default (kaiming_uniform a=sqrt(5)) for a depthwise kernel: U(-1/sqrt(K), 1/sqrt(K)).
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        self.weight.uniform_(-bound, bound)
+        mark_adam(self.weight)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, C]; state: [B, C, K-1] previous inputs (decode) or None (zeros).
+
+        Returns (y [B, T, C], new_state [B, C, K-1] = the last K-1 inputs, state included).
+        ``cu_seqlens`` (fla varlen over B*T) and ``state`` are mutually exclusive.
+        """
+        B, T, C = x.shape
+        W = self.kernel_size
+        if state is not None and cu_seqlens is not None:
+            raise ValueError("ShortConvolution: packed documents (cu_seqlens) cannot be combined with a decode state")
+        prev = x.new_zeros(B, W - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
+        xp = torch.cat([prev, x], dim=1)  # [B, W-1+T, C]
+        w = self.weight.to(x.dtype)
+        pos = position_in_doc(cu_seqlens, B, T, x.device) if cu_seqlens is not None else None
+        y = xp[:, W - 1:] * w[:, W - 1]
+        for lag in range(1, W):
+            term = xp[:, W - 1 - lag: W - 1 - lag + T] * w[:, W - 1 - lag]
+            if pos is not None:  # a lag reaching before the document start reads zeros
+                term = term * (pos >= lag).unsqueeze(-1).to(x.dtype)
+            y = y + term
+        if self.activation is not None:
+            y = F.silu(y)
+        new_state = xp[:, -(W - 1):].transpose(1, 2).contiguous() if W > 1 else x.new_zeros(B, C, 0)
+        return y, new_state
+
+    def init_state(self, batch_size: int, device, dtype) -> torch.Tensor:
+        return torch.zeros(batch_size, self.channels, self.kernel_size - 1, device=device, dtype=dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(x) * weight * act(g)`` over the last dim (fla ``FusedRMSNormGated``), float32 inside.
+
+    x, g: [..., D]; activation "swish" (GDN, DeltaNet) or "sigmoid" (KDA).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "swish"):
+        super().__init__()
+        if activation not in ("swish", "silu", "sigmoid"):
+            raise ValueError(f"output gate activation={activation!r}; choose from ['swish', 'sigmoid']")
+        self.dim, self.eps, self.activation = dim, eps, activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        if g is not None:
+            gf = g.float()
+            y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))
+        return y.to(x.dtype)
