@@ -1,0 +1,112 @@
+"""Gated linear attention family (plain, scalar gate, per-channel GLA gate): one public op.
+
+``gated_linear_attention(q, k, v, g=None, gk=None, ..., impl=...)`` computes, per head,
+
+    h_t = exp(g_t) · diag(exp(gk_t)) · h_{t-1} + k_t v_t^T,      o_t = h_t^T (scale · q_t)
+
+(spec ``linear_family_and_cala.md`` §3, §7, §8; fla's layout ``h = S^T``). ``impl``:
+
+- "recurrent" / "reference": :func:`naive_recurrent_gla` (token loop, float64-capable, the oracle);
+- "chunk": :func:`chunk_gla` (PyTorch, chunk-local log space, compile-friendly, any device);
+- "fla":   fla-core 0.6.0 (``chunk_gla`` / ``chunk_simple_gla`` / ``chunk_linear_attn``);
+- "auto":  fla on CUDA when importable and safe for the requested pass, else "chunk".
+
+fla is "safe" unless a backward is needed on Hopper with 3.4 <= Triton < 3.7.1 (fla refuses its gated
+chunk backward there); the fallback logs one line.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.linear_common import fla_gated_backward_ok, fla_importable, log_once
+from attention.ops.linear_attn.chunk import chunk_gla
+from attention.ops.linear_attn.naive import naive_recurrent_gla
+
+IMPLS = ("auto", "recurrent", "reference", "chunk", "fla")
+
+__all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
+
+
+def fla_usable(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
+    """Whether fla's chunk kernels can run here: CUDA, fla importable, and (for training) a safe Triton."""
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    ok, why = fla_importable()
+    if not ok:
+        return False, why
+    if needs_grad:
+        return fla_gated_backward_ok(device)
+    return True, ""
+
+
+def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: str = "gated linear attention") -> str:
+    """Map ``[attention] impl`` to "recurrent" | "chunk" | "fla" (logs one line when "fla" falls back)."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(IMPLS)}")
+    if impl == "reference":
+        return "recurrent"
+    if impl in ("auto", "fla"):
+        ok, why = fla_usable(device, needs_grad)
+        if ok:
+            return "fla"
+        if impl == "fla":
+            log_once(f"attention.impl='fla' unavailable for {mechanism} ({why}); using the PyTorch chunk path")
+        return "chunk"
+    return impl
+
+
+def fla_gla(q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """fla-core 0.6.0 kernels with our contract (fla scales q by ``scale`` too; states are [N, H, K, V])."""
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    if gk is not None:
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+
+        gk = gk.float() + (g.float()[..., None] if g is not None else 0.0)
+        return fla_chunk_gla(q, k, v, g=gk, **kw)
+    if g is not None:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        return chunk_simple_gla(q, k, v, g=g.float(), **kw)
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    return chunk_linear_attn(q, k, v, normalize=False, **kw)
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] | None; gk: [B, T, H, K] | None (log space, <= 0).
+
+    scale defaults to K**-0.5 (applied to q). initial_state: [N, H, K, V] with N = B, or N documents when
+    ``cu_seqlens`` ([N+1], fla varlen, B == 1) is given. Returns (o [B, T, H, V] in q's dtype,
+    final_state [N, H, K, V] float32 (float64 for float64 inputs) or None).
+    """
+    B, T, H, K = q.shape
+    if k.shape != q.shape or v.shape[:3] != (B, T, H):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q, k [B,T,H,K], v [B,T,H,V]")
+    if g is not None and g.shape != (B, T, H):
+        raise ValueError(f"g {tuple(g.shape)} must be [B, T, H] = {(B, T, H)}")
+    if gk is not None and gk.shape != q.shape:
+        raise ValueError(f"gk {tuple(gk.shape)} must be [B, T, H, K] = {tuple(q.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs the documents flattened to batch size 1, got B={B}")
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, gk, initial_state))
+    path = resolve_impl(impl, q.device, needs_grad)
+    if path == "recurrent":
+        return naive_recurrent_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
+    if path == "fla":
+        return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
+    return chunk_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
