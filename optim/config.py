@@ -1,0 +1,103 @@
+"""``[optimizer]`` and ``[lr_scheduler]`` sections: torchtitan 0.2.2's dataclasses plus our fields.
+
+Both subclass torchtitan's (``torchtitan.config.job_config.Optimizer`` / ``LRScheduler``), so every
+torchtitan key keeps its name and default; the lead's ``JobConfig`` extension merges them field-wise.
+Defaults of the new fields are the Parallax paper's Muon recipe (Table 2b, Appendix F.2).
+No ``from __future__ import annotations`` here: torchtitan's config merge and tyro need real types.
+"""
+
+from dataclasses import dataclass, field
+
+from torchtitan.config.job_config import LRScheduler as _TTLRScheduler
+from torchtitan.config.job_config import Optimizer as _TTOptimizer
+
+OPTIMIZER_NAMES = ("muon", "adamw", "adam")
+GROUPS = ("matrix", "embed", "head", "norm", "vector")
+
+
+@dataclass
+class Optimizer(_TTOptimizer):
+    # name / lr / beta1 / beta2 / eps / weight_decay / implementation come from torchtitan.
+    # With name = "muon": lr and weight_decay are Muon's (2-D hidden matrices); the Adam-style fallback
+    # uses lr × adam_*_lr_mult and adam_beta1/adam_beta2/adam_eps. With name = "adamw": every group uses
+    # lr, beta1, beta2, eps; weight decay is off for norms and vectors (and embeddings unless embed_weight_decay).
+
+    muon_momentum: float = 0.95
+    """Muon momentum μ (EMA form as torch.optim.Muon: B ← μB + (1−μ)G)."""
+    muon_nesterov: bool = True
+    """Nesterov momentum for Muon (update G + μ(B − G) instead of B)."""
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations."""
+    muon_ns_coefficients: str = "quintic"
+    """Newton–Schulz polynomial: "quintic" (3.4445, −4.7750, 2.0315 every step), "polar_express"
+    (Amsel et al. 2025, per-step coefficients, 5 steps max), or explicit triples "a,b,c" / "a,b,c;a,b,c;..."
+    (one per step; the last repeats)."""
+    muon_ns_dtype: str = "bfloat16"
+    """Dtype of the Newton–Schulz iteration: "bfloat16" or "float32"."""
+    muon_eps: float = 1e-7
+    """Lower clamp of the Frobenius norm before Newton–Schulz."""
+    muon_update_scale: str = "spectral"
+    """Update scaling: "spectral" √max(1, rows/cols) (Keller Jordan's, the paper's) or "match_rms_adamw"
+    0.2·√max(rows, cols) (Moonlight; reuses AdamW lr/wd)."""
+    muon_per_head: bool = False
+    """Orthogonalise attention input projections per head: each head's block of rows is its own matrix."""
+    muon_per_head_patterns: list[str] = field(default_factory=lambda: [r"\.(wq|wk|wv|wr)\.weight$"])
+    """Regexes (re.search on the parameter name) of the projections split per head when muon_per_head;
+    the head size is the `head_dim` attribute of the nearest enclosing module (or its `muon_heads` hint)."""
+    muon_min_dim: int = 16
+    """2-D weights whose smaller side is below this are treated as stacks of vectors (Adam-style group)."""
+
+    adam_beta1: float = 0.8
+    """β1 of Muon's Adam-style fallback."""
+    adam_beta2: float = 0.95
+    """β2 of Muon's Adam-style fallback."""
+    adam_eps: float = 1e-7
+    """ε of Muon's Adam-style fallback."""
+    adam_embed_lr_mult: float = 0.3
+    """Muon fallback: lr multiplier of the embeddings (× optimizer.lr)."""
+    adam_head_lr_mult: float = 0.3
+    """Muon fallback: lr multiplier of an untied output head."""
+    adam_norm_lr_mult: float = 0.015
+    """Muon fallback: lr multiplier of norm weights."""
+    adam_vector_lr_mult: float = 1.0
+    """Muon fallback: lr multiplier of biases, gates, conv kernels, A_log, dt_bias and other vectors."""
+
+    embed_weight_decay: bool = True
+    """Apply weight decay to the embeddings (and an untied head). Norms and vectors never get it."""
+
+    embed_patterns: list[str] = field(default_factory=lambda: [r"tok_embeddings"])
+    """Regexes (re.search on the parameter name) routed to the "embed" group."""
+    head_patterns: list[str] = field(default_factory=lambda: [r"^output\."])
+    """Regexes routed to the "head" group (the LM head when it is not tied)."""
+    norm_patterns: list[str] = field(default_factory=lambda: [r"norm"])
+    """Regexes routed to the "norm" group."""
+    vector_patterns: list[str] = field(
+        default_factory=lambda: [
+            r"\.bias$", r"conv", r"A_log", r"dt_bias", r"r_gate", r"b_proj", r"a_proj", r"gk_proj", r"f_proj",
+        ]
+    )
+    """Regexes routed to the Adam-style "vector" group (biases, depthwise convs, decay parameters, gates).
+    Tensors that are not 2-D always land here unless a hint says otherwise; full-width output gates
+    (`g_proj`) are ordinary matrices and go to Muon."""
+
+    lr_warmup_patterns: list[str] = field(default_factory=list)
+    """Regexes of parameters with an extra lr warmup (own param groups, "<group>_warmup"), e.g. ["\\.wr\\."]
+    when fine-tuning a converted Parallax model whose W_R starts at zero."""
+    lr_warmup_steps: int = 0
+    """Steps of the extra linear lr warmup of `lr_warmup_patterns` (multiplies the main schedule)."""
+
+
+@dataclass
+class LRScheduler(_TTLRScheduler):
+    # warmup_steps / total_steps / decay_ratio / decay_type / min_lr_factor come from torchtitan.
+    # decay_type is the decay shape (linear | cosine | sqrt); min_lr_factor is the final lr factor.
+
+    schedule: str = "wsd"
+    """"wsd" (warmup, stable, decay from decay_start), "cosine" (warmup, cosine to min_lr_factor) or "constant"."""
+    warmup_fraction: float | None = None
+    """Warmup as a fraction of total steps; wins over warmup_steps when set (paper's cosine: 0.01)."""
+    decay_start: float | None = None
+    """WSD: fraction of total steps where decay starts (paper: 0.8). Alternative to decay_ratio = 1 − decay_start;
+    neither set ⇒ decay right after warmup."""
+    wd_anneal_gamma: float = 0.0
+    """Weight-decay annealing λ(t) = λ·(1 − t)^γ over the decay stage (eq. 42); 0 = constant weight decay."""

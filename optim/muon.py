@@ -1,0 +1,286 @@
+"""Muon (Jordan et al., 2024) for 2-D hidden weight matrices, FSDP2-aware, with per-block orthogonalisation.
+
+    B ← μB + (1−μ)G;   U = G + μ(B − G) (Nesterov) or B;   O = NS_k(U);
+    W ← W·(1 − lr·λ) − lr·s(shape)·O
+
+NS_k is the Newton–Schulz iteration X ← aX + b(XXᵀ)X + c(XXᵀ)²X on X = U/‖U‖_F, run on the wide
+orientation (rows ≤ cols) in bf16 by default. Coefficients: the quintic (3.4445, −4.7750, 2.0315) or the
+Polar Express per-step schedule (Amsel et al., 2025, arXiv 2505.16932; modded-nanogpt's 5-step table with its
+2 % safety factor). s = √max(1, rows/cols) ("spectral", the Parallax paper's) or 0.2·√max(rows, cols)
+("match_rms_adamw", Moonlight, arXiv 2502.16982). For a single plain matrix the step is bit-for-bit
+``torch.optim.Muon`` (same EMA momentum form, same op order).
+
+Departures from ``torch.optim.Muon``:
+- DTensor (FSDP2) parameters: momentum is kept on the local shard; for orthogonalisation each full matrix
+  is gathered on one owner rank of its shard group (owners round-robin over matrices sorted by size),
+  orthogonalised there and scattered back, so the result equals single-process Muon. Placements other than
+  one ``Shard(0)`` mesh dim plus ``Replicate`` dims fall back to ``full_tensor()`` on every rank.
+- ``blocks``: a parameter may be split along one dim into blocks (fused q|k|v projections, or one block per
+  attention head) that are orthogonalised and scaled as separate matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+UPDATE_SCALES = ("spectral", "match_rms_adamw")
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_ns_coefficients(spec, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """Per-step (a, b, c) for ``ns_steps`` steps and the norm safety factor.
+
+    spec: "quintic" | "polar_express" | "a,b,c[;a,b,c...]" | a sequence of triples (the last one repeats).
+    """
+    safety = 1.0
+    if isinstance(spec, str) and spec == "quintic":
+        triples = [QUINTIC]
+    elif isinstance(spec, str) and spec == "polar_express":
+        if ns_steps > len(POLAR_EXPRESS):
+            raise ValueError(f"optimizer.muon_ns_steps={ns_steps}: polar_express has {len(POLAR_EXPRESS)} steps")
+        triples, safety = list(POLAR_EXPRESS), 1.02
+    else:
+        try:
+            if isinstance(spec, str):
+                triples = [tuple(float(x) for x in t.split(",")) for t in spec.split(";") if t.strip()]
+            else:
+                triples = [tuple(float(x) for x in t) for t in spec]
+            if not triples or any(len(t) != 3 for t in triples):
+                raise ValueError
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"optimizer.muon_ns_coefficients={spec!r}; choose 'quintic', 'polar_express' or triples 'a,b,c;a,b,c'"
+            ) from None
+    if ns_steps < 1:
+        raise ValueError(f"optimizer.muon_ns_steps={ns_steps} must be >= 1")
+    steps = tuple(tuple(triples[min(i, len(triples) - 1)]) for i in range(ns_steps))
+    return steps, safety
+
+
+def newton_schulz(
+    G: Tensor,
+    coefficients: tuple[tuple[float, float, float], ...],
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    safety: float = 1.0,
+) -> Tensor:
+    """Approximate polar factor UVᵀ of G = USVᵀ.
+
+    G: [m, n] or [N, m, n] (a batch of independent matrices). Returns the same shape in ``dtype``; singular
+    values land roughly in [0.7, 1.2] for the quintic (it trades accuracy for slope at 0).
+    """
+    X = G.to(dtype)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    if X.ndim == 2:  # same ops as torch.optim.Muon so a single matrix matches it bit for bit
+        norm = X.norm()
+        X = X / (norm * safety if safety != 1.0 else norm).clamp(min=eps)
+        for a, b, c in coefficients:
+            A = X @ X.T
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
+    else:
+        norm = X.norm(dim=(-2, -1), keepdim=True)
+        X = X / (norm * safety).clamp(min=eps)
+        for a, b, c in coefficients:
+            A = X @ X.mT
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a)
+    return X.mT if tall else X
+
+
+def update_scale(rows: int, cols: int, kind: str) -> float:
+    """Per-matrix lr factor s(shape)."""
+    if kind == "spectral":
+        return math.sqrt(max(1, rows / cols))
+    if kind == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"optimizer.muon_update_scale={kind!r}; choose from {list(UPDATE_SCALES)}")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Split of a parameter along ``dim`` into blocks of ``sizes`` (summing to the parameter's size)."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2-D parameters (plain tensors or FSDP2 DTensors).
+
+    Args:
+        params: parameters or param groups (groups may carry their own lr / weight_decay / name).
+        lr, weight_decay, momentum, nesterov, ns_steps, eps: as ``torch.optim.Muon``.
+        ns_coefficients: "quintic" | "polar_express" | "a,b,c;..." | sequence of triples.
+        ns_dtype: "bfloat16" | "float32".
+        update_scale: "spectral" | "match_rms_adamw".
+        blocks: optional ``{param: Blocks}`` for per-block orthogonalisation.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients="quintic",
+        ns_steps: int = 5,
+        ns_dtype: str = "bfloat16",
+        eps: float = 1e-7,
+        update_scale: str = "spectral",
+        blocks: dict[Tensor, Blocks] | None = None,
+    ) -> None:
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"optimizer.muon_ns_dtype={ns_dtype!r}; choose from {list(NS_DTYPES)}")
+        if update_scale not in UPDATE_SCALES:
+            raise ValueError(f"optimizer.muon_update_scale={update_scale!r}; choose from {list(UPDATE_SCALES)}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"optimizer.muon_momentum={momentum} must be in [0, 1)")
+        coeffs, _ = resolve_ns_coefficients(ns_coefficients, ns_steps)
+        if not isinstance(ns_coefficients, str):
+            ns_coefficients = ";".join(",".join(repr(x) for x in t) for t in coeffs)
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps,
+            update_scale=update_scale,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2-D parameters only, got shape {tuple(p.shape)}")
+        self.blocks = dict(blocks or {})
+
+    # -- orthogonalisation of one full matrix -------------------------------------------------------
+    def _orthogonalize(self, U: Tensor, p: Tensor, group: dict) -> tuple[Tensor, float]:
+        """U: full [rows, cols] update -> (O, s): O pre-scaled per block when blocked (then s = 1)."""
+        coeffs, safety = resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+        dtype, eps, kind = NS_DTYPES[group["ns_dtype"]], group["eps"], group["update_scale"]
+        spec = self.blocks.get(p)
+        if spec is None:
+            return newton_schulz(U, coeffs, dtype, eps, safety), update_scale(U.shape[0], U.shape[1], kind)
+        parts = list(torch.split(U, list(spec.sizes), dim=spec.dim))
+        out: list[Tensor | None] = [None] * len(parts)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, part in enumerate(parts):
+            by_shape.setdefault(tuple(part.shape), []).append(i)
+        for (r, c), idx in by_shape.items():  # one batched NS per distinct block shape
+            o = newton_schulz(torch.stack([parts[i] for i in idx]), coeffs, dtype, eps, safety)
+            o = o * update_scale(r, c, kind)
+            for j, i in enumerate(idx):
+                out[i] = o[j]
+        return torch.cat(out, dim=spec.dim), 1.0
+
+    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        jobs = []  # (param, group, local update)
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                g, buf = _local(p.grad), _local(state["momentum_buffer"])
+                buf.lerp_(g, 1 - mu)
+                jobs.append((p, group, g.lerp(buf, mu) if group["nesterov"] else buf))
+        updates = self._orthogonalize_all(jobs)
+        for (p, group, _), (o, s) in zip(jobs, updates):
+            lr = group["lr"]
+            w = _local(p)
+            w.mul_(1 - lr * group["weight_decay"])
+            w.add_(o, alpha=-(lr * s))
+        return loss
+
+    def _orthogonalize_all(self, jobs) -> list[tuple[Tensor, float]]:
+        results: list = [None] * len(jobs)
+        sharded: dict = {}  # (mesh, shard mesh dim) -> job indices
+        for i, (p, group, u) in enumerate(jobs):
+            if not isinstance(p, DTensor):
+                results[i] = self._orthogonalize(u, p, group)
+                continue
+            dims = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+            if len(dims) == 1 and p.placements[dims[0]] == Shard(0):
+                sharded.setdefault((p.device_mesh, dims[0]), []).append(i)
+            else:  # general placements: every rank assembles and orthogonalises the full matrix
+                full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+                o, s = self._orthogonalize(full, p, group)
+                results[i] = (distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None).to_local(), s)
+        for (mesh, mdim), idx in sharded.items():
+            for i, r in zip(idx, self._owner_orthogonalize([jobs[i] for i in idx], mesh.get_group(mdim))):
+                results[i] = r
+        return results
+
+    def _owner_orthogonalize(self, jobs, pg) -> list[tuple[Tensor, float]]:
+        """Row-sharded (Shard(0)) matrices: gather each on its owner, orthogonalise, scatter the rows back."""
+        ws, me = dist.get_world_size(pg), dist.get_rank(pg)
+        order = sorted(range(len(jobs)), key=lambda i: (-jobs[i][0].numel(), i))
+        owner = {i: k % ws for k, i in enumerate(order)}
+        chunks = [-(-p.shape[0] // ws) for p, _, _ in jobs]  # FSDP2/DTensor Shard(0) = torch.chunk rows
+        gathered, works = {}, []
+        dtype = {i: NS_DTYPES[g["ns_dtype"]] for i, (_, g, _) in enumerate(jobs)}
+        for i, (p, _, u) in enumerate(jobs):
+            send = _pad_rows(u.to(dtype[i]), chunks[i])  # NS starts with this cast: same result, less traffic
+            bufs = [torch.empty_like(send) for _ in range(ws)] if me == owner[i] else None
+            works.append(dist.gather(send, bufs, group=pg, group_dst=owner[i], async_op=True))
+            gathered[i] = bufs
+        for w in works:
+            w.wait()
+        scales, sends = {}, {}
+        for i, (p, group, _) in enumerate(jobs):
+            if me == owner[i]:
+                o, s = self._orthogonalize(torch.cat(gathered[i])[: p.shape[0]], p, group)
+                sends[i] = [_pad_rows(c, chunks[i]) for c in _chunk_rows(o, chunks[i], ws)]
+            else:
+                s = self._scale_of(p, group)
+            scales[i] = s
+        recvs, works = [], []
+        for i, (p, _, u) in enumerate(jobs):
+            recv = torch.empty((chunks[i], p.shape[1]), dtype=dtype[i], device=u.device)
+            works.append(dist.scatter(recv, sends.get(i), group=pg, group_src=owner[i], async_op=True))
+            recvs.append(recv)
+        for w in works:
+            w.wait()
+        return [(recvs[i][: jobs[i][2].shape[0]], scales[i]) for i in range(len(jobs))]
+
+    def _scale_of(self, p: Tensor, group: dict) -> float:
+        return 1.0 if p in self.blocks else update_scale(p.shape[0], p.shape[1], group["update_scale"])
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _chunk_rows(t: Tensor, chunk: int, ws: int) -> list[Tensor]:
+    return [t[min(r * chunk, t.shape[0]) : min((r + 1) * chunk, t.shape[0])] for r in range(ws)]
