@@ -42,22 +42,29 @@ def mark_adam(*params: nn.Parameter) -> None:
             p._optim = "adam"
 
 
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 tensors (tests), float32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (or float64), returned in x's dtype."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = x.to(acc_dtype(x))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """Mamba2/GDN/KDA log-space decay ``-exp(A_log) * softplus(a + dt_bias)`` in float32 (always <= 0).
+    """Mamba2/GDN/KDA log-space decay ``-exp(A_log) * softplus(a + dt_bias)`` in float32 (always <= 0;
+    float64 for float64 ``a``).
 
     a: [..., H] (or [..., H, K]); A_log broadcasts against a's last dims ([H] or [H, 1]); dt_bias like a's
     last dims ([H] or [H, K]).
     """
-    a = a.float()
+    acc = acc_dtype(a)
+    a = a.to(acc)
     if dt_bias is not None:
-        a = a + dt_bias.float()
-    return -torch.exp(A_log.float()) * F.softplus(a)
+        a = a + dt_bias.to(acc)
+    return -torch.exp(A_log.to(acc)) * F.softplus(a)
 
 
 @torch.no_grad()
@@ -217,7 +224,8 @@ class ShortConvolution(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """``RMSNorm(x) * weight * act(g)`` over the last dim (fla ``FusedRMSNormGated``), float32 inside.
+    """``RMSNorm(x) * weight * act(g)`` over the last dim (fla ``FusedRMSNormGated``), float32 inside
+    (float64 for float64 x).
 
     x, g: [..., D]; activation "swish" (GDN, DeltaNet) or "sigmoid" (KDA).
     """
@@ -234,9 +242,10 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        acc = acc_dtype(x)
+        xf = x.to(acc)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(acc)
         if g is not None:
-            gf = g.float()
+            gf = g.to(acc)
             y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))
         return y.to(x.dtype)

@@ -1,0 +1,73 @@
+"""The delta rule (DeltaNet), scalar-gated (Gated DeltaNet) and channel-gated (KDA), three compute paths.
+
+``delta_rule(..., impl=)`` is the public entry:
+
+- "recurrent": :func:`naive.naive_recurrent_delta_rule`, token loop, float64-capable (the oracle);
+- "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
+- "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
+- "auto": fla when it can run this call safely (CUDA, importable, gated backward safe), else "chunk",
+  with a one-line log message saying why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.linear_common import log_once
+from attention.ops.delta_rule.chunk import chunk_delta_rule
+from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
+from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
+
+__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "select_impl"]
+
+DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla")
+
+
+def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: str = "delta_rule") -> str:
+    """Resolve "auto" to "fla" or "chunk" for this call; validate explicit names."""
+    if impl not in DELTA_RULE_IMPLS:
+        raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(DELTA_RULE_IMPLS)}")
+    if impl in ("recurrent", "chunk"):
+        return impl
+    why = fla_unavailable_reason(x, gated, needs_grad)
+    if impl == "fla":
+        if why:
+            raise RuntimeError(f"attention.impl='fla' cannot run {who} here: {why}; use 'auto' or 'chunk'")
+        return "fla"
+    if why:
+        if x.is_cuda:
+            log_once(f"{who}: fla-core not used ({why}); using the PyTorch chunk path")
+        return "chunk"
+    return "fla"
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Gated) delta rule, ``o_t = h_t^T (scale q_t)`` with ``h_t = D_t h_{t-1} + beta_t k_t (v_t - (D_t h_{t-1})^T k_t)^T``.
+
+    q, k: [B, T, H, K] (callers L2-normalise them); v: [B, T, H, V]; beta: [B, T, H];
+    g: None (DeltaNet), [B, T, H] (GDN) or [B, T, H, K] (KDA), log-space decay <= 0.
+    scale: default K**-0.5. initial_state: [N, H, K, V]; cu_seqlens: [N + 1] over T with B == 1.
+    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
+    """
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, beta, g, initial_state))
+    path = select_impl(impl, q, g is not None, needs_grad)
+    args = (q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens)
+    if path == "recurrent":
+        return naive_recurrent_delta_rule(*args)
+    if path == "fla":
+        o, h = fla_delta_rule(*args)
+        return o.to(v.dtype), h
+    return chunk_delta_rule(*args, chunk_size=chunk_size)
