@@ -1,0 +1,283 @@
+"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA is built from (see ``chunk.py``).
+
+    o_t = Σ_{s≤t, same document} b(s,t) (q_t·k_s) v_s,   b(s,t) = exp(g_{s+1} + ... + g_t)
+
+Chunk form (GLA / Lightning / RetNet style, spec hla.md §3.6): with local log-cumsum ℓ of the gates inside a
+chunk of BT tokens, state h_n [K, V] before chunk n,
+
+    o_c  = diag(β) Q_c h_n + (D ⊙ tril(Q_c K_cᵀ)) V_c,    D_τσ = exp(ℓ_τ − ℓ_σ),  β_τ = exp(ℓ_τ)
+    h_n+1 = β_W h_n + (diag(e) K_c)ᵀ V_c,                 e_σ = exp(ℓ_W − ℓ_σ)
+
+Kernels (fla's ``chunk_simple_gla`` layout, written from scratch for this project):
+``_fwd_h`` (sequential over chunks, one program per (K-tile, V-tile, batch·head), stores h_n),
+``_fwd_o`` (parallel over chunks), backward ``_bwd_dh`` (reverse state of the adjoint), ``_bwd_dqk``,
+``_bwd_dv``. States are recomputed in backward, never saved. Packed documents: a document id per token;
+cross-document pairs are masked and carried state is dropped at a document start (chunks may straddle
+documents). The gate gradient uses dG_t = q_t·dq_t − k_t·dk_t, dg = reverse cumsum(dG).
+Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (the decode path uses chunk.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ptrs(base, R, C, sr, sc, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """Pointers and in-bounds mask of the [BR, BC] tile at (r0, c0) of an R x C matrix with strides (sr, sc)."""
+    o_r = r0 + tl.arange(0, BR)
+    o_c = c0 + tl.arange(0, BC)
+    return base + o_r[:, None] * sr + o_c[None, :] * sc, (o_r[:, None] < R) & (o_c[None, :] < C)
+
+
+@triton.jit
+def _chunk_meta(ell, doc, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Per-chunk gate and document data: ℓ [BT], ℓ_W, carry mask [BT], contributes-to-state mask [BT],
+    carry of the state across the chunk (scalar), same-document pair mask [BT, BT] (causal included)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_l = tl.load(ell + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    b_lw = tl.load(ell + (i_b * T + last) * H + i_h)
+    causal = o_t[:, None] >= o_t[None, :]
+    if HAS_DOC:
+        b_d = tl.load(doc + i_b * T + o_t, mask=m_t, other=-1)
+        d_prev = tl.load(doc + i_b * T + tl.maximum(i_t * BT - 1, 0))
+        d_last = tl.load(doc + i_b * T + last)
+        m_carry = b_d == d_prev
+        m_last = b_d == d_last
+        carry_w = d_last == d_prev
+        pair = causal & (b_d[:, None] == b_d[None, :]) & m_t[:, None] & m_t[None, :]
+    else:
+        m_carry = m_t
+        m_last = m_t
+        carry_w = last >= 0
+        pair = causal & m_t[:, None] & m_t[None, :]
+    return b_l, b_lw, m_carry & m_t, m_last & m_t, carry_w, pair
+
+
+@triton.jit
+def _fwd_h_kernel(k, v, ell, doc, h, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_t in range(NT):
+        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
+        tl.store(p_h[0], b_h.to(p_h[0].dtype.element_ty), mask=p_h[1])
+        b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
+        p_k = _ptrs(k + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        p_v = _ptrs(v + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
+        b_v = tl.load(p_v[0], mask=p_v[1], other=0.0)
+        b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
+        b_h = b_h * tl.where(carry_w, tl.exp(b_lw), 0.0)
+        b_h += tl.dot(b_k, (b_v * b_e[:, None]).to(b_k.dtype), input_precision=PREC)
+
+
+@triton.jit
+def _fwd_o_kernel(q, k, v, ell, doc, h, o, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q = _ptrs(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+        p_k = _ptrs(k + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
+        b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
+        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
+        b_h = tl.load(p_h[0], mask=p_h[1], other=0.0)
+        b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=PREC)
+        b_A += tl.dot(b_q, b_k, input_precision=PREC)
+    b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
+    b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
+    b_A = b_A * tl.exp(tl.where(pair, b_l[:, None] - b_l[None, :], float("-inf")))
+    p_v = _ptrs(v + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+    b_v = tl.load(p_v[0], mask=p_v[1], other=0.0)
+    b_o = b_o * b_beta[:, None] + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=PREC)
+    p_o = _ptrs(o + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+    tl.store(p_o[0], b_o.to(p_o[0].dtype.element_ty), mask=p_o[1])
+
+
+@triton.jit
+def _bwd_dh_kernel(q, do, ell, doc, dh, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+    """dh[n] = gradient w.r.t. the state after chunk n: dh[NT-1] = 0, dh[n-1] = β_W(n) dh[n] + (diag(β) Q_n)ᵀ dO_n."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
+        tl.store(p_dh[0], b_dh.to(p_dh[0].dtype.element_ty), mask=p_dh[1])
+        b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
+        p_q = _ptrs(q + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+        b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
+        b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)
+        b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
+        b_dh = b_dh * tl.where(carry_w, tl.exp(b_lw), 0.0)
+        b_dh += tl.dot(b_q, (b_do * b_beta[:, None]).to(b_q.dtype), input_precision=PREC)
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, ell, doc, h, do, dh, dq, dk, dG, T, NT, H: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr,
+                    PREC: tl.constexpr):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v = _ptrs(v + (i_b * T * H + i_h) * V, V, T, 1, H * V, i_v * BV, i_t * BT, BV, BT)
+        p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK)
+        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK)
+        b_vt = tl.load(p_v[0], mask=p_v[1], other=0.0)  # [BV, BT]
+        b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)  # [BT, BV]
+        b_ht = tl.load(p_h[0], mask=p_h[1], other=0.0).to(b_do.dtype)  # [BV, BK]
+        b_dht = tl.load(p_dh[0], mask=p_dh[1], other=0.0).to(b_do.dtype)
+        b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
+        b_dq += tl.dot(b_do, b_ht, input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_vt), b_dht, input_precision=PREC)
+    b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
+    b_ds = b_ds * tl.exp(tl.where(pair, b_l[:, None] - b_l[None, :], float("-inf")))
+    p_q = _ptrs(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+    p_k = _ptrs(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+    b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
+    b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
+    b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
+    b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
+    b_dq = b_dq * b_beta[:, None] + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
+    b_dk = b_dk * b_e[:, None] + tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
+    p_dq = _ptrs(dq + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+    p_dk = _ptrs(dk + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+    tl.store(p_dq[0], b_dq.to(p_dq[0].dtype.element_ty), mask=p_dq[1])
+    tl.store(p_dk[0], b_dk.to(p_dk[0].dtype.element_ty), mask=p_dk[1])
+    o_t = i_t * BT + tl.arange(0, BT)
+    B = tl.num_programs(2) // H
+    tl.store(dG + ((i_k * B + i_b) * T + o_t) * H + i_h, b_dG, mask=o_t < T)  # dG: [NK, B, T, H]
+
+
+@triton.jit
+def _bwd_dv_kernel(q, k, ell, doc, do, dh, dv, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_At = tl.zeros([BT, BT], dtype=tl.float32)  # [σ, τ] = k_σ·q_τ
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = _ptrs(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+        p_q = _ptrs(q + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
+        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
+        b_qt = tl.load(p_q[0], mask=p_q[1], other=0.0)
+        b_dh = tl.load(p_dh[0], mask=p_dh[1], other=0.0)
+        b_At += tl.dot(b_k, b_qt, input_precision=PREC)
+        b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=PREC)
+    b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
+    b_At = b_At * tl.exp(tl.where(tl.trans(pair), b_l[None, :] - b_l[:, None], float("-inf")))
+    b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
+    p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+    b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)
+    b_dv = b_dv * b_e[:, None] + tl.dot(b_At.to(b_do.dtype), b_do, input_precision=PREC)
+    p_dv = _ptrs(dv + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+    tl.store(p_dv[0], b_dv.to(p_dv[0].dtype.element_ty), mask=p_dv[1])
+
+
+def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
+    """g: [B, T, H] -> fp32 cumsum restarted every BT tokens."""
+    B, T, H = g.shape
+    NT = triton.cdiv(T, BT)
+    gp = torch.nn.functional.pad(g.float(), (0, 0, 0, NT * BT - T))
+    return gp.view(B, NT, BT, H).cumsum(2).view(B, NT * BT, H)[:, :T].contiguous()
+
+
+def _blocks(K: int, V: int):
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    return BK, BV
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _states(x, y, ell, doc, BT, reverse):
+    """h (forward, x=k, y=v) or dh (reverse, x=q, y=do): [B*H, NT, K, V] fp32."""
+    B, T, H, K = x.shape
+    V = y.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK, BV = _blocks(K, V)
+    out = torch.empty(B * H, NT, K, V, device=x.device, dtype=torch.float32)
+    kern = _bwd_dh_kernel if reverse else _fwd_h_kernel
+    kern[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
+        x, y, ell, doc, out, T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DOC=doc is not None, PREC=_prec(x),
+        num_warps=4, num_stages=2)
+    return out
+
+
+def gla_fwd(q, k, v, ell, doc, BT):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK, BV = _blocks(K, V)
+    h = _states(k, v, ell, doc, BT, reverse=False)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](
+        q, k, v, ell, doc, h, o, T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DOC=doc is not None, PREC=_prec(q),
+        num_warps=4, num_stages=2)
+    return o
+
+
+def gla_bwd(q, k, v, ell, doc, do, BT):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK, BV = _blocks(K, V)
+    h = _states(k, v, ell, doc, BT, reverse=False)
+    dh = _states(q, do, ell, doc, BT, reverse=True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    NK = triton.cdiv(K, BK)
+    dG = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DOC=doc is not None, PREC=_prec(q), num_warps=4, num_stages=2)
+    _bwd_dqk_kernel[(NK, NT, B * H)](q, k, v, ell, doc, h, do, dh, dq, dk, dG, T, NT, **meta)
+    _bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, ell, doc, do, dh, dv, T, NT, **meta)
+    dg = dG.sum(0).flip(1).cumsum(1).flip(1)  # dg_s = Σ_{t≥s} dG_t
+    return dq, dk, dv, dg
+
+
+class _GLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, doc, BT):
+        B, T, H, _ = q.shape
+        ell = torch.zeros(B, T, H, device=q.device, dtype=torch.float32) if g is None else _local_cumsum(g, BT)
+        o = gla_fwd(q, k, v, ell, doc, BT)
+        ctx.save_for_backward(q, k, v, ell, doc)
+        ctx.BT, ctx.has_g, ctx.g_dtype = BT, g is not None, None if g is None else g.dtype
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, ell, doc = ctx.saved_tensors
+        dq, dk, dv, dg = gla_bwd(q, k, v, ell, doc, do.contiguous(), ctx.BT)
+        return dq, dk, dv, (dg.to(ctx.g_dtype) if ctx.has_g else None), None, None
+
+
+def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, output_final_state=False):
+    """Triton chunked gated linear attention; same contract as :func:`attention.ops.hla.chunk.gla_chunk` but
+    without initial/final state. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; doc: [B, T] or None."""
+    if initial_state is not None or output_final_state:
+        raise ValueError("gla_triton has no initial/final state; use the chunk (PyTorch) path for prefill/decode")
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"attention.hla.chunk_size={chunk_size} must be one of [16, 32, 64, 128] for the Triton path")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if doc is not None:
+        doc = doc.to(torch.int32).contiguous()
+    return _GLAFunction.apply(q, k, v, g, doc, chunk_size)
