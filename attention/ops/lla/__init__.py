@@ -1,0 +1,146 @@
+"""Public entry for Local Linear Attention: ``lla_attention(q, k, v, lam, ...)``.
+
+Implementations (``impl``):
+
+- "reference": :func:`naive_lla` (explicit Σ_i and ``torch.linalg.solve``; exact solve, O(T²·D) memory);
+- "chunked":   blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
+- "triton":    the blockwise Triton kernels (``triton.py``): forward, and backward with the adjoint solve;
+- "auto":      Triton on CUDA, chunked elsewhere.
+
+All non-reference paths use the λω ridge (shift-invariant, spec §5.3), compute in fp32 (float64 inputs:
+float64 on the chunked path) and return q's dtype. ρ is solved by ``cg_iters`` CG iterations; the
+backward differentiates the exact solution (implicit function theorem), so it is the true gradient of
+the function once CG has converged (``cg_iters`` ≥ D in exact arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.base import document_ids
+from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
+from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
+
+IMPLS = ("auto", "triton", "chunked", "reference")
+
+
+def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """doc_start, doc_end: [B, T] int32, the first visible key of each query and the end (exclusive) of
+    its document, as positions inside the row."""
+    if cu_seqlens is None:
+        return (torch.zeros(B, T, dtype=torch.int32, device=device),
+                torch.full((B, T), T, dtype=torch.int32, device=device))
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    doc = document_ids(cu, B, T)  # [B, T]
+    row0 = (torch.arange(B, device=device) * T)[:, None]
+    return (cu[doc] - row0).to(torch.int32), (cu[doc + 1] - row0).to(torch.int32)
+
+
+def _lam_btH(lam, B, T, HQ, device) -> torch.Tensor:
+    lam = torch.as_tensor(lam, device=device)
+    if lam.dim() == 1:
+        lam = lam.view(1, 1, HQ)
+    return lam.expand(B, T, HQ)
+
+
+class _LLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block):
+        B, T, HQ, D = q.shape
+        G = HQ // k.shape[2]
+        ds, de = doc_bounds(cu_seqlens, B, T, q.device)
+        ct = torch.float64 if (q.dtype == torch.float64 and not use_triton) else torch.float32
+        if use_triton:
+            from attention.ops.lla.triton import lla_fwd_triton
+
+            qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+            lc = lam.to(torch.float32).contiguous()
+            o, rho, delta, m, om = lla_fwd_triton(qc, kc, vc, lc, ds, scale, cg_iters, jacobi, rtol, *block)
+            ctx.save_for_backward(qc, kc, vc, lc, ds, de, o, rho, delta, m, om)
+        else:
+            qh = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
+            kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+            vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+            lh = lam.to(ct).permute(0, 2, 1)  # [B, HQ, T]
+            o, rho, delta = lla_fwd_chunked(qh, kh, vh, lh, ds, scale, cg_iters, jacobi, True, rtol, block[0])
+            o = o.transpose(1, 2)
+            ctx.save_for_backward(q, k, v, lam, ds, o, rho, delta)
+        ctx.cfg = (scale, cg_iters, jacobi, rtol, use_triton, block, G, ct)
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        scale, cg_iters, jacobi, rtol, use_triton, block, G, ct = ctx.cfg
+        if use_triton:
+            from attention.ops.lla.triton import lla_bwd_triton
+
+            q, k, v, lam, ds, de, o, rho, delta, m, om = ctx.saved_tensors
+            dq, dk, dv, dlam = lla_bwd_triton(q, k, v, lam, ds, de, o, do.to(torch.float32).contiguous(), rho,
+                                              delta, m, om, scale, cg_iters, jacobi, rtol, *block)
+        else:
+            q, k, v, lam, ds, o, rho, delta = ctx.saved_tensors
+            B, T, HQ, D = q.shape
+            qh = q.to(ct).transpose(1, 2)
+            kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+            vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+            lh = lam.to(ct).permute(0, 2, 1)
+            dq, dk, dv, dlam = lla_bwd_chunked(qh, kh, vh, lh, ds, o.transpose(1, 2), rho, delta,
+                                               do.to(ct).transpose(1, 2), scale, cg_iters, jacobi, True, rtol,
+                                               block[0])
+            dq = dq.transpose(1, 2)
+            dk = dk.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
+            dv = dv.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
+            dlam = dlam.permute(0, 2, 1)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam.to(lam.dtype),
+                None, None, None, None, None, None, None)
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention.impl={impl!r} is not valid for lla; choose from {list(IMPLS)}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "chunked"
+    return impl
+
+
+def lla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lam,
+    *,
+    scale: float | None = None,
+    cg_iters: int = 16,
+    jacobi: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    rtol: float = 1e-6,
+    impl: str = "auto",
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Causal Local Linear Attention with the λω ridge.
+
+    q: [B, T, HQ, D]; k, v: [B, T, HKV, D] (GQA: HQ % HKV == 0); any float dtype (bf16: fp32 solves).
+    lam: λ ≥ 0 as a float, a [HQ] tensor (per head) or a [B, T, HQ] tensor (per token); gradients flow to it.
+    scale: kernel exp(scale·q·k), default D**-0.5. cg_iters: CG iterations (paper: 16 suffice in bf16).
+    jacobi: Jacobi-preconditioned CG. rtol: CG stops per row at ‖r‖ ≤ rtol·‖b‖.
+    cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
+    block: (query, key) tile sizes; default (64, 64) for Triton, (128, ·) for the chunked path.
+    Returns o: [B, T, HQ, D] in q's dtype.
+    """
+    B, T, HQ, D = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != D or HQ % k.shape[2]:
+        raise ValueError(f"lla_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} must be "
+                         f"[B, T, HQ, D] and [B, T, HKV, D] with HQ % HKV == 0")
+    if cg_iters < 0:
+        raise ValueError(f"attention.lla.cg_iters={cg_iters} must be >= 0")
+    scale = D**-0.5 if scale is None else scale
+    impl = resolve_impl(impl, q.device)
+    if impl == "reference":
+        return naive_lla(q, k, v, lam, scale=scale, cu_seqlens=cu_seqlens)
+    lam_full = _lam_btH(lam, B, T, HQ, q.device)
+    if not lam_full.is_floating_point():
+        lam_full = lam_full.to(torch.float32)
+    use_triton = impl == "triton"
+    if block is None:
+        block = (32, 32) if use_triton and D > 64 else ((64, 64) if use_triton else (128, 128))
+    return _LLAFunction.apply(q, k, v, lam_full, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block)
