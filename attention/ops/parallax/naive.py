@@ -67,3 +67,42 @@ def naive_parallax(
         w = p * (1 + tbar - t)  # s_ij of eq. (8)
     o = w @ vf  # [B, HQ, T, D]
     return o.transpose(1, 2).to(q.dtype)
+
+
+def naive_parallax_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    r: torch.Tensor | None = None,
+    scale: float | None = None,
+    window_size: int | None = None,
+) -> torch.Tensor:
+    """Decode-shaped reference (Tq != Tk): TQ new tokens per row against a KV cache that already holds them.
+
+    q, r: [B, TQ, HQ, D]; k_cache, v_cache: [B, LMAX, HKV, D]; cache_seqlens: [B] valid tokens per row (the TQ
+    new ones included), so query t of row b sits at position cache_seqlens[b] − TQ + t and sees cache
+    positions j ≤ that position (and inside the window). Same formula as :func:`naive_parallax`.
+    Returns [B, TQ, HQ, D] in q's dtype.
+    """
+    B, TQ, HQ, D = q.shape
+    LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    G = HQ // HKV
+    qf = q.to(ct).transpose(1, 2)  # [B, HQ, TQ, D]
+    kf = k_cache.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)  # [B, HQ, LMAX, D]
+    vf = v_cache.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)
+    pos = cache_seqlens.to(q.device, torch.int64)[:, None] - TQ + torch.arange(TQ, device=q.device)  # [B, TQ]
+    j = torch.arange(LMAX, device=q.device)
+    mask = j[None, None, :] <= pos[:, :, None]  # [B, TQ, LMAX]
+    if window_size is not None and window_size > 0:
+        mask = mask & (pos[:, :, None] - j[None, None, :] < window_size)
+    s = (qf @ kf.transpose(-1, -2)) * scale  # [B, HQ, TQ, LMAX]
+    p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    if r is None:
+        w = p
+    else:
+        t = r.to(ct).transpose(1, 2) @ kf.transpose(-1, -2)  # [B, HQ, TQ, LMAX]
+        w = p * (1 + (p * t).sum(-1, keepdim=True) - t)
+    return (w @ vf).transpose(1, 2).to(q.dtype)  # [B, TQ, HQ, D]

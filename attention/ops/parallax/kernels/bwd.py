@@ -1,0 +1,211 @@
+"""Backward kernels (spec ``parallax.md`` §2, Appendix D eqs. 36–41), FlashAttention-2 style two passes.
+
+    τ_i = dO_i·o_i ,  β_i = dO_i·v̄_i ,  a_ij = dO_i·v_j ,  δ_ij = a_ij − β_i                  (36)
+    g1_ij = p_ij [a_ij − τ_i + (t̄_i − t_ij) δ_ij] ,  g2_ij = −p_ij δ_ij                      (37)
+    dQ_i = scale Σ_j g1_ij k_j ;  dR_i = Σ_j g2_ij k_j                                       (38), (39)
+    dK_j = scale Σ_i g1_ij q_i + Σ_i g2_ij ρ_i ;  dV_j = Σ_i p_ij (1 + t̄_i − t_ij) dO_i      (40), (41)
+
+Without a probe t = t̄ = β = 0 and these reduce to FlashAttention's (g1 = p (a − τ)).
+
+- Row pass (``_parallax_bwd_dq_kernel``): per query tile and q head; its prologue is the preprocess (τ, β
+  from the dO, o, v̄ tiles it loads anyway, stored for the column pass), then dQ and dR over key blocks.
+- Column pass (``_parallax_bwd_dkv_kernel``): per key tile and KV head; loops over the q heads of the GQA
+  group inside the program, so dK/dV accumulate per kv head in registers (no per-q-head buffer, no atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attention.ops.parallax.kernels.common import _col_phases, _row_phases, dkv_configs, dq_configs, prune_bwd
+
+
+@triton.jit
+def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, lo, hi, L, W, qk_scale,
+              STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
+              MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    o_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        o_n = start_n + tl.arange(0, BN)
+        p_k = p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
+        p_v = p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
+        if MASK:
+            b_k = tl.load(p_k, mask=o_n[:, None] < L, other=0.0)
+            b_v = tl.load(p_v, mask=o_n[:, None] < L, other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale
+        b_p = tl.math.exp2(b_s - lse[:, None])  # [BM, BN]
+        if MASK:
+            vis = (o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L)
+            if WINDOW:
+                vis = vis & (o_m[:, None] - o_n[None, :] < W)
+            b_p = tl.where(vis, b_p, 0.0)
+        b_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
+        if HAS_PROBE:
+            b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)
+            b_delta = b_a - beta[:, None]
+            b_g1 = b_p * (b_a - tau[:, None] + (tbar[:, None] - b_t) * b_delta)
+            b_g2 = -b_p * b_delta
+            dr += tl.dot(b_g2.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        else:
+            b_g1 = b_p * (b_a - tau[:, None])
+        dq += tl.dot(b_g1.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+    return dq, dr
+
+
+@triton.autotune(configs=dq_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": prune_bwd})
+@triton.jit
+def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, DR, CU, scale, qk_scale, W, T, NT,
+                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    tl.static_assert(BM % BN == 0)
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+        L = T
+    m0 = i_m * BM
+    if m0 >= L:
+        return
+    i_kh = i_h // (HQ // HKV)
+    o_m = m0 + tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    row_ok = o_m < L
+    off_q = (bos + o_m[:, None]) * (HQ * D) + i_h * D + o_d[None, :]
+    off_row = i_h.to(tl.int64) * NT + bos + o_m
+    b_q = tl.load(Q + off_q, mask=row_ok[:, None], other=0.0)
+    b_do = tl.load(DO + off_q, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + off_row, mask=row_ok, other=0.0)
+    # -- preprocess (eq. 36): τ = dO·o, β = dO·v̄ --
+    b_o = tl.load(O + off_q, mask=row_ok[:, None], other=0.0)
+    tau = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
+    tl.store(TAU + off_row, tau, mask=row_ok)
+    if HAS_PROBE:
+        b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
+        b_vbar = tl.load(VBAR + off_q, mask=row_ok[:, None], other=0.0)
+        beta = tl.sum(b_do.to(tl.float32) * b_vbar.to(tl.float32), 1)
+        tl.store(BETA + off_row, beta, mask=row_ok)
+        tbar = tl.load(TBAR + off_row, mask=row_ok, other=0.0)
+    else:
+        b_r = b_q
+        beta = tau
+        tbar = tau
+    p_k0 = K + bos * (HKV * D) + i_kh * D
+    p_v0 = V + bos * (HKV * D) + i_kh * D
+    dq = tl.zeros([BM, D], dtype=tl.float32)
+    dr = tl.zeros([BM, D], dtype=tl.float32)
+
+    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
+    if WINDOW:
+        dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, start, a_hi, L, W,
+                           qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, b_lo, b_hi, L, W,
+                       qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC)
+    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, c_lo, end, L, W,
+                       qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+    tl.store(DQ + off_q, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if HAS_PROBE:
+        tl.store(DR + off_q, dr.to(DR.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, lo, hi, L, W, NT, scale, qk_scale,
+               HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_PROBE: tl.constexpr,
+               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    o_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        o_m = start_m + tl.arange(0, BM)
+        off_q = (bos + o_m[:, None]) * (HQ * D) + i_h * D + o_d[None, :]  # [BM, D]
+        off_row = i_h.to(tl.int64) * NT + bos + o_m
+        if MASK:  # rows past the document end load as zeros and contribute nothing (dO = 0)
+            row_ok = o_m < L
+            b_q = tl.load(Q + off_q, mask=row_ok[:, None], other=0.0)
+            b_do = tl.load(DO + off_q, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + off_row, mask=row_ok, other=0.0)
+            tau = tl.load(TAU + off_row, mask=row_ok, other=0.0)
+        else:
+            b_q = tl.load(Q + off_q)
+            b_do = tl.load(DO + off_q)
+            lse = tl.load(LSE + off_row)
+            tau = tl.load(TAU + off_row)
+        # transposed orientation: [BN keys, BM queries]
+        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale - lse[None, :])
+        if MASK:
+            vis = (o_m[None, :] >= o_n[:, None]) & (o_m[None, :] < L)
+            if WINDOW:
+                vis = vis & (o_m[None, :] - o_n[:, None] < W)
+            b_pt = tl.where(vis, b_pt, 0.0)
+        b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
+        if HAS_PROBE:
+            if MASK:
+                b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
+                beta = tl.load(BETA + off_row, mask=row_ok, other=0.0)
+                tbar = tl.load(TBAR + off_row, mask=row_ok, other=0.0)
+            else:
+                b_r = tl.load(R + off_q)
+                beta = tl.load(BETA + off_row)
+                tbar = tl.load(TBAR + off_row)
+            b_tt = tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)  # t_ij
+            b_dt = tbar[None, :] - b_tt  # t̄_i − t_ij
+            b_delta = b_at - beta[None, :]
+            b_w = b_pt * (1.0 + b_dt)  # s_ij of eq. (8)
+            b_g1 = b_pt * (b_at - tau[None, :] + b_dt * b_delta)
+            b_g2 = -b_pt * b_delta
+            dk += tl.dot(b_g2.to(b_r.dtype), b_r, input_precision=DOT_PREC)
+        else:
+            b_w = b_pt
+            b_g1 = b_pt * (b_at - tau[None, :])
+        dv += tl.dot(b_w.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        dk += tl.dot((b_g1 * scale).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(configs=dkv_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": prune_bwd})
+@triton.jit
+def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, scale, qk_scale, W, T, NT,
+                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    tl.static_assert(BN % BM == 0)
+    i_n = tl.program_id(0)
+    i_kh = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+        L = T
+    n0 = i_n * BN
+    if n0 >= L:
+        return
+    o_n = n0 + tl.arange(0, BN)
+    o_d = tl.arange(0, D)
+    col_ok = o_n < L
+    off_kv = (bos + o_n[:, None]) * (HKV * D) + i_kh * D + o_d[None, :]
+    b_k = tl.load(K + off_kv, mask=col_ok[:, None], other=0.0)
+    b_v = tl.load(V + off_kv, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    start, a_hi, b_lo, b_hi, c_lo, end = _col_phases(n0, L, W, BM, BN, WINDOW)
+    G: tl.constexpr = HQ // HKV
+    for g in range(G):  # the q heads of this kv head's group
+        i_h = i_kh * G + g
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, start, a_hi, L, W, NT,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, b_lo, b_hi, L, W, NT,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, False, WINDOW, DOT_PREC)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, c_lo, end, L, W, NT,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC)
+    tl.store(DK + off_kv, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + off_kv, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])

@@ -1,0 +1,107 @@
+"""Shared pieces of the streaming kernels: autotune configuration lists and the key-range phases.
+
+Masking is paid only where it is needed. A query tile [m0, m0+BM) of one document of length L sees the keys
+[max(0, m0-W+1), min(m0+BM, L)). Key blocks split into three phases (BN-aligned, document-relative):
+
+    A  [start, free_lo)   masked   (left window edge; empty without a window)
+    B  [free_lo, free_hi) mask-free: every row of the tile sees every key of the block
+    C  [free_hi, end)     masked   (the causal diagonal, the document end)
+
+free_hi = m0 (the first row's causal limit, needs BM % BN == 0) and free_lo is computed from the LAST row of
+the tile (m0 + BM - 1 - W + 1 = m0 + BM - W): computing it from the first row would skip the window mask on
+rows that need it (spec ``parallax.md`` §7). When free_lo >= free_hi, C alone covers [start, end).
+The column pass mirrors this over query blocks for a key tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _row_phases(m0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
+    """Key-block phases (A, B, C above) for the query tile starting at m0. Returns 6 bounds."""
+    end = tl.minimum(m0 + BM, L)
+    free_hi = m0  # BM % BN == 0, so m0 is BN-aligned
+    if WINDOW:
+        start = tl.maximum(m0 - W + 1, 0) // BN * BN
+        free_lo = tl.maximum(tl.cdiv(tl.maximum(m0 + BM - W, 0), BN) * BN, start)
+    else:
+        start = 0
+        free_lo = 0
+    has_free = (free_lo < free_hi).to(tl.int32)
+    a_hi = has_free * free_lo + (1 - has_free) * start  # no mask-free block: A empty, C = [start, end)
+    b_lo = has_free * free_lo
+    b_hi = has_free * free_hi
+    c_lo = has_free * free_hi + (1 - has_free) * start
+    return start, a_hi, b_lo, b_hi, c_lo, end
+
+
+@triton.jit
+def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
+    """Query-block phases for the key tile [n0, n0+BN): rows i with j <= i < j + W (BN % BM == 0)."""
+    start = n0  # BM-aligned since BN % BM == 0
+    if WINDOW:
+        end = tl.minimum(L, n0 + BN - 1 + W)
+        free_hi = tl.minimum(L // BM * BM, (n0 + W) // BM * BM)
+    else:
+        end = L
+        free_hi = L // BM * BM  # unmasked loads need full row blocks
+    free_lo = n0 + BN  # rows past the diagonal block see every key of the tile
+    has_free = (free_lo < free_hi).to(tl.int32)
+    a_hi = has_free * free_lo + (1 - has_free) * start  # no mask-free block: A empty, C = [start, end)
+    b_lo = has_free * free_lo
+    b_hi = has_free * free_hi
+    c_lo = has_free * free_hi + (1 - has_free) * start
+    return start, a_hi, b_lo, b_hi, c_lo, end
+
+
+def _configs(spec, names):
+    return [triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in spec]
+
+
+# (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
+FWD_SPECS = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 2)]
+DKV_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 2)]  # (BN, BM, ...): key tile first
+INTERPRET_FWD = [(16, 16, 1, 1)]
+INTERPRET_BWD = [(16, 16, 1, 1)]
+
+
+def fwd_configs():
+    return _configs(INTERPRET_FWD if INTERPRET else FWD_SPECS, ("BM", "BN"))
+
+
+def dq_configs():
+    return _configs(INTERPRET_BWD if INTERPRET else DQ_SPECS, ("BM", "BN"))
+
+
+def dkv_configs():
+    return _configs(INTERPRET_BWD if INTERPRET else DKV_SPECS, ("BN", "BM"))
+
+
+def prune_fwd(configs, named_args, **kwargs):
+    """Drop tiles whose two [BM, D] fp32 accumulators (probe) or [BN, D] tiles would spill at large D."""
+    D, probe = kwargs.get("D", named_args.get("D")), kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE"))
+    out = []
+    for c in configs:
+        bm, bn = c.kwargs["BM"], c.kwargs["BN"]
+        if D >= 128 and probe and bn > 64:
+            continue
+        if D >= 256 and (bm > 64 or bn > 32):
+            continue
+        out.append(c)
+    return out or configs[-1:]
+
+
+def prune_bwd(configs, named_args, **kwargs):
+    D = kwargs.get("D", named_args.get("D"))
+    out = [c for c in configs if not (D >= 256 and (c.kwargs["BM"] > 64 or c.kwargs["BN"] > 64))]
+    if D >= 256:
+        out = [c for c in out if c.num_stages <= 2] or [triton.Config(dict(c.kwargs), num_warps=4, num_stages=1) for c in configs[:1]]
+    return out or configs[-1:]

@@ -1,0 +1,110 @@
+"""Decode kernel: a few new query tokens against a fixed-shape KV cache (spec ``parallax.md`` §3).
+
+Only K and V are cached; ρ comes with the new tokens. One program per (KV split, batch row, kv head) stacks
+the G·TQ query rows of the GQA group into one tile (K/V read once per kv head), streams its slice of the cache
+and writes the partials (m, d1, d2, O1, O2) in fp32; a second kernel merges the splits:
+
+    M = max_s m_s ; w_s = 2^(m_s − M) ; d1 = Σ w_s d1_s ; d2 = Σ w_s d2_s ; O1 = Σ w_s O1_s ; O2 = Σ w_s O2_s
+    o = O1/d1 · (1 + d2/d1) − O2/d1
+
+The number of splits depends only on static shapes (batch, heads, cache capacity, SM count), never on the
+per-sequence lengths, so a call is CUDA-graph capturable. With a single split the first kernel writes o.
+Query token t of row b sits at position ``seqlens[b] − TQ + t`` (the new tokens are already in the cache).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, qk_scale, W, CHUNK,
+                            B, LMAX, TQ: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                            BR: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr, WINDOW: tl.constexpr,
+                            SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    G: tl.constexpr = HQ // HKV
+    i_s = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HKV
+    i_kh = i_bh % HKV
+    L = tl.load(SEQLENS + i_b).to(tl.int32)
+    o_r = tl.arange(0, BR)  # row = g * TQ + t
+    row_ok = o_r < G * TQ
+    i_t = o_r % TQ
+    i_h = i_kh * G + o_r // TQ
+    pos = L - TQ + i_t  # absolute position of each query row
+    o_d = tl.arange(0, D)
+    off_q = ((i_b * TQ + i_t[:, None]).to(tl.int64) * HQ + i_h[:, None]) * D + o_d[None, :]  # [BR, D]
+    b_q = tl.load(Q + off_q, mask=row_ok[:, None], other=0.0)
+    if HAS_PROBE:
+        b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
+
+    lo = i_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, L)
+    if WINDOW:  # skip blocks entirely left of the oldest query's window
+        lo = tl.maximum(lo, tl.maximum(L - TQ - W + 1, 0) // BN * BN)
+    p_kv0 = i_b.to(tl.int64) * LMAX * (HKV * D) + i_kh * D
+    acc1 = tl.zeros([BR, D], dtype=tl.float32)
+    acc2 = tl.zeros([BR, D], dtype=tl.float32)
+    d1 = tl.zeros([BR], dtype=tl.float32)
+    d2 = tl.zeros([BR], dtype=tl.float32)
+    m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
+    for start_n in range(lo, hi, BN):
+        o_n = start_n + tl.arange(0, BN)
+        p = p_kv0 + o_n[:, None].to(tl.int64) * (HKV * D) + o_d[None, :]
+        b_k = tl.load(K + p, mask=o_n[:, None] < hi, other=0.0)
+        b_v = tl.load(V + p, mask=o_n[:, None] < hi, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BR, BN]
+        vis = (o_n[None, :] <= pos[:, None]) & (o_n[None, :] < hi)
+        if WINDOW:
+            vis = vis & (pos[:, None] - o_n[None, :] < W)
+        b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
+        b_p = tl.math.exp2(b_s - m_sub[:, None])
+        d1 = d1 * alpha + tl.sum(b_p, 1)
+        acc1 = acc1 * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        if HAS_PROBE:
+            b_p2 = b_p * tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)
+            d2 = d2 * alpha + tl.sum(b_p2, 1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(b_p2.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if SPLIT:
+        off_p = ((i_s * B + i_b) * TQ + i_t).to(tl.int64) * HQ + i_h  # partials [S, B, TQ, HQ]
+        tl.store(PM + off_p, m_i, mask=row_ok)
+        tl.store(PD1 + off_p, d1, mask=row_ok)
+        tl.store(PO1 + off_p[:, None] * D + o_d[None, :], acc1, mask=row_ok[:, None])
+        if HAS_PROBE:
+            tl.store(PD2 + off_p, d2, mask=row_ok)
+            tl.store(PO2 + off_p[:, None] * D + o_d[None, :], acc2, mask=row_ok[:, None])
+    else:
+        inv = 1.0 / tl.where(d1 > 0, d1, 1.0)
+        o = acc1 * inv[:, None]
+        if HAS_PROBE:
+            o = o * (1.0 + d2 * inv)[:, None] - acc2 * inv[:, None]
+        tl.store(O + off_q, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _parallax_decode_merge_kernel(O, PM, PD1, PD2, PO1, PO2, NROWS, S: tl.constexpr, BS: tl.constexpr,
+                                  D: tl.constexpr, HAS_PROBE: tl.constexpr):
+    i_row = tl.program_id(0).to(tl.int64)  # over B * TQ * HQ
+    o_s = tl.arange(0, BS)
+    s_ok = o_s < S
+    off = o_s.to(tl.int64) * NROWS + i_row
+    o_d = tl.arange(0, D)
+    m = tl.load(PM + off, mask=s_ok, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    w = tl.where(s_ok & (m > float("-inf")), tl.math.exp2(m - m_max), 0.0)  # [BS]
+    d1 = tl.sum(w * tl.load(PD1 + off, mask=s_ok, other=0.0), 0)
+    o1 = tl.sum(w[:, None] * tl.load(PO1 + off[:, None] * D + o_d[None, :], mask=s_ok[:, None], other=0.0), 0)
+    inv = 1.0 / d1
+    o = o1 * inv
+    if HAS_PROBE:
+        d2 = tl.sum(w * tl.load(PD2 + off, mask=s_ok, other=0.0), 0)
+        o2 = tl.sum(w[:, None] * tl.load(PO2 + off[:, None] * D + o_d[None, :], mask=s_ok[:, None], other=0.0), 0)
+        o = o * (1.0 + d2 * inv) - o2 * inv
+    tl.store(O + i_row * D + o_d, o.to(O.dtype.element_ty))

@@ -1,0 +1,126 @@
+"""Streaming forward kernel (FlashAttention-2 style, online softmax in exp2) with an optional probe branch.
+
+Per query tile and q head, over key blocks (spec ``parallax.md`` §1, eq. 14 / Algorithm 1):
+
+    S1 = Q Kᵀ·scale (masked) ; m = max(m, rowmax S1) ; α = 2^(m_old − m) ; P1 = 2^(S1·log2e − m)
+    d1 = α d1 + rowsum P1 ;  O1 = α O1 + P1 V
+    probe only:  P2 = P1 ⊙ (R Kᵀ) ;  d2 = α d2 + rowsum P2 ;  O2 = α O2 + P2 V
+    o = O1/d1 · (1 + d2/d1) − O2/d1          (plain softmax: o = O1/d1)
+
+Saved for the backward (spec §2): lse = m + log2 d1 (log2 units), t̄ = d2/d1 and v̄ = O1/d1.
+GQA reads the kv head ``h // (HQ // HKV)`` directly (no repeated K/V). Packed documents: one program row
+per (document, head); keys never leave the document.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attention.ops.parallax.kernels.common import _row_phases, fwd_configs, prune_fwd
+
+LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
+
+
+@triton.jit
+def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, lo, hi, L, W, qk_scale,
+               STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
+               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    o_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        o_n = start_n + tl.arange(0, BN)
+        p_k = p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
+        p_v = p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
+        if MASK:
+            b_k = tl.load(p_k, mask=o_n[:, None] < L, other=0.0)
+            b_v = tl.load(p_v, mask=o_n[:, None] < L, other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        # -- scores, log2 units --
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+        if MASK:
+            vis = (o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L)
+            if WINDOW:
+                vis = vis & (o_m[:, None] - o_n[None, :] < W)
+            b_s = tl.where(vis, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        if MASK:  # a row with no visible key yet keeps m = -inf: subtract 0 instead (no NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.math.exp2(m_i - m_sub)
+        b_p = tl.math.exp2(b_s - m_sub[:, None])
+        d1 = d1 * alpha + tl.sum(b_p, 1)
+        acc1 = acc1 * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        if HAS_PROBE:
+            b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)  # t_ij = ρ_i·k_j, unscaled
+            b_p2 = b_p * b_t
+            d2 = d2 * alpha + tl.sum(b_p2, 1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(b_p2.to(b_v.dtype), b_v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc1, acc2, d1, d2, m_i
+
+
+@triton.autotune(configs=fwd_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": prune_fwd})
+@triton.jit
+def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    tl.static_assert(BM % BN == 0)
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (diagonal-heavy) tiles first
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+        L = T
+    m0 = i_m * BM
+    if m0 >= L:
+        return
+    i_kh = i_h // (HQ // HKV)
+    o_m = m0 + tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    row_ok = o_m < L
+    off_q = (bos + o_m[:, None]) * (HQ * D) + i_h * D + o_d[None, :]  # [BM, D]
+    b_q = tl.load(Q + off_q, mask=row_ok[:, None], other=0.0)
+    if HAS_PROBE:
+        b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
+    else:
+        b_r = b_q
+    p_k0 = K + bos * (HKV * D) + i_kh * D
+    p_v0 = V + bos * (HKV * D) + i_kh * D
+
+    acc1 = tl.zeros([BM, D], dtype=tl.float32)
+    acc2 = tl.zeros([BM, D], dtype=tl.float32)
+    d1 = tl.zeros([BM], dtype=tl.float32)
+    d2 = tl.zeros([BM], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+
+    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
+    if WINDOW:
+        acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, start, a_hi, L, W,
+                                             qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, b_lo, b_hi, L, W,
+                                         qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, c_lo, end, L, W,
+                                         qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+
+    # -- epilogue --
+    d1 = tl.where(row_ok, d1, 1.0)
+    inv = 1.0 / d1
+    vbar = acc1 * inv[:, None]
+    off_row = i_h.to(tl.int64) * NT + bos + o_m  # [HQ, NT] row statistics
+    tl.store(LSE + off_row, m_i + tl.math.log2(d1), mask=row_ok)
+    if HAS_PROBE:
+        tbar = d2 * inv
+        o = vbar * (1.0 + tbar)[:, None] - acc2 * inv[:, None]
+        tl.store(TBAR + off_row, tbar, mask=row_ok)
+        tl.store(VBAR + off_q, vbar.to(VBAR.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        o = vbar
+    tl.store(O + off_q, o.to(O.dtype.element_ty), mask=row_ok[:, None])

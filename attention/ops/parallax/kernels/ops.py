@@ -1,0 +1,190 @@
+"""torch.library custom ops around the Triton kernels (opaque to torch.compile: no graph break).
+
+- ``parallax_kernels::fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, window) -> (o, lse, vbar, tbar)
+- ``parallax_kernels::bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
+- ``parallax_kernels::decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits) -> o
+
+Autograd is registered on ``fwd`` (``register_autograd``); ``fake`` kernels give the shapes for tracing.
+Tensors use the ``[B, T, H, D]`` layout; with ``cu_seqlens`` the batch is one flattened row (B = 1).
+Row statistics (lse in log2 units, t̄, τ, β) are fp32 ``[HQ, B*T]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
+from attention.ops.parallax.kernels.common import INTERPRET
+from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
+from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
+
+Tensor = torch.Tensor
+
+POISON_OUTPUTS = False
+"""Tests set this to fill every kernel output with NaN before the launch (unwritten elements then show)."""
+
+
+def _empty_like(t: Tensor, **kw) -> Tensor:
+    out = torch.empty_like(t, **kw)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _empty(*shape, device, dtype) -> Tensor:
+    out = torch.empty(*shape, device=device, dtype=dtype)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _geometry(q: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int):
+    """(T per program row, number of program rows, longest sequence, varlen flag)."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return T, B, T, False
+    if max_seqlen <= 0:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    return T, cu_seqlens.numel() - 1, max_seqlen, True
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
+
+
+def _window(window_size: int, max_len: int) -> int:
+    return window_size if 0 < window_size < max_len else 0
+
+
+@torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
+def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+                 max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
+    W = _window(window_size, Tmax)
+    probe = r is not None
+    o = _empty_like(q)
+    lse = _empty(HQ, B * T, device=q.device, dtype=torch.float32)
+    vbar = _empty_like(q) if probe else q.new_empty(0)
+    tbar = _empty_like(lse) if probe else lse.new_empty(0)
+    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    _parallax_fwd_kernel[grid](
+        q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
+        cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T,
+        HQ=HQ, HKV=HKV, D=D, HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0, DOT_PREC=_dot_prec(q.dtype))
+    return o, lse, vbar, tbar
+
+
+@parallax_fwd.register_fake
+def _(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
+    B, T, HQ, D = q.shape
+    lse = q.new_empty(HQ, B * T, dtype=torch.float32)
+    if r is None:
+        return torch.empty_like(q), lse, q.new_empty(0), lse.new_empty(0)
+    return torch.empty_like(q), lse, torch.empty_like(q), q.new_empty(HQ, B * T, dtype=torch.float32)
+
+
+@torch.library.custom_op("parallax_kernels::bwd", mutates_args=())
+def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
+                 vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
+                 window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
+    W = _window(window_size, Tmax)
+    probe = r is not None
+    dq = _empty_like(q)
+    dk = _empty_like(k)
+    dv = _empty_like(v)
+    dr = _empty_like(q) if probe else q.new_empty(0)
+    tau = _empty_like(lse)
+    beta = _empty_like(lse) if probe else tau
+    cu = cu_seqlens if varlen else lse
+    meta = dict(HQ=HQ, HKV=HKV, D=D, HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0, DOT_PREC=_dot_prec(q.dtype))
+    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    _parallax_bwd_dq_kernel[grid](
+        q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
+        dq, dr if probe else dq, cu, scale, scale * LOG2E, W, T_arg, B * T, **meta)
+    grid = lambda META: (triton.cdiv(Tmax, META["BN"]), HKV, NB)  # noqa: E731
+    _parallax_bwd_dkv_kernel[grid](
+        q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv, cu,
+        scale, scale * LOG2E, W, T_arg, B * T, **meta)
+    return dq, dk, dv, dr
+
+
+@parallax_bwd.register_fake
+def _(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size):
+    dr = torch.empty_like(q) if r is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, r, cu_seqlens, scale, max_seqlen, window_size = inputs
+    o, lse, vbar, tbar = output
+    ctx.save_for_backward(q, k, v, r, o, lse, vbar, tbar, cu_seqlens)
+    ctx.args = (scale, max_seqlen, window_size)
+    ctx.mark_non_differentiable(lse, vbar, tbar)
+
+
+def _backward(ctx, do, _dlse, _dvbar, _dtbar):
+    q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dr = parallax_bwd(do.contiguous(), q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
+    return dq, dk, dv, (dr if r is not None else None), None, None, None, None
+
+
+parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- decode
+DECODE_BN = 64
+MIN_KEYS_PER_SPLIT = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
+    """Power-of-two KV split count from static shapes only: about two waves of programs, ≥ 256 keys each."""
+    n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    s = 1
+    while 2 * s * MIN_KEYS_PER_SPLIT <= cache_len and batch * n_kv_heads * s < 2 * n_sm:
+        s *= 2
+    return s
+
+
+@torch.library.custom_op("parallax_kernels::decode", mutates_args=())
+def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, r: Optional[Tensor],
+                       scale: float, window_size: int, num_splits: int) -> Tensor:
+    B, TQ, HQ, D = q.shape
+    LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
+    probe = r is not None
+    S = num_splits
+    chunk = triton.cdiv(triton.cdiv(LMAX, S), DECODE_BN) * DECODE_BN
+    W = window_size if 0 < window_size < LMAX else 0
+    o = _empty_like(q)
+    BR = max(16, triton.next_power_of_2((HQ // HKV) * TQ))
+    if S > 1:
+        nrows = B * TQ * HQ
+        pm = _empty(S, nrows, device=q.device, dtype=torch.float32)
+        pd1 = _empty_like(pm)
+        po1 = _empty(S, nrows, D, device=q.device, dtype=torch.float32)
+        pd2, po2 = (_empty_like(pm), _empty_like(po1)) if probe else (pm, po1)
+    else:
+        pm = pd1 = pd2 = po1 = po2 = o
+    _parallax_decode_kernel[(S, B * HKV)](
+        q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, scale * LOG2E, W, chunk,
+        B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=DECODE_BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
+        DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else 4, num_stages=1 if INTERPRET else 3)
+    if S > 1:
+        _parallax_decode_merge_kernel[(B * TQ * HQ,)](
+            o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
+            num_warps=1 if INTERPRET else 2)
+    return o
+
+
+@parallax_decode_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, r, scale, window_size, num_splits):
+    return torch.empty_like(q)

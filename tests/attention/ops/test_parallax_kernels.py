@@ -1,0 +1,214 @@
+"""Triton softmax/Parallax kernels against the float64 reference: output and all four gradients, decode.
+
+CPU runs go through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1; blocks are 16×16 there,
+so T = 17 / 61 / 100 cover partial tiles, several key blocks, and windows below and above the block size).
+Every kernel output is poisoned with NaN before the launch (``ops.POISON_OUTPUTS``), so an element the kernel
+forgets to write fails the comparison.
+
+Error budgets (relative Frobenius norm against float64 on the same input values):
+- float32: 2e-5 (fp32 accumulation, exact fp32 products; observed ~1e-7 in the interpreter);
+- float16: 5e-3 forward, 1e-2 gradients (P, P⊙t and g1/g2 are rounded to fp16 before the GEMMs: 2^-11 each);
+- bfloat16: 2e-2 forward, 4e-2 gradients (the same roundings at 2^-8; the probe branch adds the rounding of
+  P2 = P1⊙t whose magnitude grows with |ρ·k|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.ops.parallax.kernels import ops as kops
+from attention.ops.parallax.kernels import parallax_decode_triton, parallax_triton
+from attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
+
+BUDGET = {  # dtype: (forward, gradients)
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (5e-3, 1e-2),
+    torch.bfloat16: (2e-2, 4e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(kops, "POISON_OUTPUTS", True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖, with ‖b‖ floored at 0.1·sqrt(numel) (O(1) entries) for exactly-zero references (dq, dk at T = 1)."""
+    den = max(b.double().norm().item(), 0.1 * b.numel() ** 0.5)
+    return (a.double() - b.double()).norm().item() / den
+
+
+def make_inputs(B, T, HQ, HKV, D, probe, device="cpu", rho_std=0.3, dtype=torch.float32):
+    """Inputs rounded to ``dtype`` (so the float64 reference sees the kernel's exact values)."""
+    g = lambda *s: torch.randn(*s, device=device).to(dtype)  # noqa: E731
+    q, k, v = g(B, T, HQ, D), g(B, T, HKV, D), g(B, T, HKV, D)
+    r = (torch.randn(B, T, HQ, D, device=device) * rho_std).to(dtype) if probe else None
+    return q, k, v, r
+
+
+def check_against_reference(q, k, v, r, cu=None, window=None, max_seqlen=0, ref_dtype=torch.float64):
+    dtype = q.dtype
+    ins = [t for t in (q, k, v, r) if t is not None]
+    ref_ins = [t.detach().to(ref_dtype).requires_grad_(True) for t in ins]
+    ker_ins = [t.detach().clone().requires_grad_(True) for t in ins]
+    ref = naive_parallax(*ref_ins[:3], ref_ins[3] if r is not None else None, cu_seqlens=cu, window_size=window)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_ins, do)
+    out = parallax_triton(*ker_ins[:3], ker_ins[3] if r is not None else None, cu_seqlens=cu,
+                          max_seqlen=max_seqlen, window_size=window)
+    grads = torch.autograd.grad(out, ker_ins, do.to(dtype))
+    fwd_tol, grad_tol = BUDGET[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) outputs"
+    assert rel_err(out, ref) < fwd_tol, f"forward rel err {rel_err(out, ref):.3g}"
+    for name, g, gr in zip("qkvr", grads, ref_grads):
+        assert torch.isfinite(g).all(), f"d{name} has unwritten (NaN) elements"
+        assert rel_err(g, gr) < grad_tol, f"d{name} rel err {rel_err(g, gr):.3g}"
+
+
+# id: (B, T, HQ, HKV, D, probe, window)
+CASES = {
+    "B1-T1-H2-KV1-D16-probe": (1, 1, 2, 1, 16, True, None),
+    "B2-T17-H2-KV1-D16-probe": (2, 17, 2, 1, 16, True, None),
+    "B2-T17-H2-KV1-D16-softmax": (2, 17, 2, 1, 16, False, None),
+    "B1-T100-H4-KV1-D16-probe": (1, 100, 4, 1, 16, True, None),
+    "B1-T33-H2-KV1-D32-probe": (1, 33, 2, 1, 32, True, None),
+    "B1-T61-H4-KV2-D16-probe-W5": (1, 61, 4, 2, 16, True, 5),
+    "B1-T61-H4-KV2-D16-softmax-W5": (1, 61, 4, 2, 16, False, 5),
+    "B1-T100-H2-KV1-D16-probe-W40": (1, 100, 2, 1, 16, True, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fwd_bwd_fp32(case):
+    B, T, HQ, HKV, D, probe, window = CASES[case]
+    check_against_reference(*make_inputs(B, T, HQ, HKV, D, probe), window=window)
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+def test_packed_documents(probe):
+    """Three documents of unequal length over two rows (the row boundary is a document boundary too)."""
+    B, T = 2, 40
+    cu = torch.tensor([0, 9, 40, 80], dtype=torch.int32)  # lengths 9, 31, 40
+    check_against_reference(*make_inputs(B, T, 4, 2, 16, probe), cu=cu, max_seqlen=40)
+
+
+def test_packed_documents_window_unknown_max_seqlen():
+    cu = torch.tensor([0, 3, 37, 61], dtype=torch.int32)  # lengths 3, 34, 24; window inside the block size
+    check_against_reference(*make_inputs(1, 61, 2, 1, 16, True), cu=cu, window=7, max_seqlen=0)
+
+
+def test_half_precision_fp16():
+    """bf16 is tested on the GPU only: the Triton interpreter's tl.dot mis-reads bf16 tiles (wrong by 1e10)."""
+    check_against_reference(*make_inputs(1, 33, 4, 2, 16, True, dtype=torch.float16))
+
+
+def test_zero_probe_is_softmax():
+    q, k, v, _ = make_inputs(1, 37, 2, 1, 16, False)
+    o_soft = parallax_triton(q, k, v, None)
+    o_zero = parallax_triton(q, k, v, torch.zeros_like(q))
+    assert torch.equal(o_soft, o_zero)
+
+
+def test_probe_changes_output():
+    """Guards against a probe branch that is silently compiled out."""
+    q, k, v, r = make_inputs(1, 20, 2, 1, 16, True)
+    assert rel_err(parallax_triton(q, k, v, r), parallax_triton(q, k, v, None)) > 1e-2
+
+
+# -------------------------------------------------------------------- decode
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
+@pytest.mark.parametrize("splits", [1, 4], ids=["S1", "S4"])
+def test_decode_vs_reference(probe, window, splits):
+    """Per-row lengths (one shorter than a block, one filling the cache), TQ=2 new tokens, GQA 2:1."""
+    B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
+    k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)
+    q = torch.randn(B, TQ, HQ, D)
+    r = 0.3 * torch.randn(B, TQ, HQ, D) if probe else None
+    seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)
+    ref = naive_parallax_decode(q.double(), k.double(), v.double(), seqlens, r.double() if probe else None,
+                                window_size=window)
+    out = parallax_decode_triton(q, k, v, seqlens, r, window_size=window, num_splits=splits)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-5
+
+
+def test_decode_matches_full_forward_last_rows():
+    """The decode of the last TQ tokens equals the last TQ rows of the training forward."""
+    T, HQ, HKV, D, TQ = 45, 4, 1, 16, 3
+    q, k, v, r = make_inputs(1, T, HQ, HKV, D, True)
+    full = parallax_triton(q, k, v, r)
+    cache_k = torch.zeros(1, 64, HKV, D)
+    cache_v = torch.zeros(1, 64, HKV, D)
+    cache_k[:, :T], cache_v[:, :T] = k, v
+    seqlens = torch.tensor([T], dtype=torch.int32)
+    out = parallax_decode_triton(q[:, -TQ:], cache_k, cache_v, seqlens, r[:, -TQ:], num_splits=2)
+    assert rel_err(out, full[:, -TQ:]) < 2e-5
+
+
+# -------------------------------------------------------------------- integration
+def test_torch_compile_fullgraph_no_graph_break():
+    """fake + autograd registrations let torch.compile trace fwd and bwd as one graph."""
+    q, k, v, r = (t.requires_grad_(True) for t in make_inputs(1, 17, 2, 1, 16, True))
+
+    def f(q, k, v, r):
+        return (parallax_triton(q, k, v, r) * 2).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    loss = compiled(q, k, v, r)
+    grads = torch.autograd.grad(loss, (q, k, v, r))
+    ref_grads = torch.autograd.grad(f(q, k, v, r), (q, k, v, r))
+    for g, gr in zip(grads, ref_grads):
+        assert rel_err(g, gr) < 1e-6
+
+
+def test_rejects_unsupported_head_dim():
+    q, k, v, _ = make_inputs(1, 4, 2, 1, 16, False)
+    with pytest.raises(ValueError, match="head dim"):
+        parallax_triton(q[..., :12], k[..., :12], v[..., :12])
+
+
+# -------------------------------------------------------------------- GPU, realistic shapes
+GPU_CASES = {  # id: (B, T, HQ, HKV, D, probe, window, cu)
+    "B2-T1000-H4-KV2-D64-probe": (2, 1000, 4, 2, 64, True, None, None),
+    "B1-T4096-H4-KV2-D128-probe": (1, 4096, 4, 2, 128, True, None, None),
+    "B1-T4096-H4-KV2-D128-softmax": (1, 4096, 4, 2, 128, False, None, None),
+    "B1-T8192-H2-KV1-D64-probe": (1, 8192, 2, 1, 64, True, None, None),
+    "B1-T8192-H2-KV1-D128-probe": (1, 8192, 2, 1, 128, True, None, None),
+    "B1-T3000-H4-KV1-D128-probe-W700": (1, 3000, 4, 1, 128, True, 700, None),
+    "B1-T3000-H4-KV2-D64-probe-docs": (1, 3000, 4, 2, 64, True, None, (0, 123, 1900, 3000)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+def test_gpu_realistic(case, dtype):
+    B, T, HQ, HKV, D, probe, window, cu = GPU_CASES[case]
+    cu = torch.tensor(cu, dtype=torch.int32, device="cuda") if cu is not None else None
+    q, k, v, r = make_inputs(B, T, HQ, HKV, D, probe, device="cuda", dtype=dtype)
+    check_against_reference(q, k, v, r, cu=cu, window=window, ref_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+def test_gpu_decode_vs_full_forward(D, probe):
+    B, T, HQ, HKV, LMAX = 4, 3000, 16, 8, 4096
+    q, k, v, r = make_inputs(B, T, HQ, HKV, D, probe, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([3000, 1, 1500, 2999], dtype=torch.int32, device="cuda")
+    cache_k = torch.zeros(B, LMAX, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.zeros_like(cache_k)
+    cache_k[:, :T], cache_v[:, :T] = k, v
+    q_new = torch.stack([q[b, lens[b] - 1] for b in range(B)])[:, None]  # [B, 1, HQ, D]
+    r_new = torch.stack([r[b, lens[b] - 1] for b in range(B)])[:, None] if probe else None
+    out = parallax_decode_triton(q_new, cache_k, cache_v, lens, r_new)
+    full = parallax_triton(q, k, v, r)
+    ref = torch.stack([full[b, lens[b] - 1] for b in range(B)])[:, None]
+    assert rel_err(out, ref) < 1e-2
+    ref32 = naive_parallax_decode(q_new.float(), cache_k.float(), cache_v.float(), lens,
+                                  r_new.float() if probe else None)
+    assert rel_err(out, ref32) < 1e-2
