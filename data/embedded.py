@@ -1,0 +1,86 @@
+"""The embedded default corpus: docstrings of the Python standard library on this machine.
+
+Every machine with Python has it, so ``python train.py`` needs no download. Docstrings are read with
+``ast`` from the stdlib's ``.py`` sources (nothing is imported), grouped one document per module, split
+deterministically into train/validation, and written once as JSONL under the cache folder together with a
+byte-level BPE tokenizer trained on the train split by Hugging Face ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+from torchtitan.tools.logging import logger
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+MAX_BYTES = 5_000_000  # keep the corpus small: tokenizer training and one epoch stay fast on 2 cores
+
+
+def _module_docs(path: Path) -> str | None:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    parts = []
+    for node in [tree, *ast.walk(tree)]:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= 40:
+                title = "" if isinstance(node, ast.Module) else f"{node.name}\n"
+                parts.append(title + doc.strip())
+    text = "\n\n".join(dict.fromkeys(parts))  # drop repeated docstrings, keep order
+    return text if len(text) >= 200 else None
+
+
+def _documents() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts and "idle_test" not in p.parts)
+    docs, size = [], 0
+    for p in files:
+        text = _module_docs(p)
+        if text:
+            docs.append(text)
+            size += len(text.encode())
+            if size >= MAX_BYTES:
+                break
+    if not docs:
+        raise RuntimeError(f"no docstrings found under the Python standard library at {root}")
+    return docs
+
+
+def build_embedded(cache_dir: str, vocab_size: int, val_every: int = 20) -> Path:
+    """Build (once) and return the folder holding ``train.jsonl``, ``val.jsonl`` and the tokenizer files."""
+    out = Path(cache_dir) / f"embedded-v{vocab_size}"
+    if (out / "tokenizer.json").exists():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    docs = _documents()
+    splits = {"train": [d for i, d in enumerate(docs) if i % val_every], "val": docs[::val_every]}
+    for name, items in splits.items():
+        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for d in items:
+                f.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
+    logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library; training a BPE tokenizer "
+                f"(vocab {vocab_size})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=True,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(splits["train"], trainer=trainer, length=len(splits["train"]))
+    tok.save(str(tmp / "tokenizer.json"))
+    with open(tmp / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}, f)
+    try:
+        tmp.rename(out)  # atomic: concurrent ranks either see a complete folder or build their own
+    except OSError:
+        pass
+    return out if out.exists() else tmp

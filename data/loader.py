@@ -1,0 +1,139 @@
+"""Packed-document data loading on top of torchtitan's ``HuggingFaceTextDataset``.
+
+Documents are tokenized with BOS/EOS and packed into rows of ``seq_len + 1`` tokens; each row yields
+``({"input": tokens, "positions": per-document positions}, labels)``. Positions restart at every document
+start (a BOS token, or the token after an EOS) and at every row start, which is also what the model's
+``block_causal`` mask uses. Sharding is deterministic per data-parallel rank (interleaved),
+and the dataset state (documents consumed + leftover tokens) is saved in checkpoints through torchtitan's
+``ParallelAwareDataloader``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import torch
+from datasets import Dataset
+from datasets.distributed import split_dataset_by_node
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+from torchtitan.tools.logging import logger
+
+from data.embedded import build_embedded
+from data.sources import open_text_dataset
+
+EMBEDDED = "embedded"
+
+
+def document_positions(tokens: torch.Tensor, bos_id: int | None, eos_id: int | None) -> torch.Tensor:
+    """[T] int64 position of each token inside its document; a document starts at a BOS token, after an
+    EOS token, and at index 0."""
+    T = tokens.shape[0]
+    start = torch.zeros(T, dtype=torch.bool)
+    if bos_id is not None:
+        start |= tokens == bos_id
+    if eos_id is not None and T > 1:
+        start[1:] |= tokens[:-1] == eos_id
+    start[0] = True
+    idx = torch.arange(T)
+    return idx - torch.cummax(torch.where(start, idx, 0), dim=0).values
+
+
+class PackedTextDataset(HuggingFaceTextDataset):
+    """torchtitan's stateful packing dataset with per-document positions, any ``datasets`` source, and a
+    ``repeatable`` mode for validation (every pass reads the same documents from the start)."""
+
+    def __init__(self, ds, text_field: str, name: str, tokenizer, seq_len: int, dp_rank: int, dp_world_size: int,
+                 infinite: bool, repeatable: bool = False):
+        self.dataset_name = name
+        # Interleaved shards (document i goes to rank i % world): rank r's k-th row comes from the same part of
+        # the corpus as a single process's (k·world + r)-th row, so data-parallel runs see the same data.
+        self._data = (ds.shard(num_shards=dp_world_size, index=dp_rank, contiguous=False) if isinstance(ds, Dataset)
+                      else split_dataset_by_node(ds, dp_rank, dp_world_size))
+        self._tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.infinite = infinite
+        self.repeatable = repeatable
+        self._text_processor = lambda sample: sample[text_field]
+        self._sample_idx = 0
+        self._token_buffer: list[int] = []
+
+    def __iter__(self):
+        if self.repeatable:
+            self._sample_idx, self._token_buffer = 0, []
+        bos, eos = self._tokenizer.bos_id, self._tokenizer.eos_id
+        for batch in super().__iter__():
+            (inputs,), labels = batch[0].values(), batch[1]
+            yield {"input": inputs, "positions": document_positions(inputs, bos, eos)}, labels
+
+
+def build_tokenizer(job_config) -> HuggingFaceTokenizer:
+    """``model.hf_assets_path`` is a folder with ``tokenizer.json`` (e.g. Qwen3's), or "embedded"."""
+    path = job_config.model.hf_assets_path
+    if path == EMBEDDED:
+        path = str(build_embedded(job_config.data.cache_dir, job_config.data.embedded_vocab_size))
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"model.hf_assets_path={path!r}: no tokenizer.json there (a Hugging Face tokenizer "
+                         f"folder, or \"{EMBEDDED}\" for the built-in corpus's tokenizer)")
+    try:
+        tok = HuggingFaceTokenizer(path)
+    except Exception as e:
+        raise ValueError(f"model.hf_assets_path={path!r}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    if tok.eos_id is None and tok.bos_id is None:
+        raise ValueError(f"model.hf_assets_path={path!r}: the tokenizer defines neither a BOS nor an EOS token "
+                         "(set bos_token/eos_token in tokenizer_config.json); documents could not be separated")
+    return tok
+
+
+def _source(job_config, split: str):
+    """(dataset, text_field, name) for ``split`` in {"train", "val"}."""
+    t, v, d = job_config.training, job_config.validation, job_config.data
+    if split == "val" and v.dataset_path:
+        ds, field = open_text_dataset(v.dataset_path, "validation.dataset_path", local=True,
+                                      text_field=d.text_field, streaming=d.streaming)
+        return ds, field, v.dataset_path
+    if t.dataset == EMBEDDED and not t.dataset_path:
+        folder = build_embedded(d.cache_dir, d.embedded_vocab_size)
+        ds, field = open_text_dataset(str(folder / f"{split}.jsonl"), "training.dataset", local=True, text_field="text")
+        return ds, field, f"{EMBEDDED}/{split}"
+    local = bool(t.dataset_path)
+    spec = t.dataset_path or t.dataset
+    ds, field = open_text_dataset(spec, "training.dataset_path" if local else "training.dataset", local=local,
+                                  text_field=d.text_field, split=d.hub_split, streaming=d.streaming)
+    if d.val_every > 0 and job_config.validation.enable:  # hold out every k-th document for validation
+        keep = (lambda _, i: i % d.val_every == 0) if split == "val" else (lambda _, i: i % d.val_every != 0)
+        ds = ds.filter(keep, with_indices=True)
+    return ds, field, f"{spec}/{split}"
+
+
+def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, seq_len, dl_config, **kw):
+    ds, field, name = _source(job_config, split)
+    model_vocab = job_config.model.vocab_size or _flavor_vocab(job_config)
+    if tokenizer.get_vocab_size() > model_vocab:
+        raise ValueError(f"the tokenizer at model.hf_assets_path has {tokenizer.get_vocab_size()} tokens but the "
+                         f"model's vocabulary is {model_vocab}; set model.vocab_size >= {tokenizer.get_vocab_size()}")
+    dataset = PackedTextDataset(ds, field, name, tokenizer, seq_len, dp_rank, dp_world_size, **kw)
+    logger.info(f"Data ({split}): {name}, rank {dp_rank}/{dp_world_size}")
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                   **{**asdict(dl_config), "batch_size": batch_size})
+
+
+def _flavor_vocab(job_config) -> int:
+    from models.args import get_flavor
+
+    return get_flavor(job_config.model.flavor).vocab_size
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
+    t = job_config.training
+    return _loader(job_config, "train", tokenizer, dp_rank, dp_world_size, t.local_batch_size, t.seq_len,
+                   t.dataloader, infinite=True)
+
+
+def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
+    v = job_config.validation
+    return _loader(job_config, "val", tokenizer, dp_rank, dp_world_size, v.local_batch_size, v.seq_len,
+                   v.dataloader, infinite=False, repeatable=True)

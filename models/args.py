@@ -1,0 +1,93 @@
+"""Model arguments and flavors: the paper's Qwen3 sizes (spec ``parallax.md`` §4) plus a tiny debug model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from torchtitan.protocols.train_spec import BaseModelArgs
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    dim: int = 1024
+    n_layers: int = 28
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    hidden_dim: int = 3072
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_seq_len: int = 4096
+    enable_weight_tying: bool = True
+    depth_init: bool = True
+    attn_mask_type: str = "causal"  # "causal" | "block_causal" (packed documents)
+    attention: str = "softmax"
+    layer_pattern: list[str] = field(default_factory=list)  # repeated over depth; empty = all `attention`
+    attn_impl: str = "auto"
+    attention_options: dict[str, Any] = field(default_factory=dict)  # mechanism name -> options dataclass
+
+    def layer_mechanisms(self) -> list[str]:
+        """The mechanism of every layer: ``layer_pattern`` repeated over depth, or ``attention`` everywhere."""
+        pattern = self.layer_pattern or [self.attention]
+        return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        m, a = job_config.model, job_config.attention
+        self.max_seq_len = job_config.training.seq_len
+        self.attention = m.attention
+        self.layer_pattern = list(m.layer_pattern)
+        self.attn_mask_type = m.attn_mask_type
+        self.attn_impl = a.impl
+        if m.vocab_size > 0:
+            self.vocab_size = m.vocab_size
+        if m.rope_theta > 0:
+            self.rope_theta = m.rope_theta
+        if m.tie_embeddings is not None:
+            self.enable_weight_tying = m.tie_embeddings
+        self.attention_options = {name: getattr(a, name) for name in set(self.layer_mechanisms())}
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Total parameters and training FLOPs per token.
+
+        FLOPs = 6·(non-embedding parameters + the LM head's V·dim, which is a real matmul even when tied)
+        + 3·Σ_layers attention.flops_per_token(seq_len) (each mechanism counts its own token mixing).
+        """
+        nparams = sum(p.numel() for p in model.parameters())
+        n_embed = model.tok_embeddings.weight.numel()
+        head = self.vocab_size * self.dim
+        dense = nparams - n_embed + (head if self.enable_weight_tying else 0)
+        mixing = sum(layer.attention.flops_per_token(seq_len) for layer in model.layers.values())
+        return nparams, int(6 * dense + 3 * mixing)
+
+
+def _flavor(**kw) -> ModelArgs:
+    return ModelArgs(**kw)
+
+
+_06 = dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072)
+_17 = dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=6144)
+
+FLAVORS: dict[str, ModelArgs] = {
+    # ~1.6M parameters: trains visibly on a 2-core CPU in minutes (the embedded default).
+    "debug": _flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
+                     vocab_size=4096, max_seq_len=256),
+    "0.6B": _flavor(**_06),
+    "0.6B-T24": _flavor(**{**_06, "n_heads": 24}),  # Transformer†: param-matched through more q heads
+    "0.6B-P64": _flavor(**{**_06, "head_dim": 64, "hidden_dim": 4480}),  # Parallax†: compute-matched
+    "0.6B-ffn3712": _flavor(**{**_06, "hidden_dim": 3712}),  # second param-matched Transformer
+    "1.7B": _flavor(**_17),
+    "1.7B-T24": _flavor(**{**_17, "n_heads": 24}),
+    "1.7B-P64": _flavor(**{**_17, "head_dim": 64, "hidden_dim": 8960}),
+    "1.7B-ffn7424": _flavor(**{**_17, "hidden_dim": 7424}),
+}
+
+
+def get_flavor(name: str) -> ModelArgs:
+    if name not in FLAVORS:
+        raise ValueError(f"model.flavor={name!r} is not defined; choose from {list(FLAVORS)}")
+    return dataclasses.replace(FLAVORS[name])

@@ -1,0 +1,89 @@
+"""Qwen3-style decoder with a pluggable attention block.
+
+Pre-norm RMSNorm blocks, SwiGLU MLP (torchtitan's ``FeedForward``), RoPE (θ = 1e6), optional tied
+embeddings; the token mixer of each layer comes from the attention registry (``[model] attention`` or
+``layer_pattern``). The model never tests mechanism names. Module and parameter names follow torchtitan's
+Qwen3 (``tok_embeddings``, ``layers.<i>.attention.wq`` …) so its parallelisation helpers and Hugging Face
+state-dict adapter apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan.models.qwen3.model.model import FeedForward
+from torchtitan.models.utils import trunc_normal_
+from torchtitan.protocols.train_spec import ModelProtocol
+
+from attention import build_attention
+from attention.base import AttentionArgs, AttentionContext
+from models.args import ModelArgs
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, mechanism: str, args: ModelArgs):
+        super().__init__()
+        attn_args = AttentionArgs(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                                  head_dim=args.head_dim, layer_id=layer_id, n_layers=args.n_layers,
+                                  norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+                                  max_seq_len=args.max_seq_len, impl=args.attn_impl)
+        self.attention = build_attention(mechanism, attn_args, args.attention_options.get(mechanism))
+        self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = False  # read by torchtitan's apply_compile / apply_ac
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), ctx)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(ModelProtocol):
+    def __init__(self, model_args: ModelArgs):
+        super().__init__(model_args)
+        self.model_args = args = model_args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, mech, args) for i, mech in enumerate(args.layer_mechanisms())}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        if self.model_args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight  # re-tie after meta-device construction
+        std = self.model_args.dim**-0.5
+        trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def context(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> AttentionContext:
+        """Positions restart at every document when ``attn_mask_type = "block_causal"``; otherwise each row
+        is one causal sequence and ``positions`` from the data loader are ignored."""
+        block = self.model_args.attn_mask_type == "block_causal"
+        if positions is None or not block:
+            B, T = tokens.shape
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        return AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                ctx: AttentionContext | None = None) -> torch.Tensor:
+        """tokens: [B, T] int64 -> logits [B, T, vocab]. ``ctx`` overrides the context (decoding)."""
+        ctx = ctx if ctx is not None else self.context(tokens, positions)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, ctx)
+        return self.output(self.norm(h))
