@@ -1,0 +1,90 @@
+"""PaTH attention: one public op and the decode-time key-cache update.
+
+``path_attention(q, k, v, w, beta, g=None, ..., impl=...)``:
+
+- "reference": :func:`naive_path_attn` (token loop with the transformed-key cache, float64-capable);
+- "chunk":     :func:`chunk_path_attn` (blockwise, one triangular solve per block, online softmax);
+- "fla":       fla-core 0.6.0 ``parallel_path_attn`` (head dims 16/32/64/128, float32 w/beta/g);
+- "auto":      fla on CUDA when importable and the head dim fits, else "chunk".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.linear_common import fla_importable, log_once
+from attention.ops.path.chunk import chunk_path_attn
+from attention.ops.path.naive import naive_path_attn
+
+IMPLS = ("auto", "reference", "recurrent", "chunk", "fla")
+FLA_DIMS = (16, 32, 64, 128)
+
+__all__ = ["path_attention", "naive_path_attn", "chunk_path_attn", "householder_update_", "IMPLS"]
+
+
+def resolve_impl(impl: str, device: torch.device, head_dim: int) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention.impl={impl!r} is not valid for path; choose from {list(IMPLS)}")
+    if impl == "recurrent":
+        return "reference"
+    if impl in ("auto", "fla"):
+        if device.type != "cuda":
+            ok, why = False, "not a CUDA device"
+        elif head_dim not in FLA_DIMS:
+            ok, why = False, f"head_dim={head_dim} not in {FLA_DIMS}"
+        else:
+            ok, why = fla_importable()
+        if ok:
+            return "fla"
+        if impl == "fla":
+            log_once(f"attention.impl='fla' unavailable for path ({why}); using the PyTorch chunk path")
+        return "chunk"
+    return impl
+
+
+def path_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    block_size: int = 64,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """q: [B, T, HQ, D]; k, w: [B, T, H, D] (w L2-normalised); v: [B, T, H, DV]; beta: [B, T, H] in (0, 2);
+    g: [B, T, HQ] log forget gate or None. Logits scale · (A_path + c_t − c_i), scale = D**-0.5 by default.
+    cu_seqlens: [N+1] fla varlen over B*T tokens. Returns o: [B, T, HQ, DV] in q's dtype."""
+    B, T, HQ, D = q.shape
+    if k.shape != w.shape or HQ % k.shape[2] or beta.shape != k.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, w {tuple(w.shape)}, beta {tuple(beta.shape)}: "
+                         "need k, w [B,T,H,D], beta [B,T,H], HQ % H == 0")
+    path = resolve_impl(impl, q.device, D)
+    if path == "reference":
+        return naive_path_attn(q, k, v, w, beta, g, scale, cu_seqlens)
+    if path == "chunk":
+        return chunk_path_attn(q, k, v, w, beta, g, scale, cu_seqlens, block_size)
+    from fla.ops.path_attn import parallel_path_attn
+
+    gf = None if g is None else g.float()
+    if cu_seqlens is not None:
+        flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+        o, _ = parallel_path_attn(flat(q), flat(k), flat(v), flat(w).float(), flat(beta).float(), g=flat(gf),
+                                  scale=scale, cu_seqlens=cu_seqlens.long())
+        return o.view(B, T, *o.shape[2:])
+    o, _ = parallel_path_attn(q, k, v, w.float(), beta.float(), g=gf, scale=scale)
+    return o
+
+
+@torch.no_grad()
+def householder_update_(k_cache: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, n: int) -> None:
+    """Decode step: cached keys k_i <- M_t k_i = k_i − β_t (k_i·ν_t) ν_t for i < n (spec §13, in place).
+
+    k_cache: [B, L, H, D]; w: [B, H, D] (ν_t); beta: [B, H]."""
+    kc = k_cache[:, :n]
+    cdt = torch.float64 if k_cache.dtype == torch.float64 else torch.float32
+    nu, bt = w[:, None].to(cdt), beta[:, None, :, None].to(cdt)
+    proj = (kc.to(cdt) * nu).sum(-1, keepdim=True)  # [B, n, H, 1]
+    kc.sub_((bt * proj * nu).to(kc.dtype))
