@@ -129,16 +129,20 @@ def main():
     p.add_argument("--mechs", nargs="+", default=list(MECHS), choices=list(MECHS))
     p.add_argument("--paths", nargs="+", default=["fla", "chunk"], choices=["fla", "chunk", "chunk_eager"])
     p.add_argument("--eager", action="store_true", help="also time the uncompiled chunk path")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for the chunk path's float32 matmuls")
     p.add_argument("--quick", action="store_true", help="3 warmup + 5 timed repetitions (default 5 + 20)")
     a = p.parse_args()
     a.warmup, a.reps = (3, 5) if a.quick else (5, 20)
+    if a.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     paths = list(a.paths) + (["chunk_eager"] if a.eager and "chunk_eager" not in a.paths else [])
     dtype = getattr(torch, a.dtype)
     shape = f"B{a.B}_T{a.T}_H{a.H}_D{a.D}"
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     import triton
 
-    print(f"# {shape} {a.dtype} on {dev}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"# {shape} {a.dtype} on {dev}; torch {torch.__version__}, triton {triton.__version__}"
+          f"{', tf32' if a.tf32 else ''}", flush=True)
     rows = [("softmax", "sdpa", *bench_sdpa(a, dtype))]
     print("done softmax/sdpa", flush=True)
     for mech in a.mechs:

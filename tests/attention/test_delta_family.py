@@ -119,3 +119,25 @@ def test_options_and_errors(name):
     assert y.shape == (1, 5, DIM)
     with pytest.raises(ValueError, match="attention.impl"):
         build(name, impl="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MECHS)
+def test_module_auto_matches_chunk_on_gpu(name):
+    """impl="auto" (fla where it runs) agrees with the PyTorch chunk path at module level, bf16, with packing."""
+    torch.manual_seed(0)
+    args = AttentionArgs(dim=256, n_heads=4, n_kv_heads=4, head_dim=64, impl="auto")
+    mech = REGISTRY[name]
+    m = mech.cls(args, mech.options()).cuda()
+    with torch.no_grad():
+        m.init_weights(0.02)
+    m = m.bfloat16()
+    B, T = 2, 300
+    pos = torch.cat([torch.arange(100), torch.arange(200)]).expand(B, T).contiguous().cuda()
+    ctx = AttentionContext.from_positions(pos, block_causal=True, rope_theta=1e6)
+    x = torch.randn(B, T, 256, device="cuda", dtype=torch.bfloat16)
+    y_auto = m(x, ctx)
+    m.args.impl = "chunk"
+    y_chunk = m(x, ctx)
+    err = (y_auto.float() - y_chunk.float()).abs().max() / y_chunk.float().abs().max()
+    assert err < 3e-2, f"auto vs chunk relative error {err:.3g}"

@@ -6,7 +6,8 @@
 - "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
 - "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
 - "auto": fla when it can run this call safely (CUDA, importable, gated backward safe), else "chunk",
-  with a one-line log message saying why.
+  with a one-line log message saying why; always "chunk" inside ``torch.compile`` (fla's ops are compiler-
+  disabled, which breaks torchtitan's ``fullgraph=True`` block compile).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: 
         raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(DELTA_RULE_IMPLS)}")
     if impl in ("recurrent", "chunk"):
         return impl
+    if impl == "auto" and torch.compiler.is_compiling():
+        # Inside torch.compile (torchtitan compiles each block with fullgraph=True) fla's ops are
+        # @torch.compiler.disable'd graph breaks, so "auto" takes the compiled PyTorch chunk path.
+        return "chunk"
     why = fla_unavailable_reason(x, gated, needs_grad)
     if impl == "fla":
         if why:
