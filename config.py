@@ -1,7 +1,7 @@
 """The project's TOML sections, merged into torchtitan 0.2.2's ``JobConfig`` (custom-config mechanism).
 
 Precedence: command line (``--section.key value``) > TOML file > the defaults below and torchtitan's.
-Sections added or extended here: ``[model]`` (attention choice), ``[attention]`` (one sub-table per
+Sections added or extended here: ``[model]`` (attention choice), ``[training]`` (``stop_after_step``), ``[attention]`` (one sub-table per
 registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
 optimizer/scheduler fields of ``optim/config.py``. :func:`validate_config` checks everything once at start.
 """
@@ -63,6 +63,13 @@ class Data:
     """Where the embedded corpus and its tokenizer are built once and reused."""
 
 
+@dataclass
+class Training:
+    stop_after_step: int = 0
+    """Stop after this step as if the job were preempted (0 = run to ``training.steps``); the schedule still
+    spans ``training.steps``, and a checkpoint is written at the stop step so the same command resumes."""
+
+
 def _optim_sections() -> dict:
     try:
         from optim import config as optim_config
@@ -77,7 +84,8 @@ JobConfig = dataclasses.make_dataclass(
     "JobConfig",
     [("model", Model, field(default_factory=Model)),
      ("attention", Attention, field(default_factory=Attention)),
-     ("data", Data, field(default_factory=Data))] + _extra,
+     ("data", Data, field(default_factory=Data)),
+     ("training", Training, field(default_factory=Training))] + _extra,
 )
 
 

@@ -6,7 +6,7 @@
 
 Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``).
 What this subclass adds to torchtitan's ``Trainer``: config validation before anything starts, CPU
-support (device shim + gloo), perplexity and per-group lr/wd in every log line and in
+support (device shim + gloo), ``training.stop_after_step`` (simulated preemption), perplexity and per-group lr/wd in every log line and in
 ``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and clear errors for unusable checkpoints.
 """
 
@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
@@ -49,14 +50,27 @@ class AttnTrainer(Trainer):
         def checked_load(step: int = -1) -> bool:
             try:
                 return load(step=step)
-            except Exception as e:
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]
                 raise RuntimeError(
                     f"checkpoint in {folder!r} (step {step if step >= 0 else 'latest'}) cannot be loaded into this "
-                    f"run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. It is corrupt or was written "
+                    f"run: {type(e).__name__}: {lines[-1] if lines else ''}. It is corrupt or was written "
                     "by a different model/optimizer config; point checkpoint.folder/job.dump_folder elsewhere or "
                     "remove it.") from e
 
         self.checkpointer.load = checked_load
+
+    def should_continue_training(self) -> bool:
+        stop = self.job_config.training.stop_after_step
+        return super().should_continue_training() and not (0 < stop <= self.step)
+
+    def train(self):
+        super().train()
+        stop = self.job_config.training.stop_after_step
+        if 0 < stop == self.step < self.job_config.training.steps and self.step % self.checkpointer.interval:
+            # a full (resumable) save now; "last_step" saves would be model-only by default
+            self.checkpointer.interval = self.step
+            self.checkpointer.save(self.step)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -117,7 +131,13 @@ def run(argv: list[str]) -> AttnTrainer:
     cfg = parse_config(argv)
     trainer = AttnTrainer(cfg)
     try:
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:  # torchtitan's way to share one init across parallelisms
+            if int(os.environ["WORLD_SIZE"]) != 1 or not cfg.checkpoint.enable:
+                raise ValueError("checkpoint.create_seed_checkpoint needs one process and checkpoint.enable = true")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     finally:
         trainer.close()
     return trainer

@@ -9,8 +9,10 @@ from torch import nn
 
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_ddp
-from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from torchtitan.models.llama3.infra.parallelize import apply_ddp, disable_fsdp_gradient_division
+from torchtitan.models.llama4.infra.parallelize import apply_compile
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
@@ -34,19 +36,33 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        apply_fsdp(model, parallel_dims.get_mesh(names),
-                   param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-                   reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-                   pp_enabled=False, cpu_offload=job_config.training.enable_cpu_offload,
-                   reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-                   gradient_divide_factor=parallel_dims.fsdp_gradient_divide_factor)
-        if torch.distributed.get_backend() == "gloo":  # gloo has no PREMUL_SUM (platform.md)
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
+        apply_fsdp(model, parallel_dims.get_mesh(names), job_config)
         logger.info("Applied FSDP to the model")
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=compile_model)
     return model
+
+
+def apply_fsdp(model: nn.Module, mesh, job_config) -> None:
+    """FSDP2: one group per block, the embeddings with the head and final norm (one group, so tied weights
+    work: torchtitan 0.2.2's ``apply_fsdp`` puts the tied weight in two groups and fails), then the root."""
+    t = job_config.training
+    cfg = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[t.mixed_precision_param],
+                                                           reduce_dtype=TORCH_DTYPE_MAP[t.mixed_precision_reduce])}
+    if t.enable_cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        cfg["offload_policy"] = CPUOffloadPolicy()
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    if policy not in ("default", "always", "never"):
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward={policy!r}; choose from ['default', 'always', 'never']")
+    reshard = policy != "never"
+    for block in model.layers.values():
+        fully_shard(block, **cfg, reshard_after_forward=reshard)
+    fully_shard([model.tok_embeddings, model.norm, model.output], **cfg, reshard_after_forward=policy == "always")
+    fully_shard(model, **cfg)
+    disable_fsdp_gradient_division(model)  # the loss is already divided by the global token count
+    if torch.distributed.get_backend() == "gloo":  # gloo has no PREMUL_SUM (platform.md)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
