@@ -50,8 +50,8 @@ def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: s
         ok, why = fla_usable(device, needs_grad)
         if ok:
             return "fla"
-        if impl == "fla":
-            log_once(f"attention.impl='fla' unavailable for {mechanism} ({why}); using the PyTorch chunk path")
+        if impl == "fla" or device.type == "cuda":
+            log_once(f"attention.impl={impl!r}: fla unavailable for {mechanism} ({why}); using the PyTorch chunk path")
         return "chunk"
     return impl
 

@@ -153,3 +153,21 @@ def test_fla_parity(gate):
     oc, _ = chunk_gla(*(t.float() for t in (q, k, v)), None if g is None else g.float(), None if gk is None else gk.float(),
                       None, h0.float(), chunk_size=64)
     torch.testing.assert_close(oc.double(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["scalar", "col"])
+def test_chunk_compiled_cuda_fwd_bwd(gate):
+    """The compiled PyTorch chunk path (the training path where fla's gated backward is refused)."""
+    dev = torch.device("cuda")
+    q, k, v, g, gk = (None if t is None else t.to(dev) for t in make(2, 333, 4, 64, 64, gate, seed=2))
+    leaves64 = [t.requires_grad_() for t in (q, k, v, g, gk) if t is not None]
+    do = torch.randn(2, 333, 4, 64, dtype=D64, device=dev)
+    ref = [naive_recurrent_gla(q, k, v, g, gk)[0]]
+    ref += torch.autograd.grad((ref[0] * do).sum(), leaves64)
+    lf = [t.detach().float().requires_grad_() for t in leaves64]
+    args = lf[:3] + ([lf[3], None] if gate == "scalar" else [None, lf[3]])
+    o = torch.compile(chunk_gla)(*args, chunk_size=64)[0]
+    out = [o, *torch.autograd.grad((o * do.float()).sum(), lf)]
+    for a, b in zip(out, ref):
+        assert (a.double() - b).norm() / b.norm() < 1e-3
