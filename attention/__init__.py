@@ -3,4 +3,4 @@
 from attention.registry import REGISTRY, build_attention, describe, get_mechanism, register_attention  # noqa: F401
 
 # One line per mechanism module: importing it runs its @register_attention.
-from attention import softmax, parallax, gla, gated_linear, linear, deltanet, gdn, kda, hla, fox, path, cala  # noqa: F401,E401
+from attention import softmax, parallax, gla, gated_linear, linear, deltanet, gdn, kda, hla, fox, path, cala, lla, affine  # noqa: F401,E401

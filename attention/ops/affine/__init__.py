@@ -58,3 +58,6 @@ def affine_attention(
         lh = (lh.view(1, 1, HQ) if lh.dim() == 1 else lh).expand(B, T, HQ).permute(0, 2, 1).to(ct)  # [B, HQ, T]
     o = affine_chunked(mechanism, qh, kh, vh, lh, ds, cg_iters, jacobi, rtol, chunk)
     return o.transpose(1, 2).to(q.dtype)
+
+
+from attention.ops.affine.decode import AffineState, affine_step  # noqa: E402,F401

@@ -19,6 +19,7 @@ import torch
 
 from attention.base import document_ids
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
+from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
 
 IMPLS = ("auto", "triton", "chunked", "reference")

@@ -1,0 +1,190 @@
+"""Local Linear Attention (Zuo et al., ICLR 2026, arXiv 2510.01450): softmax attention upgraded from a
+local-constant to a local-linear (affine) kernel regression at each query (spec ``lla.md``).
+
+Departures from the softmax baseline (same Qwen3 projections ``wq wk wv wo q_norm k_norm``, GQA, RoPE):
+
+- the output is the intercept of a kernel-weighted ridge regression of v on k − q_i (eq. 8), with ρ_i
+  solved per query by ``cg_iters`` conjugate-gradient steps (optionally Jacobi-preconditioned);
+- a ridge λ, learnable per head or per token (λ_i = λ_min + (λ_max − λ_min)·σ(W_λ x_i), paper eq. 27
+  with a floor), in the λω convention of the public FlashLLA code (shift-invariant, spec §5.3);
+- λ → ∞ is exactly softmax attention.
+
+Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "triton",
+"chunked", "reference". Decoding keeps a KV cache (LLA has no recurrent state) and uses the single-pass
+D×D-accumulator decode of spec §8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtitan.models.utils import trunc_normal_
+
+from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.ops.lla import IMPLS as LLA_IMPLS
+from attention.ops.lla import lla_attention, lla_decode
+from attention.registry import register_attention
+
+LAMBDA_MODES = ("head", "token")
+
+
+@dataclass
+class LLAOptions:
+    cg_iters: int = 16
+    """CG iterations for ρ (and for the adjoint solve in the backward); the paper finds 16 enough in bf16."""
+    jacobi: bool = False
+    """Jacobi (diagonal) preconditioner for CG."""
+    lambda_mode: str = "head"
+    """Ridge λ per head ("head", one learnable scalar each) or per token and head from x ("token", eq. 27)."""
+    lambda_init: float = 0.1
+    """Initial λ (λω convention: relative to the normalised softmax weights)."""
+    lambda_min: float = 1e-3
+    """Floor of λ (conditions Σ_i for the first tokens of a document)."""
+    lambda_max: float = 1.0
+    """Ceiling of λ: λ = λ_min + (λ_max − λ_min)·sigmoid(·) (the paper's sigmoid gives (0, 1))."""
+    learn_lambda: bool = True
+    """Learn λ; False keeps λ = lambda_init (the paper's fixed-λ ablation)."""
+    cg_rtol: float = 1e-6
+    """A row's CG stops once ‖residual‖ ≤ cg_rtol·‖rhs‖."""
+    qk_norm: bool = True
+    """RMSNorm on q and k per head before RoPE (the paper's best pretraining setting)."""
+
+
+class RidgeLambda(nn.Module):
+    """λ = lo + (hi − lo)·sigmoid(θ): θ per head ([HQ]) or θ = W_λ x + b per token ([B, T, HQ])."""
+
+    def __init__(self, dim: int, n_heads: int, mode: str, init: float, lo: float, hi: float, learn: bool, key: str):
+        super().__init__()
+        if mode not in LAMBDA_MODES:
+            raise ValueError(f"{key}.lambda_mode={mode!r}; choose from {list(LAMBDA_MODES)}")
+        if not 0 <= lo < init < hi:
+            raise ValueError(f"{key}: need 0 <= lambda_min < lambda_init < lambda_max, got {lo}, {init}, {hi}")
+        self.mode, self.lo, self.hi, self.init = mode, lo, hi, init
+        if mode == "token" and learn:
+            self.lam_proj = nn.Linear(dim, n_heads, bias=True)
+        elif learn:
+            self.lam_logit = nn.Parameter(torch.empty(n_heads))
+        else:
+            self.register_buffer("lam_logit", torch.empty(n_heads))
+
+    def init_weights(self) -> None:
+        f = (self.init - self.lo) / (self.hi - self.lo)
+        logit = math.log(f / (1 - f))
+        if hasattr(self, "lam_proj"):
+            trunc_normal_(self.lam_proj.weight, mean=0.0, std=0.02)
+            nn.init.constant_(self.lam_proj.bias, logit)
+        else:
+            self.lam_logit.fill_(logit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, dim] -> λ: [HQ] or [B, T, HQ], float32."""
+        theta = self.lam_proj(x).float() if hasattr(self, "lam_proj") else self.lam_logit.float()
+        return self.lo + (self.hi - self.lo) * torch.sigmoid(theta)
+
+
+@dataclass
+class KVCache:
+    """Decode cache: k, v [B, max_len, HKV, D] (post-RoPE) and the number of filled positions."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+
+class QKVAttentionBase(nn.Module):
+    """Qwen3-style q/k/v/o projections with optional q/k RMSNorm and RoPE (shared by LLA and the affine family)."""
+
+    def __init__(self, args: AttentionArgs, qk_norm: bool, rope: bool = True):
+        super().__init__()
+        if args.n_heads % args.n_kv_heads:
+            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
+        self.args = args
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.rope = rope
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if qk_norm else None
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def project_qkv(self, x: torch.Tensor, ctx: AttentionContext):
+        """x: [B, T, dim] -> q [B, T, HQ, D], k, v [B, T, HKV, D] (q/k normed and RoPE'd)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            cos, sin = ctx.rope(self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+
+@register_attention("lla", options=LLAOptions, description="Local Linear Attention: local affine kernel regression, ρ by CG (Triton fwd/bwd)")
+class LocalLinearAttention(QKVAttentionBase):
+    """Causal LLA with GQA, q/k RMSNorm, RoPE and a learnable ridge λ (per head or per token)."""
+
+    def __init__(self, args: AttentionArgs, opts: LLAOptions):
+        super().__init__(args, opts.qk_norm)
+        if args.impl not in LLA_IMPLS:
+            raise ValueError(f"attention.impl={args.impl!r} is not valid for lla; choose from {list(LLA_IMPLS)}")
+        if opts.cg_iters < 1:
+            raise ValueError(f"attention.lla.cg_iters={opts.cg_iters} must be >= 1")
+        self.opts = opts
+        self.ridge = RidgeLambda(args.dim, args.n_heads, opts.lambda_mode, opts.lambda_init, opts.lambda_min,
+                                 opts.lambda_max, opts.learn_lambda, "attention.lla")
+
+    def init_weights(self, init_std: float) -> None:
+        super().init_weights(init_std)
+        self.ridge.init_weights()
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, ctx)
+        lam = self.ridge(x)
+        kw = dict(cg_iters=self.opts.cg_iters, jacobi=self.opts.jacobi, rtol=self.opts.cg_rtol)
+        if ctx.cache is not None:
+            o = self._decode(q, k, v, lam, ctx.cache, kw)
+        else:
+            o = lla_attention(q, k, v, lam, cu_seqlens=ctx.cu_seqlens, impl=self.args.impl, **kw)
+        return self.wo(o.reshape(B, T, -1))
+
+    def _decode(self, q, k, v, lam, cache: KVCache, kw) -> torch.Tensor:
+        """Append the new tokens to the cache; an empty cache with T > 1 is a prefill (training path),
+        otherwise one single-pass decode per new token."""
+        B, T = q.shape[:2]
+        p0 = cache.length
+        cache.k[:, p0:p0 + T] = k.to(cache.k.dtype)
+        cache.v[:, p0:p0 + T] = v.to(cache.v.dtype)
+        cache.length = p0 + T
+        if p0 == 0 and T > 1:
+            impl = "chunked" if self.args.impl == "reference" else self.args.impl
+            return lla_attention(q, k, v, lam, impl=impl, **kw)
+        lam = lam.expand(B, T, self.n_heads) if lam.dim() == 3 else lam.view(1, 1, -1).expand(B, T, -1)
+        outs = [lla_decode(q[:, t], cache.k[:, :p0 + t + 1], cache.v[:, :p0 + t + 1], lam[:, t], **kw)
+                for t in range(T)]
+        return torch.stack(outs, 1)
+
+    def init_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
+        shape = (batch_size, max_len, self.n_kv_heads, self.head_dim)
+        return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        # Key-tile GEMMs per query (non-causal count like softmax's 2): statistics 2 (+1 Jacobi),
+        # 3 per CG iteration (q·k recomputed, p·k, (w⊙pk)·k), output 3 (q·k, ρ·k, s·v).
+        gemms = 5 + 3 * self.opts.cg_iters + (1 if self.opts.jacobi else 0)
+        return 2 * gemms * self.n_heads * self.head_dim * seq_len
