@@ -203,7 +203,7 @@ def run_train(T: int, D: int, names: list[str], B=4, HQ=16, HKV=8) -> dict:
     return row
 
 
-def run_decode(B: int, L: int, names: list[str], HQ=16, HKV=8, D=128) -> dict:
+def run_decode(B: int, L: int, names: list[str], HQ=16, HKV=8, D=128, quiet=False) -> dict:
     dev, dt = "cuda", torch.bfloat16
     q, r = torch.randn(B, 1, HQ, D, device=dev, dtype=dt), 0.3 * torch.randn(B, 1, HQ, D, device=dev, dtype=dt)
     kc, vc = torch.randn(B, L, HKV, D, device=dev, dtype=dt), torch.randn(B, L, HKV, D, device=dev, dtype=dt)
@@ -217,7 +217,8 @@ def run_decode(B: int, L: int, names: list[str], HQ=16, HKV=8, D=128) -> dict:
             print(f"  decode B={B} L={L} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         row[name] = us
-        print(f"  decode B={B:3d} L={L:5d} {name:14s} {us:8.1f} us", flush=True)
+        if not quiet:
+            print(f"  decode B={B:3d} L={L:5d} {name:14s} {us:8.1f} us", flush=True)
     del kc, vc
     torch.cuda.empty_cache()
     return row
@@ -308,13 +309,61 @@ def targets(train: dict, decode: dict) -> list[str]:
     return out
 
 
+def best_configs() -> list[str]:
+    """The autotuner's pick per key for each of our kernels (printed so the short lists can be re-pruned)."""
+    from attention.ops.parallax.kernels import bwd, fwd
+
+    out = []
+    for kern in (fwd._parallax_fwd_kernel, bwd._parallax_bwd_dq_kernel, bwd._parallax_bwd_dkv_kernel):
+        for key, cfg in getattr(kern, "cache", {}).items():
+            out.append(f"{kern.fn.__name__} key={key[:7]} -> {cfg}")
+    return out
+
+
+def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 4096))) -> list[str]:
+    """Time the decode kernel over tile / split parameters (module globals of kernels.ops)."""
+    from attention.ops.parallax.kernels import ops as kops
+
+    lines = []
+    base = (dict(kops.DECODE_CFG), kops.MIN_KEYS_PER_SPLIT, kops.WAVES)
+    for bn in (64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                for min_keys, waves in ((256, 2), (128, 2), (512, 2), (256, 4), (256, 1)):
+                    kops.DECODE_CFG.update(BN=bn, num_warps=warps, num_stages=stages)
+                    kops.MIN_KEYS_PER_SPLIT, kops.WAVES = min_keys, waves
+                    cells_us = []
+                    for B, L in cells:
+                        try:
+                            cells_us.append(run_decode(B, L, ["ours-parallax"], quiet=True)["ours-parallax"])
+                        except Exception as e:  # noqa: BLE001
+                            cells_us.append(None)
+                            print(e)
+                    line = f"BN={bn} w={warps} s={stages} min_keys={min_keys} waves={waves}: " + " ".join(
+                        fmt(u, "8.1f") for u in cells_us)
+                    print(line, flush=True)
+                    lines.append(line)
+    kops.DECODE_CFG.update(base[0])
+    kops.MIN_KEYS_PER_SPLIT, kops.WAVES = base[1], base[2]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T=4096 only; decode B in {1, 32} x L in {4k, 32k}")
     ap.add_argument("--only", default="", help="comma-separated column names (default: all available)")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--json", default="", help="also write the raw numbers here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="wide autotune lists (PARALLAX_WIDE_TUNE=1) at T=4096 for our kernels, then a decode sweep")
     args = ap.parse_args()
+    if args.sweep:
+        os.environ["PARALLAX_WIDE_TUNE"] = "1"
+        for D in (64, 128):
+            run_train(4096, D, ["ours-parallax", "ours-softmax"])
+        print("\n".join(best_configs()))
+        sweep_decode()
+        return
     names = available(args.only.split(",") if args.only else list(TRAIN))
     Ts = [4096] if args.quick else [1024, 4096, 8192, 16384]
     import triton
@@ -335,6 +384,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "train": train, "decode": decode}, f, indent=1)
+    print("\n".join(best_configs()))
     print("\n" + report(train, decode))
 
 

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.parallax.naive import naive_parallax
+from attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
 
 IMPLS = ("auto", "triton", "reference")
 
 
-def _triton_impl():
+def _kernels():
     try:
-        from attention.ops.parallax import kernels  # noqa: F401  (added by the kernel work)
+        from attention.ops.parallax import kernels
     except ImportError:
         return None
-    return kernels.parallax_triton
+    return kernels
+
+
+def _triton_impl():
+    k = _kernels()
+    return None if k is None else k.parallax_triton
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -53,3 +58,23 @@ def parallax_attention(
         return naive_parallax(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size)
     return _triton_impl()(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                           window_size=window_size)
+
+
+def parallax_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    r: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Decode step against a KV cache that already holds the TQ new tokens (softmax when r is None).
+    q, r: [B, TQ, HQ, D]; k_cache, v_cache: [B, LMAX, HKV, D]; cache_seqlens: [B] int32 valid tokens per row;
+    returns [B, TQ, HQ, D]. The Triton path splits the cache length (CUDA-graph capturable)."""
+    if resolve_impl(impl, q.device) == "reference":
+        return naive_parallax_decode(q, k_cache, v_cache, cache_seqlens, r, scale=scale, window_size=window_size)
+    return _kernels().parallax_decode_triton(q, k_cache, v_cache, cache_seqlens, r, scale=scale,
+                                             window_size=window_size)

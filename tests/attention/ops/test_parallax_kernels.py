@@ -212,3 +212,19 @@ def test_gpu_decode_vs_full_forward(D, probe):
     ref32 = naive_parallax_decode(q_new.float(), cache_k.float(), cache_v.float(), lens,
                                   r_new.float() if probe else None)
     assert rel_err(out, ref32) < 1e-2
+
+
+def test_public_dispatch_reference_and_triton_agree():
+    """attention.ops.parallax entry points: impl='triton' (interpreter here) equals impl='reference'."""
+    from attention.ops.parallax import parallax_attention, parallax_decode
+
+    q, k, v, r = make_inputs(1, 19, 2, 1, 16, True)
+    a = parallax_attention(q, k, v, r, impl="triton")
+    b = parallax_attention(q, k, v, r, impl="reference")
+    assert rel_err(a, b) < 2e-5
+    seqlens = torch.tensor([19], dtype=torch.int32)
+    c = parallax_decode(q[:, -1:], k, v, seqlens, r[:, -1:], impl="triton")
+    d = parallax_decode(q[:, -1:], k, v, seqlens, r[:, -1:], impl="reference")
+    assert rel_err(c, d) < 2e-5 and rel_err(c, a[:, -1:]) < 2e-5
+    with pytest.raises(ValueError, match="attention.impl"):
+        parallax_decode(q[:, -1:], k, v, seqlens, impl="cuda")

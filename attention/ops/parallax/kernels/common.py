@@ -66,9 +66,18 @@ def _configs(spec, names):
 
 
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
-FWD_SPECS = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
-DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 2)]
-DKV_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 2)]  # (BN, BM, ...): key tile first
+# The short lists hold the winners of the wide sweep below on an H200 (torch 2.11, Triton 3.6; T=4096, 16/8 heads,
+# D=64/128, probe and softmax) plus one neighbour; see benchmarks/RESULTS.md "Attention kernels".
+FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
+DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
+DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3)]  # (BN, BM, ...): key tile first
+# PARALLAX_WIDE_TUNE=1 (scripts/bench_attention.py --sweep): a wider list, to pick the short lists above.
+WIDE_FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+            (64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 32, 4, 4)]
+WIDE_BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
+            (128, 32, 8, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2), (32, 32, 4, 3)]
+if os.environ.get("PARALLAX_WIDE_TUNE", "0") == "1":
+    FWD_SPECS, DQ_SPECS, DKV_SPECS = WIDE_FWD, WIDE_BWD, WIDE_BWD
 INTERPRET_FWD = [(16, 16, 1, 1)]
 INTERPRET_BWD = [(16, 16, 1, 1)]
 
@@ -101,6 +110,8 @@ def prune_fwd(configs, named_args, **kwargs):
 
 def prune_bwd(configs, named_args, **kwargs):
     D = kwargs.get("D", named_args.get("D"))
+    if D >= 128 and kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE")):
+        configs = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] < 128 * 128] or configs
     out = [c for c in configs if not (D >= 256 and (c.kwargs["BM"] > 64 or c.kwargs["BN"] > 64))]
     if D >= 256:
         out = [c for c in out if c.num_stages <= 2] or [triton.Config(dict(c.kwargs), num_warps=4, num_stages=1) for c in configs[:1]]

@@ -137,8 +137,11 @@ parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- decode
-DECODE_BN = 64
+DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
+"""Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
+``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
 MIN_KEYS_PER_SPLIT = 256
+WAVES = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,10 +150,10 @@ def _sm_count(device_index: int) -> int:
 
 
 def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
-    """Power-of-two KV split count from static shapes only: about two waves of programs, ≥ 256 keys each."""
+    """Power-of-two KV split count from static shapes only: about WAVES waves of programs, ≥ 256 keys each."""
     n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
     s = 1
-    while 2 * s * MIN_KEYS_PER_SPLIT <= cache_len and batch * n_kv_heads * s < 2 * n_sm:
+    while 2 * s * MIN_KEYS_PER_SPLIT <= cache_len and batch * n_kv_heads * s < WAVES * n_sm:
         s *= 2
     return s
 
@@ -162,7 +165,8 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
     probe = r is not None
     S = num_splits
-    chunk = triton.cdiv(triton.cdiv(LMAX, S), DECODE_BN) * DECODE_BN
+    BN = DECODE_CFG["BN"]
+    chunk = triton.cdiv(triton.cdiv(LMAX, S), BN) * BN
     W = window_size if 0 < window_size < LMAX else 0
     o = _empty_like(q)
     BR = max(16, triton.next_power_of_2((HQ // HKV) * TQ))
@@ -176,8 +180,9 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
         pm = pd1 = pd2 = po1 = po2 = o
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, scale * LOG2E, W, chunk,
-        B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=DECODE_BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else 4, num_stages=1 if INTERPRET else 3)
+        B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
+        DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1:
         _parallax_decode_merge_kernel[(B * TQ * HQ,)](
             o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
