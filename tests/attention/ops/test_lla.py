@@ -1,0 +1,263 @@
+"""LLA: the float64 reference against the spec's identities, the blockwise PyTorch and Triton paths against
+the reference (forward and every gradient, incl. λ), float64 finite differences (gradcheck), decode."""
+
+import pytest
+import torch
+
+from attention.ops.affine import naive_affine
+from attention.ops.lla import cg_solve, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
+from attention.ops.lla.chunked import block_stats
+from attention.ops.parallax.naive import naive_parallax
+
+f64 = torch.float64
+
+
+def rnd(*shape, dtype=f64):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def inputs(B, T, HQ, HKV, D, dtype=f64, lam_token=True):
+    q, k, v = rnd(B, T, HQ, D, dtype=dtype), rnd(B, T, HKV, D, dtype=dtype), rnd(B, T, HKV, D, dtype=dtype)
+    lam = (torch.rand(B, T, HQ, dtype=dtype) * 0.5 + 0.05) if lam_token else torch.rand(HQ, dtype=dtype) + 0.05
+    return q, k, v, lam
+
+
+def wls_intercept(q, K, V, w, pen):
+    """Direct (d+1)-dim weighted ridge LS: argmin_b,W ½Σ w‖v − b − W(k − q)‖² + (pen/2)‖W‖²; returns b."""
+    X = torch.cat([torch.ones(K.shape[0], 1, dtype=f64), K - q], 1)
+    A = X.T @ (w[:, None] * X)
+    A[1:, 1:] += pen * torch.eye(K.shape[1], dtype=f64)
+    return torch.linalg.solve(A, X.T @ (w[:, None] * V))[0]
+
+
+@pytest.mark.parametrize("ridge", ["omega", "const"])
+def test_reference_equals_direct_wls(ridge):
+    T, D, lam, scale = 9, 3, 0.3, 0.7
+    q, k, v, _ = inputs(1, T, 1, 1, D)
+    o = naive_lla(q, k, v, lam, scale=scale, ridge=ridge, shift=False)
+    for i in range(T):
+        w = torch.exp(scale * k[0, : i + 1, 0] @ q[0, i, 0])
+        pen = lam * w.sum() if ridge == "omega" else lam
+        b = wls_intercept(q[0, i, 0], k[0, : i + 1, 0], v[0, : i + 1, 0], w, pen)
+        torch.testing.assert_close(o[0, i, 0], b, rtol=1e-10, atol=1e-10)
+
+
+def test_scores_sum_to_one_first_output_is_v1_delta_positive():
+    q, k, v, lam = inputs(2, 11, 2, 2, 4)
+    o, aux = naive_lla(q, k, v, lam, return_aux=True)
+    torch.testing.assert_close(aux["s"].sum(-1), torch.ones(2, 2, 11, dtype=f64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(o[:, 0], v[:, 0], rtol=0, atol=1e-12)
+    assert (aux["delta"] > 0).all()
+    assert (aux["s"] < 0).any()  # scores are not a probability distribution
+
+
+def test_lambda_to_infinity_is_softmax():
+    q, k, v, _ = inputs(2, 13, 4, 2, 5)
+    cu = torch.tensor([0, 4, 13, 20, 26], dtype=torch.int32)
+    o = naive_lla(q, k, v, 1e12, cu_seqlens=cu)
+    torch.testing.assert_close(o, naive_parallax(q, k, v, None, cu_seqlens=cu), rtol=1e-8, atol=1e-8)
+
+
+def test_uniform_weight_limit_is_affine_mesa():
+    # scale 0 (h → ∞): every weight is 1 and LLA's λω ridge becomes the λ of the mean-normalised H̃.
+    q, k, v, lam = inputs(2, 12, 4, 2, 3)
+    o = naive_lla(q, k, v, lam, scale=0.0)
+    torch.testing.assert_close(o, naive_affine("affine_mesa", q, k, v, lam), rtol=1e-9, atol=1e-9)
+
+
+def test_small_lambda_reproduces_affine_maps():
+    T, D = 12, 3
+    q, k, _, _ = inputs(1, T, 1, 1, D)
+    A, c = rnd(D, D), rnd(D)
+    v = k @ A.T + c
+    o = naive_lla(q, k, v, 1e-11)
+    torch.testing.assert_close(o[0, D + 1:, 0], q[0, D + 1:, 0] @ A.T + c, rtol=1e-6, atol=1e-6)
+
+
+def test_max_shift_invariance_only_with_omega_ridge():
+    q, k, v, lam = inputs(1, 10, 2, 2, 4)
+    q = q * 3  # large logits: the shift is far from 0
+    a = naive_lla(q, k, v, lam, ridge="omega", shift=True)
+    torch.testing.assert_close(a, naive_lla(q, k, v, lam, ridge="omega", shift=False), rtol=1e-10, atol=1e-10)
+    b = naive_lla(q, k, v, lam, ridge="const", shift=True)
+    assert (b - naive_lla(q, k, v, lam, ridge="const", shift=False)).abs().max() > 1e-3
+
+
+def test_interpolation_form_softmax_plus_slope():
+    """LLA = softmax + Ŵ(q − k̄) with Ŵ the kernel-weighted ridge slope (spec §2.2 item 6)."""
+    T, D, lam = 8, 3, 0.2
+    q, k, v, _ = inputs(1, T, 1, 1, D)
+    o = naive_lla(q, k, v, lam, shift=False)
+    for i in range(T):
+        K, V = k[0, : i + 1, 0], v[0, : i + 1, 0]
+        w = torch.exp(D**-0.5 * K @ q[0, i, 0])
+        p = w / w.sum()
+        kb, vb = p @ K, p @ V
+        Wh = ((V - vb).T * w) @ (K - kb) @ torch.linalg.inv(((K - kb).T * w) @ (K - kb) + lam * w.sum() * torch.eye(D, dtype=f64))
+        torch.testing.assert_close(o[0, i, 0], vb + Wh @ (q[0, i, 0] - kb), rtol=1e-9, atol=1e-9)
+
+
+def test_relmm_and_matrix_free_matvec_match_explicit_sigma():
+    q, k, v, lam = inputs(1, 7, 1, 1, 4)
+    _, aux = naive_lla(q, k, v, 0.3, return_aux=True, shift=False)
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    ok = torch.ones(1, 1, 7, 7, dtype=torch.bool).tril()
+    w, om, mut, _ = block_stats(qh, kh, ok, 4**-0.5)
+    p = rnd(1, 1, 7, 4)
+    i = 5
+    z = kh[0, 0, : i + 1] - qh[0, 0, i]
+    assert torch.allclose(relmm(p, qh, kh)[0, 0, i, : i + 1], z @ p[0, 0, i])
+    sig = (z.T * w[0, 0, i, : i + 1]) @ z + 0.3 * om[0, 0, i] * torch.eye(4, dtype=f64)
+    mv = sigma_matvec(p, qh, kh, w, mut, om, 0.3 * om)
+    torch.testing.assert_close(mv[0, 0, i], sig @ p[0, 0, i])
+
+
+def test_cg_converges_monotone_zero_rhs_and_jacobi():
+    D = 6
+    M = rnd(5, D, D)
+    A = M @ M.transpose(-1, -2) + 0.1 * torch.eye(D, dtype=f64)
+    b = rnd(5, D)
+    b[2] = 0  # zero right-hand side stays exactly zero
+    mv = lambda p: (A @ p[..., None]).squeeze(-1)  # noqa: E731
+    exact = torch.linalg.solve(A, b)
+    errs = [(cg_solve(mv, b, t) - exact).norm() for t in (1, 2, 4, D)]
+    assert all(e1 >= e2 for e1, e2 in zip(errs, errs[1:]))
+    torch.testing.assert_close(cg_solve(mv, b, D), exact, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(cg_solve(mv, b, D, diag=torch.diagonal(A, dim1=-2, dim2=-1)), exact, rtol=1e-9, atol=1e-9)
+    assert (cg_solve(mv, b, D)[2] == 0).all()
+    x1 = cg_solve(mv, b, 3 * D, rtol=1e-3)  # the active mask freezes converged rows: no NaN after convergence
+    assert torch.isfinite(x1).all()
+
+
+CASES = [  # B, T, HQ, HKV, D, cu_seqlens, block
+    (2, 23, 4, 2, 5, None, 8),
+    (1, 29, 2, 1, 4, [0, 3, 17, 29], 8),
+    (2, 17, 3, 3, 3, [0, 9, 17, 21, 34], 16),
+]
+
+
+@pytest.mark.parametrize("B,T,HQ,HKV,D,cu,block", CASES, ids=["gqa-T23", "varlen3-T29", "varlen-2rows"])
+@pytest.mark.parametrize("jacobi", [False, True])
+def test_chunked_forward_and_gradients_match_reference(B, T, HQ, HKV, D, cu, block, jacobi):
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, lam = inputs(B, T, HQ, HKV, D)
+    go = rnd(B, T, HQ, D)
+    xs = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    ref = naive_lla(*xs, cu_seqlens=cu)
+    ref.backward(go)
+    ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    out = lla_attention(*ys, cu_seqlens=cu, impl="chunked", cg_iters=3 * D, rtol=0.0, jacobi=jacobi, block=(block, block))
+    out.backward(go)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for a, b in zip(ys, xs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-8)
+
+
+def test_gradcheck_chunked_per_token_lambda():
+    """Finite differences of the function itself (not the paper's backward): catches the λω term."""
+    q, k, v, lam = inputs(1, 7, 2, 1, 3)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunked", cg_iters=12, rtol=0.0,  # noqa: E731
+                                            block=(4, 4))
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v, lam)], eps=1e-6, atol=1e-6)
+
+
+def test_gradcheck_chunked_per_head_lambda_large_logits():
+    q, k, v, lam = inputs(1, 6, 2, 2, 3, lam_token=False)
+    q = (3 * q).detach()  # far from the max-shift's neutral point
+    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, impl="chunked", cg_iters=12, rtol=0.0, block=(4, 4))  # noqa: E731
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v, lam)], eps=1e-6, atol=1e-6)
+
+
+def test_first_position_has_zero_query_gradient():
+    q, k, v, lam = inputs(1, 9, 1, 1, 3)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    q.requires_grad_()
+    lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunked", cg_iters=9, rtol=0.0).sum().backward()
+    assert q.grad[0, 0].abs().max() < 1e-12 and q.grad[0, 4].abs().max() < 1e-12
+    assert q.grad[0, 5].abs().max() > 1e-6
+
+
+def test_bf16_inputs_solve_in_fp32():
+    q, k, v, lam = inputs(1, 40, 2, 1, 16, dtype=torch.float32)
+    ref = naive_lla(q.double(), k.double(), v.double(), lam.double())
+    out = lla_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam, impl="chunked", cg_iters=16)
+    assert out.dtype == torch.bfloat16
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 3e-2, rel
+
+
+@pytest.mark.parametrize("jacobi", [False, True])
+def test_decode_equals_full_forward_for_every_prefix(jacobi):
+    B, T, HQ, HKV, D = 2, 9, 4, 2, 4
+    q, k, v, lam = inputs(B, T, HQ, HKV, D)
+    full = lla_attention(q, k, v, lam, impl="chunked", cg_iters=3, jacobi=jacobi)  # truncated CG: same iterates
+    for t in range(T):
+        o = lla_decode(q[:, t], k[:, : t + 1], v[:, : t + 1], lam[:, t], cg_iters=3, jacobi=jacobi)
+        torch.testing.assert_close(o, full[:, t], rtol=1e-10, atol=1e-10)
+
+
+def test_impl_validation():
+    q, k, v, lam = inputs(1, 4, 1, 1, 2)
+    with pytest.raises(ValueError, match="attention.impl"):
+        lla_attention(q, k, v, lam, impl="flash")
+
+
+# ----- Triton (interpreter on CPU; tiny shapes) -----
+
+@pytest.mark.parametrize("jacobi", [False, True])
+def test_triton_matches_float64_reference_varlen_gqa(jacobi):
+    B, T, HQ, HKV, D = 1, 21, 2, 1, 6  # D padded to 16, T not a multiple of the tile, 3 unequal documents
+    cu = torch.tensor([0, 5, 16, 21], dtype=torch.int32)
+    q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
+    go = torch.randn(B, T, HQ, D)
+    xs = [t.double().requires_grad_() for t in (q, k, v, lam)]
+    ref = naive_lla(*xs, cu_seqlens=cu)
+    ref.backward(go.double())
+    ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 2, rtol=0.0, jacobi=jacobi, block=(16, 16))
+    out.backward(go)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-4, atol=2e-4)
+    for name, a, b in zip("qkvλ", ys, xs):
+        assert torch.isfinite(a.grad).all(), name
+        err = (a.grad.double() - b.grad).abs().max() / b.grad.abs().max()
+        assert err < 1e-3, (name, err.item())
+
+
+def test_triton_truncated_cg_matches_chunked():
+    """Same number of CG iterations (4 < D): the Triton and PyTorch paths run the same iterates."""
+    q, k, v, lam = inputs(2, 18, 2, 2, 8, dtype=torch.float32)
+    lam = lam + 1.0  # well-conditioned: truncated CG on nearly rank-deficient Σ amplifies rounding through 1/δ
+    a = lla_attention(q, k, v, lam, impl="triton", cg_iters=4, block=(16, 16))
+    b = lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunked", cg_iters=4, block=(16, 16))
+    # rows that converge exactly at the last iteration are rounding-sensitive (fp32 vs fp64 differ by ~1e-3)
+    torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-3)
+    assert (a.double() - lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunked",
+                                       cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
+
+
+# ----- GPU (realistic shapes) -----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gpu_matches_chunked(dtype):
+    B, T, HQ, HKV, D = 2, 1000, 8, 4, 128
+    dev = "cuda"
+    q = torch.randn(B, T, HQ, D, device=dev)
+    q = q / q.norm(dim=-1, keepdim=True) * D**0.5
+    k = torch.randn(B, T, HKV, D, device=dev)
+    k = k / k.norm(dim=-1, keepdim=True) * D**0.5
+    v = torch.randn(B, T, HKV, D, device=dev)
+    lam = torch.full((HQ,), 0.1, device=dev)
+    cu = torch.tensor([0, 300, 1000, 1013, 2000], dtype=torch.int32, device=dev)
+    go = torch.randn(B, T, HQ, D, device=dev)
+    res = []
+    for impl, dt in (("triton", dtype), ("chunked", torch.float32)):
+        xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v)] + [lam.clone().requires_grad_()]
+        o = lla_attention(*xs, cu_seqlens=cu, impl=impl, cg_iters=16)
+        o.backward(go.to(dt))
+        res.append([o.float()] + [x.grad.float() for x in xs])
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
+        rel = (a - b).norm() / b.norm()
+        assert rel < (5e-2 if dtype == torch.bfloat16 else 1e-2), (name, rel.item())
