@@ -1,0 +1,46 @@
+"""Every TOML in configs/ parses, validates and builds its model on the meta device."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import register_train_spec
+from models.args import get_flavor
+from models.model import Transformer
+from train import parse_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_builds_on_meta(path):
+    register_train_spec()
+    cfg = parse_config(["--job.config_file", str(path)])
+    args = get_flavor(cfg.model.flavor)
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    nparams, flops = args.get_nparams_and_flops(model, cfg.training.seq_len)
+    assert nparams > 0 and flops > 6 * (nparams - model.tok_embeddings.weight.numel())
+
+
+def test_generated_configs_are_current(tmp_path, monkeypatch):
+    """configs/ holds exactly what scripts/make_configs.py writes (no hand edits drift)."""
+    import scripts.make_configs as mk
+
+    monkeypatch.setattr(mk, "CONFIGS", tmp_path)
+    mk.main()
+    for f in tmp_path.iterdir():
+        assert f.read_text() == (mk.Path(__file__).resolve().parents[1] / "configs" / f.name).read_text(), f.name
+
+
+def test_paper_values():
+    cfg = parse_config(["--job.config_file", str(CONFIGS[0].parent / "qwen3_0.6b_parallax.toml")])
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.weight_decay) == ("muon", 5e-3, 0.1)
+    assert (cfg.lr_scheduler.schedule, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_start) == ("wsd", 0, 0.8)
+    assert cfg.training.global_batch_size * cfg.training.seq_len == 3_932_160 and cfg.training.max_norm == 1.0
+    assert cfg.attention.parallax.rope_on_rho and cfg.model.converters == ["quantize.linear.float8"]
+    cos = parse_config(["--job.config_file", str(CONFIGS[0].parent / "qwen3_1.7b_softmax_adamw_cosine.toml")])
+    assert (cos.optimizer.name, cos.optimizer.lr, cos.lr_scheduler.warmup_fraction) == ("AdamW", 3e-4, 0.01)
+    assert cos.training.global_batch_size == 1920
