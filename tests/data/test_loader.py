@@ -1,0 +1,111 @@
+"""Data: per-document positions, packing, deterministic sharding, resumable state, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from data.loader import PackedTextDataset, build_tokenizer, document_positions
+from data.sources import open_text_dataset, resolve_files
+from tests.utils import make_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("c"), seq_len=16, n_train=40)
+
+
+class _Cfg:
+    def __init__(self, path):
+        self.model = type("M", (), {"hf_assets_path": path})()
+        self.data = type("D", (), {"cache_dir": "/tmp", "embedded_vocab_size": 64})()
+
+
+def _dataset(corpus, seq_len=10, rank=0, world=1):
+    tok = build_tokenizer(_Cfg(corpus["tokenizer"]))
+    ds, field = open_text_dataset(corpus["train"], "training.dataset_path", local=True, text_field="text")
+    return PackedTextDataset(ds, field, "t", tok, seq_len, rank, world, infinite=True), tok
+
+
+def test_document_positions():
+    t = torch.tensor([5, 0, 7, 8, 1, 0, 9, 1, 4, 4])  # bos=0, eos=1
+    assert document_positions(t, 0, 1).tolist() == [0, 0, 1, 2, 3, 0, 1, 2, 0, 1]
+    assert document_positions(t, None, 1).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]  # EOS-only tokenizers
+
+
+def test_rows_pack_documents_with_bos_eos(corpus):
+    ds, tok = _dataset(corpus, seq_len=10)
+    it = iter(ds)
+    (inp, label) = next(it)
+    x, pos = inp["input"], inp["positions"]
+    assert x.shape == pos.shape == label.shape == (10,)
+    assert x[0].item() == tok.bos_id and torch.equal(label[:-1], x[1:])
+    # rows are consecutive (seq_len + 1)-token windows of the BOS/EOS-delimited token stream
+    stream = []
+    for line in open(corpus["train"]):
+        stream += tok.encode(json.loads(line)["text"], add_bos=True, add_eos=True)
+    for k, (row, lab) in enumerate([(x, label)] + [(b["input"], lb) for b, lb in (next(it), next(it))]):
+        window = torch.tensor(stream[k * 11:(k + 1) * 11])
+        assert torch.equal(row, window[:-1]) and torch.equal(lab, window[1:])
+
+
+def test_state_resumes_where_it_stopped(corpus):
+    ds, _ = _dataset(corpus)
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = ds.state_dict()
+    expect = [next(it) for _ in range(4)]
+    fresh, _ = _dataset(corpus)
+    fresh.load_state_dict(json.loads(json.dumps(state)))  # state survives serialisation
+    got = [b for b, _ in zip(iter(fresh), range(4))]
+    for (a, la), (b, lb) in zip(expect, got):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb)
+
+
+def test_interleaved_sharding_is_deterministic(corpus):
+    one, _ = _dataset(corpus, seq_len=16)
+    r0, _ = _dataset(corpus, seq_len=16, rank=0, world=2)
+    r1, _ = _dataset(corpus, seq_len=16, rank=1, world=2)
+    rows = [b[0]["input"] for b, _ in zip(iter(one), range(4))]
+    assert torch.equal(next(iter(r0))[0]["input"], rows[0]) and torch.equal(next(iter(r1))[0]["input"], rows[1])
+
+
+def test_repeatable_validation_restarts(corpus):
+    tok = build_tokenizer(_Cfg(corpus["tokenizer"]))
+    ds, field = open_text_dataset(corpus["val"], "validation.dataset_path", local=True, text_field="text")
+    val = PackedTextDataset(ds, field, "v", tok, 16, 0, 1, infinite=False, repeatable=True)
+    a = [b[0]["input"] for b in val]
+    b = [b[0]["input"] for b in val]
+    assert len(a) == 8 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_errors_name_the_key(tmp_path, corpus):
+    with pytest.raises(ValueError, match="training.dataset_path='/nope': no such file"):
+        resolve_files("/nope", "training.dataset_path")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .jsonl/.json/.parquet/.txt"):
+        resolve_files(str(tmp_path / "empty"), "training.dataset_path")
+    with pytest.raises(ValueError, match="no column 'body'"):
+        open_text_dataset(corpus["train"], "training.dataset_path", local=True, text_field="body")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        build_tokenizer(_Cfg(str(tmp_path / "tok")))
+
+
+def test_folder_glob_and_gz(tmp_path):
+    import gzip
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    for i in range(2):
+        with gzip.open(d / f"part-{i}.jsonl.gz", "wt") as f:
+            f.write(json.dumps({"text": f"doc {i} " * 30}) + "\n")
+    (d / "notes.txt.gz").write_bytes(gzip.compress(b"x"))
+    with pytest.raises(ValueError, match="must all be one of"):
+        resolve_files(str(d), "training.dataset_path")
+    builder, files = resolve_files(str(d / "*.jsonl.gz"), "training.dataset_path")
+    assert builder == "json" and len(files) == 2
+    ds, _ = open_text_dataset(str(d / "*.jsonl.gz"), "k", local=True, text_field="text")
+    assert len(ds) == 2
