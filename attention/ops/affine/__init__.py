@@ -16,6 +16,7 @@ from attention.ops.lla import doc_bounds
 IMPLS = ("auto", "chunked", "reference")
 
 
+@torch.compiler.disable  # data-dependent tile ranges and Python loops: run eagerly inside compiled models
 def affine_attention(
     mechanism: str,
     q: torch.Tensor,

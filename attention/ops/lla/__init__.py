@@ -104,6 +104,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+@torch.compiler.disable  # data-dependent tile ranges and Python loops: run eagerly inside compiled models
 def lla_attention(
     q: torch.Tensor,
     k: torch.Tensor,
