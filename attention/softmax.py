@@ -21,7 +21,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, apply_rope
-from attention.ops.parallax import parallax_attention
+from attention.ops.parallax import parallax_attention, parallax_decode
 from attention.ops.parallax.naive import visibility_mask
 from attention.registry import register_attention
 
@@ -61,6 +61,19 @@ def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) ->
         kw["enable_gqa"] = True
     o = varlen_attn(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, scale=scale, **kw)
     return o.view(B, T, HQ, D)
+
+
+@dataclass
+class KVCache:
+    """Fixed-shape decode cache of one softmax/Parallax layer.
+
+    k, v:    [B, L, HKV, D] keys (RoPE applied) and values; slots at or beyond ``seqlens[b]`` are unused.
+    seqlens: [B] int32 tokens cached per sequence (rows may differ; updated in place, no host sync).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens: torch.Tensor
 
 
 @register_attention("softmax", options=SoftmaxOptions, description="softmax attention (SDPA / varlen / Triton), the Qwen3 baseline")
@@ -113,10 +126,36 @@ class SoftmaxAttention(nn.Module):
         return parallax_attention(q, k, v, r, scale=self.scale, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                                   window_size=window, impl="auto" if impl == "sdpa" else impl)
 
+    def init_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
+        """Empty cache for ``max_len`` tokens per sequence: k, v [B, max_len, HKV, D], seqlens [B] = 0."""
+        kv = lambda: torch.zeros(batch_size, max_len, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
+        return KVCache(kv(), kv(), torch.zeros(batch_size, device=device, dtype=torch.int32))
+
+    def decode(self, q, k, v, r, cache: KVCache) -> torch.Tensor:
+        """Append the T new keys/values of every row at its ``seqlens`` and attend over the cache.
+        q, r: [B, T, HQ, D]; k, v: [B, T, HKV, D] -> [B, T, HQ, D]. The caller keeps seqlens + T ≤ L."""
+        B, T = q.shape[:2]
+        slot = cache.seqlens.to(torch.int64)[:, None] + torch.arange(T, device=q.device)  # [B, T]
+        row = torch.arange(B, device=q.device)[:, None].expand(B, T)  # [B, T]
+        cache.k[row, slot] = k.to(cache.k.dtype)
+        cache.v[row, slot] = v.to(cache.v.dtype)
+        cache.seqlens += T
+        impl = {"sdpa": "auto"}.get(self.args.impl, self.args.impl)
+        o = parallax_decode(q.to(cache.k.dtype), cache.k, cache.v, cache.seqlens,
+                            None if r is None else r.to(cache.k.dtype), scale=self.scale,
+                            window_size=self.opts.window_size or None, impl=impl)
+        return o.to(q.dtype)
+
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x: [B, T, dim] -> [B, T, dim]. With ``ctx.cache`` (a :class:`KVCache`): T new tokens per row at
+        absolute ``ctx.positions``, appended to the cache; ρ (Parallax) comes from the new tokens."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, ctx)
-        o = self.mix(q, k, v, self.probe(x, ctx), ctx)
+        r = self.probe(x, ctx)
+        if ctx.cache is not None:
+            o = self.decode(q, k, v, r, ctx.cache)
+        else:
+            o = self.mix(q, k, v, r, ctx)
         return self.wo(o.reshape(B, T, -1))
 
     def probe(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:

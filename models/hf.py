@@ -1,0 +1,398 @@
+"""Checkpoint I/O: Hugging Face safetensors folders and model-only DCP folders, one state-dict adapter per mechanism.
+
+Two on-disk formats hold a model:
+
+- **DCP step folder** (``<dump>/checkpoint/step-N`` as the trainer writes it, or a model-only folder written
+  here): flattened parameter names (``tok_embeddings.weight``, ``layers.3.attention.wq.weight``, …) next to
+  optimizer/scheduler/data-loader entries. A DCP folder does not record the architecture; it is inferred from
+  the tensor shapes for softmax/Parallax layers, or read from the sidecar ``attnlab.json`` that this module
+  writes next to the ones it creates.
+- **Hugging Face folder**: ``config.json`` + ``model.safetensors`` (or a sharded index). A model whose every
+  layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
+  ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
+  adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
+  ``model_type = "attnlab"`` so transformers refuses it instead of silently dropping weights, and its
+  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact).
+
+The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map`` (dense entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attention
+from models.args import ModelArgs
+from models.model import Transformer
+
+SIDECAR = "attnlab.json"
+NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
+"""Attention submodule renames (torchtitan → HF); every other attention parameter keeps its name under self_attn."""
+SOFTMAX_PARAMS = {"wq.weight", "wk.weight", "wv.weight", "wo.weight"}
+QK_NORM_PARAMS = {"q_norm.weight", "k_norm.weight"}
+PARALLAX_PARAMS = {"wr.weight", "r_norm.weight"}
+GATE_PARAMS = {"r_gate.weight", "r_gate.bias"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
+
+
+# ------------------------------------------------------------------------------------------- architecture
+
+def args_to_dict(args: ModelArgs) -> dict[str, Any]:
+    """JSON-able architecture: ModelArgs fields with ``layer_pattern`` expanded to one entry per layer and
+    every used mechanism's options as a dict."""
+    d = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs) if f.name != "attention_options"}
+    d["layer_pattern"] = args.layer_mechanisms()
+    d["attention_options"] = {
+        name: dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
+        for name, opts in args.attention_options.items() if name in set(args.layer_mechanisms())
+    }
+    return d
+
+
+def args_from_dict(d: dict[str, Any]) -> ModelArgs:
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = set(d) - known
+    if unknown:
+        raise CheckpointError(f"architecture record has unknown fields {sorted(unknown)}; valid: {sorted(known)}")
+    kw = {k: v for k, v in d.items() if k != "attention_options"}
+    args = ModelArgs(**kw)
+    opts = {}
+    for name in set(args.layer_mechanisms()):
+        mech = attention.get_mechanism(name, "layer_pattern")
+        opts[name] = mech.options(**d.get("attention_options", {}).get(name, {}))
+    args.attention_options = opts
+    return args
+
+
+def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None, device="cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, materialise, init, then load ``state_dict`` strictly (names as the model's)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    if state_dict is not None:
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if args.enable_weight_tying:
+            missing = [k for k in missing if k != "output.weight"]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint does not match the model: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
+                                  f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
+        if args.enable_weight_tying:
+            model.output.weight = model.tok_embeddings.weight
+    return model.to(dtype).eval()
+
+
+def _layer_params(keys, i: int) -> set[str]:
+    prefix = f"layers.{i}.attention."
+    return {k[len(prefix):] for k in keys if k.startswith(prefix)}
+
+
+def infer_mechanism(params: set[str]) -> str | None:
+    """'softmax' / 'parallax' from a layer's attention parameter names, None when neither fits."""
+    base = params - QK_NORM_PARAMS
+    if base == SOFTMAX_PARAMS:
+        return "softmax"
+    if base - GATE_PARAMS == SOFTMAX_PARAMS | PARALLAX_PARAMS and (not (base & GATE_PARAMS) or GATE_PARAMS <= base):
+        return "parallax"
+    return None
+
+
+def infer_args(sd: dict[str, torch.Tensor], norm_eps: float = 1e-6, rope_theta: float = 1e6,
+               max_seq_len: int = 4096, attn_mask_type: str = "causal") -> ModelArgs:
+    """Architecture of a softmax/Parallax state dict from its tensor shapes (DCP folders record none).
+    Not recoverable from shapes: norm_eps, rope_theta, sliding windows, RoPE-on-ρ (assumed on) — pass them
+    or use a folder with a sidecar."""
+    if "tok_embeddings.weight" not in sd or "norm.weight" not in sd:
+        raise CheckpointError("no model weights found (expected tok_embeddings.weight and norm.weight); "
+                              "is this a training checkpoint of this framework?")
+    vocab, dim = sd["tok_embeddings.weight"].shape
+    n_layers = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"layers\.(\d+)\.", k)))
+    mechs = []
+    for i in range(n_layers):
+        p = _layer_params(sd, i)
+        mech = infer_mechanism(p)
+        if mech is None:
+            raise CheckpointError(f"layer {i}: attention parameters {sorted(p)} are neither softmax nor Parallax; "
+                                  f"this folder has no {SIDECAR} describing its mechanism (supported: softmax, parallax)")
+        mechs.append(mech)
+    a0 = "layers.0.attention."
+    qk_norm = f"{a0}q_norm.weight" in sd
+    if not qk_norm:
+        raise CheckpointError("layers without q_norm: the head size cannot be inferred from shapes; "
+                              f"this folder needs an {SIDECAR} record")
+    head_dim = sd[f"{a0}q_norm.weight"].shape[0]
+    n_heads = sd[f"{a0}wq.weight"].shape[0] // head_dim
+    n_kv = sd[f"{a0}wk.weight"].shape[0] // head_dim
+    hidden = sd["layers.0.feed_forward.w1.weight"].shape[0]
+    tied = "output.weight" not in sd or (sd["output.weight"].shape == sd["tok_embeddings.weight"].shape
+                                         and torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]))
+    opts = {}
+    for name in set(mechs):
+        mech = attention.get_mechanism(name)
+        kw: dict[str, Any] = {"qk_norm": qk_norm}
+        if name == "parallax":
+            kw["rho_gate"] = any(f"layers.{i}.attention.r_gate.weight" in sd for i in range(n_layers))
+        opts[name] = mech.options(**kw)
+    pattern = mechs if len(set(mechs)) > 1 else []
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+                     hidden_dim=hidden, vocab_size=vocab, norm_eps=norm_eps, rope_theta=rope_theta,
+                     max_seq_len=max_seq_len, enable_weight_tying=tied, attn_mask_type=attn_mask_type,
+                     attention=mechs[0], layer_pattern=pattern, attention_options=opts)
+
+
+# ------------------------------------------------------------------------------------------------- DCP
+
+def is_dcp_folder(path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def is_hf_folder(path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file())
+
+
+def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if key.startswith(NON_MODEL_PREFIXES) or not isinstance(m, TensorStorageMetadata):
+            continue
+        sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    if not sd:
+        raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
+    try:
+        dcp.load(sd, checkpoint_id=str(folder), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: reading the DCP checkpoint failed, it is corrupt or incomplete "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    if progress:
+        _bar(len(sd), "read").update(len(sd))
+    return sd
+
+
+def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:
+    """Model-only DCP folder (what ``checkpoint.initial_load_path`` with ``initial_load_model_only`` reads)
+    plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_sidecar(folder) -> ModelArgs | None:
+    p = Path(folder) / SIDECAR
+    return args_from_dict(json.loads(p.read_text())) if p.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------------- HF
+
+def _qwen3_map() -> dict[str, str]:
+    """torchtitan's Qwen3 HF→torchtitan table, dense entries only (``{}`` = layer index)."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    table = Qwen3StateDictAdapter(Qwen3ModelArgs(), None).from_hf_map
+    return {hf: tt for hf, tt in table.items() if tt is not None and "moe" not in tt}
+
+
+def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """torchtitan names → HF names. Attention parameters go under ``self_attn.`` (renamed per
+    ``ATTN_PARAM_TO_HF``); a tied head is not written (``tie_word_embeddings``)."""
+    fixed = {tt: hf for hf, tt in _qwen3_map().items() if "{}" not in tt}
+    layer = {tt: hf for hf, tt in _qwen3_map().items() if "{}" in tt and ".attention." not in tt}
+    out = {}
+    for k, v in sd.items():
+        if k == "output.weight" and args.enable_weight_tying:
+            continue
+        if k in fixed:
+            out[fixed[k]] = v
+            continue
+        m = re.match(r"layers\.(\d+)\.(.+)$", k)
+        if m is None:
+            raise CheckpointError(f"no Hugging Face name for parameter {k!r}")
+        i, rest = m.groups()
+        generic = f"layers.{{}}.{rest}"
+        if generic in layer:
+            out[layer[generic].format(i)] = v
+        elif rest.startswith("attention."):
+            sub, _, tail = rest[len("attention."):].partition(".")
+            out[f"model.layers.{i}.self_attn.{ATTN_PARAM_TO_HF.get(sub, sub)}.{tail}"] = v
+        else:
+            raise CheckpointError(f"no Hugging Face name for parameter {k!r}")
+    return out
+
+
+def from_hf(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF names → torchtitan names (inverse of :func:`to_hf`); ``rotary_emb.inv_freq`` buffers are dropped."""
+    fixed = {hf_: tt for hf_, tt in _qwen3_map().items() if "{}" not in tt}
+    layer = {hf_: tt for hf_, tt in _qwen3_map().items() if "{}" in tt and ".attention." not in tt}
+    from_attn = {v: k for k, v in ATTN_PARAM_TO_HF.items()}
+    out = {}
+    for k, v in hf.items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        if k in fixed:
+            out[fixed[k]] = v
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(.+)$", k)
+        if m is None:
+            raise CheckpointError(f"unexpected Hugging Face tensor {k!r}")
+        i, rest = m.groups()
+        generic = f"model.layers.{{}}.{rest}"
+        if generic in layer:
+            out[layer[generic].format(i)] = v
+        elif rest.startswith("self_attn."):
+            sub, _, tail = rest[len("self_attn."):].partition(".")
+            out[f"layers.{i}.attention.{from_attn.get(sub, sub)}.{tail}"] = v
+        else:
+            raise CheckpointError(f"unexpected Hugging Face tensor {k!r}")
+    if args.enable_weight_tying:
+        out.setdefault("output.weight", out.get("tok_embeddings.weight"))
+    return out
+
+
+def is_plain_qwen3(args: ModelArgs) -> bool:
+    """Every layer is softmax attention with q/k-norm and no window: loadable by transformers' Qwen3."""
+    if set(args.layer_mechanisms()) != {"softmax"}:
+        return False
+    o = args.attention_options.get("softmax")
+    return o is None or (o.qk_norm and not o.window_size)
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json: Qwen3Config fields, plus the full architecture under "attnlab"."""
+    plain = is_plain_qwen3(args)
+    return {
+        "architectures": ["Qwen3ForCausalLM" if plain else "AttnLabForCausalLM"],
+        "model_type": "qwen3" if plain else "attnlab",
+        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_scaling": None, "tie_word_embeddings": args.enable_weight_tying,
+        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        "use_cache": True, "initializer_range": 0.02, "torch_dtype": str(dtype).removeprefix("torch."),
+        "attnlab": args_to_dict(args),
+    }
+
+
+def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    if "attnlab" in cfg:
+        return args_from_dict(cfg["attnlab"])
+    if cfg.get("model_type") != "qwen3":
+        raise CheckpointError(f"config.json model_type={cfg.get('model_type')!r}: only Qwen3 (dense) Hugging Face "
+                              "checkpoints and folders exported by scripts/export_hf.py are supported")
+    if cfg.get("use_sliding_window") or cfg.get("rope_scaling") or cfg.get("attention_bias"):
+        raise CheckpointError("config.json uses sliding windows, rope_scaling or attention bias, which this model lacks")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json hidden_act={cfg['hidden_act']!r}; only 'silu' is supported")
+    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
+    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                     n_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                     hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                     norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+                     max_seq_len=cfg.get("max_position_embeddings", 4096),
+                     enable_weight_tying=cfg.get("tie_word_embeddings", False), attention="softmax",
+                     attention_options={"softmax": attention.get_mechanism("softmax").options()})
+
+
+def load_hf_state(folder, progress: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(architecture, torchtitan-named state dict) of a Hugging Face folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{folder}/config.json cannot be read: {e}") from e
+    args = args_from_hf_config(cfg)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else sorted(p.name for p in folder.glob("*.safetensors"))
+    hf = {}
+    for name in _bar(files, "read", progress):
+        try:
+            hf.update(load_file(str(folder / name)))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{folder / name}: corrupt or unreadable safetensors file ({e})") from e
+    return args, from_hf(hf, args)
+
+
+def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.dtype = torch.float32,
+            tokenizer_dir=None, progress: bool = False) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) atomically into ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    hf = {k: v.detach().to(dtype).contiguous().clone() for k, v in _bar(to_hf(sd, args).items(), "convert", progress)}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+        if tokenizer_dir is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                         "special_tokens_map.json", "generation_config.json"):
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------ any folder
+
+def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False, **infer_kw):
+    """(format "dcp" | "hf", architecture, state dict) of a DCP step folder or an HF folder.
+    DCP architecture: ``args`` if given, else the sidecar, else inferred from shapes (``infer_kw``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if is_hf_folder(path):
+        a, sd = load_hf_state(path, progress)
+        return "hf", args or a, sd
+    if is_dcp_folder(path):
+        sd = load_dcp_state(path, progress)
+        return "dcp", args or read_sidecar(path) or infer_args(sd, **infer_kw), sd
+    raise CheckpointError(f"{path}: neither a DCP step folder (.metadata) nor a Hugging Face folder "
+                          "(config.json + *.safetensors)")
+
+
+def _bar(it, desc: str, enable: bool = True):
+    from tqdm import tqdm
+
+    if isinstance(it, int):
+        return tqdm(total=it, desc=desc, disable=not enable, leave=False)
+    return tqdm(it, desc=desc, disable=not enable, leave=False)
