@@ -55,6 +55,7 @@ def normalized_linear_attention(qf, kf, v, *, eps: float = 1e-6, cu_seqlens=None
     denominator columns). impl: "triton" | "chunk" | "auto" (Triton on CUDA without states)."""
     B, T, H, _ = qf.shape
     doc = None if cu_seqlens is None else document_ids(cu_seqlens, B, T)
+    qf, kf = qf.to(v.dtype), kf.to(v.dtype)  # LayerNorm under autocast returns fp32; run in v's dtype
     va = torch.cat([v, torch.ones_like(v[..., :1])], -1)
     stateful = initial_state is not None or output_final_state
     use_triton = impl == "triton" or (impl == "auto" and qf.is_cuda)

@@ -285,7 +285,7 @@ def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, 
         raise ValueError("gla_triton has no initial/final state; use the chunk (PyTorch) path for prefill/decode")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"attention.hla.chunk_size={chunk_size} must be one of [16, 32, 64, 128] for the Triton path")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()  # one dtype for tl.dot
     if doc is not None:
         doc = doc.to(torch.int32).contiguous()
     return _GLAFunction.apply(q, k, v, g, doc, chunk_size)
