@@ -53,7 +53,8 @@ def _solve(qb, kb, w, omega, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
 def lla_fwd_chunked(q, k, v, lam, doc_start, scale, cg_iters, jacobi, ridge_omega, rtol, block):
     """q, k, v: [B, H, T, D]; lam: [B, H, T]. Returns o [B, H, T, D], rho [B, H, T, D], delta [B, H, T]."""
     B, H, T, D = q.shape
-    o, rho, delta = torch.empty_like(q), torch.empty_like(q), q.new_empty(B, H, T)
+    nan = float("nan")  # poisoned: every row must be written by exactly one block
+    o, rho, delta = torch.full_like(q, nan), torch.full_like(q, nan), q.new_full((B, H, T), nan)
     for r0 in range(0, T, block):
         r1 = min(T, r0 + block)
         lo = int(doc_start[:, r0].min())
@@ -72,8 +73,8 @@ def lla_bwd_chunked(q, k, v, lam, doc_start, o, rho, delta, do, scale, cg_iters,
                     block):
     """Exact gradients (see the module docstring). Returns dq, dk, dv [B, H, T, D] and dlam [B, H, T]."""
     B, H, T, D = q.shape
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dlam = q.new_zeros(B, H, T)
+    dq, dk, dv = torch.full_like(q, float("nan")), torch.zeros_like(k), torch.zeros_like(v)  # dk, dv accumulate
+    dlam = q.new_full((B, H, T), float("nan"))
     for r0 in range(0, T, block):
         r1 = min(T, r0 + block)
         lo = int(doc_start[:, r0].min())

@@ -237,6 +237,23 @@ def test_triton_truncated_cg_matches_chunked():
                                        cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
 
 
+@pytest.mark.slow
+def test_triton_larger_tiles_mixed_blocks():
+    B, T, HQ, HKV, D = 2, 45, 4, 2, 32
+    cu = torch.tensor([0, 20, 45, 46, 90], dtype=torch.int32)
+    q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
+    lam = lam + 0.5
+    go = torch.randn(B, T, HQ, D)
+    res = []
+    for impl, dt, blk in (("triton", torch.float32, (16, 32)), ("chunked", f64, (16, 16))):
+        xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v, lam)]
+        o = lla_attention(*xs, cu_seqlens=cu, impl=impl, cg_iters=40, rtol=0.0, block=blk)
+        o.backward(go.to(dt))
+        res.append([o.double()] + [x.grad.double() for x in xs])
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
+        assert (a - b).abs().max() / b.abs().max() < 1e-3, name
+
+
 # ----- GPU (realistic shapes) -----
 
 @pytest.mark.gpu
@@ -260,4 +277,4 @@ def test_triton_gpu_matches_chunked(dtype):
         res.append([o.float()] + [x.grad.float() for x in xs])
     for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
         rel = (a - b).norm() / b.norm()
-        assert rel < (5e-2 if dtype == torch.bfloat16 else 1e-2), (name, rel.item())
+        assert rel < (5e-2 if dtype == torch.bfloat16 else 2e-2), (name, rel.item())  # TF32 dots on GPU
