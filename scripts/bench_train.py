@@ -1,0 +1,140 @@
+"""End-to-end training throughput: tokens/s per GPU, MFU and peak memory, through the real trainer.
+
+    python scripts/bench_train.py --data DIR --tokenizer DIR [--quick] [--rows softmax,parallax,...]
+
+Each row launches ``train.py`` (or stock torchtitan's qwen3 for the "stock" row) for ``--steps`` steps at the
+0.6B size on one GPU, compiled, with the given precision, and reads ``metrics.jsonl`` (the stock row: its log
+lines). Throughput is the median over the steps after ``--warmup``. Ratios are printed against the named
+baselines of the same run: Parallax vs softmax, fp8 vs bf16, ours vs stock torchtitan.
+
+``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = {  # name -> (config, extra args)
+    "softmax": ("qwen3_0.6b_softmax", []),
+    "parallax": ("qwen3_0.6b_parallax", []),
+    "parallax_p64": ("qwen3_0.6b_parallax_p64", []),
+    "gdn": ("qwen3_0.6b_gdn", []),
+}
+
+
+def common(args, dump: Path, fp8: bool) -> list[str]:
+    out = ["--job.dump_folder", str(dump), "--model.hf_assets_path", args.tokenizer,
+           "--training.dataset_path", args.data, "--training.local_batch_size", str(args.batch),
+           "--training.global_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+           "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--validation.no-enable",
+           "--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
+    if not fp8:
+        out += ["--model.converters", ""]
+    return out
+
+
+def run(cmd: list[str], log: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO))
+    log.write_text(p.stdout + p.stderr)
+    if p.returncode:
+        tail = (p.stdout + p.stderr)[-1500:]
+        print(f"FAILED: {' '.join(cmd[:6])} ...\n{tail}", file=sys.stderr)
+    return p.stdout + p.stderr
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    rows = [r for r in records if r["step"] > warmup]
+    if not rows:
+        return {}
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {"tps": med("tps"), "mfu": med("mfu"), "mem": max(r["memory_gib"] for r in rows), "loss": rows[-1]["loss"]}
+
+
+def ours(args, name, fp8, out: Path) -> dict:
+    config, extra = ROWS[name]
+    dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
+           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"),
+           "--job.config_file", str(REPO / "configs" / f"{config}.toml"), *common(args, dump, fp8), *extra]
+    run(cmd, out / f"{dump.name}.log")
+    path = dump / "metrics.jsonl"
+    return summarize([json.loads(x) for x in open(path)], args.warmup) if path.exists() else {}
+
+
+LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
+
+
+def stock(args, fp8, out: Path) -> dict:
+    """Stock torchtitan qwen3 0.6B with the same data, tokenizer, batch, compile and AC."""
+    dump = out / f"stock_{'fp8' if fp8 else 'bf16'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
+           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "torchtitan.train",
+           "--model.name", "qwen3", "--model.flavor", "0.6B", "--training.dataset", "c4_test",
+           "--compile.enable", "--compile.components", "model,loss", "--activation_checkpoint.mode", "selective",
+           "--training.mixed_precision_param", "bfloat16", *common(args, dump, fp8)]
+    if fp8:
+        cmd += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name",
+                "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
+    text = run(cmd, out / f"{dump.name}.log")
+    rows = [(int(s), float(m), float(t.replace(",", "")), float(u)) for s, m, t, u in LINE.findall(text)]
+    rows = [r for r in rows if r[0] > args.warmup]
+    if not rows:
+        return {}
+    return {"tps": statistics.median(r[2] for r in rows), "mfu": statistics.median(r[3] for r in rows),
+            "mem": max(r[1] for r in rows), "loss": float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--rows", default="softmax,parallax,parallax_p64,gdn,stock")
+    ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for prec in args.precisions.split(","):
+        for name in args.rows.split(","):
+            r = stock(args, prec == "fp8", out) if name == "stock" else ours(args, name, prec == "fp8", out)
+            results[(name, prec)] = r
+            print(f"{name:14s} {prec:5s} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB"
+                                              if r else "failed"), flush=True)
+    (out / "results.json").write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in results.items()}, indent=1))
+
+    def ratio(a, b):
+        ra, rb = results.get(a), results.get(b)
+        return f"{ra['tps'] / rb['tps']:.3f}" if ra and rb else "n/a"
+
+    print(f"\nB{args.batch}_T{args.seq} 0.6B, {args.steps} steps (median after {args.warmup}); logs in {out}")
+    print(f"{'row':14s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s}")
+    for (name, prec), r in results.items():
+        if r:
+            print(f"{name:14s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f}")
+    for prec in args.precisions.split(","):
+        print(f"[{prec}] parallax/softmax {ratio(('parallax', prec), ('softmax', prec))} (target >= 0.9)  "
+              f"softmax/stock {ratio(('softmax', prec), ('stock', prec))} (target >= 1.0)")
+    for name in args.rows.split(","):
+        print(f"[{name}] fp8/bf16 {ratio((name, 'fp8'), (name, 'bf16'))} (target >= 1.2)")
+
+
+if __name__ == "__main__":
+    main()
