@@ -110,6 +110,7 @@ def parse_config(argv: list[str]):
         _check_keys(merged, toml_values)
     cfg = manager.parse_args(argv)
     cfg.model.name = cfg.model.name or "qwen3_attn"
+    cfg.model.converters = [c for c in cfg.model.converters if c]  # `--model.converters ""` turns float8 off
     project_config.validate_config(cfg)
     return cfg
 
