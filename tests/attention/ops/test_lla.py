@@ -278,3 +278,20 @@ def test_triton_gpu_matches_chunked(dtype):
     for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
         rel = (a - b).norm() / b.norm()
         assert rel < (5e-2 if dtype == torch.bfloat16 else 2e-2), (name, rel.item())  # TF32 dots on GPU
+
+
+@pytest.mark.gpu
+def test_triton_gpu_memory_is_linear_in_T():
+    """No T×T or T×D×D buffers: doubling T at most ~doubles the peak memory of fwd+bwd."""
+    peaks = []
+    for T in (2048, 4096):
+        q = torch.randn(1, T, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, T, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, T, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lla_attention(q, k, v, 0.1, cg_iters=2, impl="triton").sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert peaks[1] < 2.5 * peaks[0], peaks
