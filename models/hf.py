@@ -37,7 +37,13 @@ from models.model import Transformer
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
 ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
-"""Attention submodule renames (torchtitan → HF); every other attention parameter keeps its name under self_attn."""
+"""Attention submodule renames (torchtitan → HF) of the Qwen3-named mechanisms below; the attention parameters
+of every other mechanism keep their own names under ``self_attn.``."""
+QWEN3_NAMED = ("softmax", "parallax")
+
+
+def _attn_renames(args: ModelArgs, i: int) -> dict[str, str]:
+    return ATTN_PARAM_TO_HF if args.layer_mechanisms()[int(i)] in QWEN3_NAMED else {}
 SOFTMAX_PARAMS = {"wq.weight", "wk.weight", "wv.weight", "wo.weight"}
 QK_NORM_PARAMS = {"q_norm.weight", "k_norm.weight"}
 PARALLAX_PARAMS = {"wr.weight", "r_norm.weight"}
@@ -72,7 +78,12 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
     opts = {}
     for name in set(args.layer_mechanisms()):
         mech = attention.get_mechanism(name, "layer_pattern")
-        opts[name] = mech.options(**d.get("attention_options", {}).get(name, {}))
+        kw = dict(d.get("attention_options", {}).get(name, {}))
+        defaults = mech.options()
+        for k, v in kw.items():  # JSON turns tuples into lists
+            if isinstance(v, list) and isinstance(getattr(defaults, k, None), tuple):
+                kw[k] = tuple(v)
+        opts[name] = mech.options(**kw)
     args.attention_options = opts
     return args
 
@@ -242,11 +253,13 @@ def to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tenso
             raise CheckpointError(f"no Hugging Face name for parameter {k!r}")
         i, rest = m.groups()
         generic = f"layers.{{}}.{rest}"
+        if int(i) >= args.n_layers:
+            raise CheckpointError(f"parameter {k!r}: the model has {args.n_layers} layers")
         if generic in layer:
             out[layer[generic].format(i)] = v
         elif rest.startswith("attention."):
             sub, _, tail = rest[len("attention."):].partition(".")
-            out[f"model.layers.{i}.self_attn.{ATTN_PARAM_TO_HF.get(sub, sub)}.{tail}"] = v
+            out[f"model.layers.{i}.self_attn.{_attn_renames(args, i).get(sub, sub)}" + (f".{tail}" if tail else "")] = v
         else:
             raise CheckpointError(f"no Hugging Face name for parameter {k!r}")
     return out
@@ -256,7 +269,6 @@ def from_hf(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Ten
     """HF names → torchtitan names (inverse of :func:`to_hf`); ``rotary_emb.inv_freq`` buffers are dropped."""
     fixed = {hf_: tt for hf_, tt in _qwen3_map().items() if "{}" not in tt}
     layer = {hf_: tt for hf_, tt in _qwen3_map().items() if "{}" in tt and ".attention." not in tt}
-    from_attn = {v: k for k, v in ATTN_PARAM_TO_HF.items()}
     out = {}
     for k, v in hf.items():
         if k.endswith("rotary_emb.inv_freq"):
@@ -269,11 +281,14 @@ def from_hf(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Ten
             raise CheckpointError(f"unexpected Hugging Face tensor {k!r}")
         i, rest = m.groups()
         generic = f"model.layers.{{}}.{rest}"
+        if int(i) >= args.n_layers:
+            raise CheckpointError(f"tensor {k!r}: config.json has {args.n_layers} layers")
         if generic in layer:
             out[layer[generic].format(i)] = v
         elif rest.startswith("self_attn."):
             sub, _, tail = rest[len("self_attn."):].partition(".")
-            out[f"layers.{i}.attention.{from_attn.get(sub, sub)}.{tail}"] = v
+            from_attn = {v: k for k, v in _attn_renames(args, i).items()}
+            out[f"layers.{i}.attention.{from_attn.get(sub, sub)}" + (f".{tail}" if tail else "")] = v
         else:
             raise CheckpointError(f"unexpected Hugging Face tensor {k!r}")
     if args.enable_weight_tying:
