@@ -278,6 +278,7 @@ class _GLAFunction(torch.autograd.Function):
         return dq, dk, dv, (dg.to(ctx.g_dtype) if ctx.has_g else None), None, None
 
 
+@torch.compiler.disable  # launched eagerly inside compiled models (the autograd.Function holds Triton launches)
 def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, output_final_state=False):
     """Triton chunked gated linear attention; same contract as :func:`attention.ops.hla.chunk.gla_chunk` but
     without initial/final state. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; doc: [B, T] or None."""

@@ -322,6 +322,38 @@ def test_triton_ahla_vs_naive_float64(poison):
         torch.testing.assert_close(a.double(), b, rtol=2e-4, atol=2e-4)
 
 
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attention.ops.hla import triton_gla
+const = dict(H=16, K=128, V=128, BT=64, BK=64, BV=64, HAS_DOC={has_doc}, PREC="tf32")
+ptr = dict(ell="*fp32", doc="*i32", h="*fp32", dh="*fp32", dG="*fp32")
+for name in ("_fwd_h_kernel", "_fwd_o_kernel", "_bwd_dh_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"):
+    fn = getattr(triton_gla, name)
+    sig = {{a: "constexpr" if a in const else "i32" if a in ("T", "NT") else ptr.get(a, "*bf16") for a in fn.arg_names}}
+    src = ASTSource(fn, sig, {{a: c for a, c in const.items() if a in fn.arg_names}})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("has_doc", [False, True], ids=["dense", "varlen"])
+def test_kernels_compile_for_sm90(has_doc):
+    """Ahead-of-time compile of every kernel for an H100 target (sm_90, ptxas) at D=128, bf16: catches what the
+    interpreter does not (dot shapes, dtypes, register/shared-memory limits) without a GPU. Runs in a
+    subprocess because the kernels are interpreter objects once TRITON_INTERPRET=1 is set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _AOT.format(has_doc=has_doc)], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-2000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=["hla2", "ahla", "hla3"])
