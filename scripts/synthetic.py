@@ -253,7 +253,7 @@ def train_task(task: str, attention: str, spec: TaskSpec, steps: int, batch: int
         opt.step()
         sched.step()
     acc = evaluate(model, decoder, task, spec, eval_batch, device, seed)
-    return {"task": task, "attention": attention, "acc": acc, "loss": float(loss), "steps": steps,
+    return {"task": task, "attention": attention, "acc": acc, "loss": float(loss.detach()), "steps": steps,
             "seconds": time.time() - t0, "vocab": spec.vocab, "seq_len": spec.seq_len}
 
 
