@@ -97,6 +97,12 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = No
     with torch.no_grad():
         model.init_weights()
     if state_dict is not None:
+        expected = model.state_dict()
+        bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state_dict.items()
+               if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+        if bad:
+            raise CheckpointError(f"checkpoint tensors do not fit the architecture ({len(bad)} shape mismatches, "
+                                  f"checkpoint vs model): {'; '.join(bad[:3])}")
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         if args.enable_weight_tying:
             missing = [k for k in missing if k != "output.weight"]
@@ -180,6 +186,7 @@ def is_hf_folder(path) -> bool:
 def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
     """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -195,9 +202,10 @@ def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
     try:
         dcp.load(sd, checkpoint_id=str(folder), no_dist=True)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
         raise CheckpointError(f"{folder}: reading the DCP checkpoint failed, it is corrupt or incomplete "
-                              f"({type(e).__name__}: {str(e)[:300]})") from e
+                              f"({type(e).__name__}: {last[0].strip()[:200]})") from e
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     if progress:
         _bar(len(sd), "read").update(len(sd))

@@ -1,0 +1,159 @@
+"""softmax → Parallax conversion with W_R = 0: trained checkpoint → exact same loss → fine-tune; refusals write nothing."""
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.hf import build_model, load_checkpoint, load_dcp_state
+from tests.utils import REPO, make_corpus, run_train, tiny_args
+
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_to_parallax as conv  # noqa: E402
+import export_hf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny softmax model trained 20 steps by the real trainer (DCP step folder) and its corpus."""
+    root = tmp_path_factory.mktemp("conv")
+    corpus = make_corpus(root / "corpus")
+    run_train(tiny_args(corpus, root / "run", 20, 16, 2, "--checkpoint.interval", "20"))
+    return root, corpus, root / "run" / "checkpoint" / "step-20"
+
+
+def _batch(corpus) -> torch.Tensor:
+    """[3, 16] token ids of the first training documents (BOS + words), as the trainer sees them."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(corpus["tokenizer"]) / "tokenizer.json"))
+    lines = Path(corpus["train"]).read_text().splitlines()[:3]
+    return torch.tensor([[0] + tok.encode(json.loads(line)["text"]).ids for line in lines])
+
+
+def _loss(args, sd, tokens, impl):
+    model = build_model(dataclasses.replace(args, attn_impl=impl), sd)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _convert(*argv) -> int:
+    return conv.main([*map(str, argv), "--no-progress"])
+
+
+def test_convert_same_loss_then_finetune(trained):
+    root, corpus, src = trained
+    dst = root / "parallax"
+    assert _convert(src, dst) == 0
+    _, a_sm, sd_sm = load_checkpoint(src)
+    _, a_px, sd_px = load_checkpoint(dst)
+    assert set(a_px.layer_mechanisms()) == {"parallax"} and a_px.vocab_size == 64
+    for i in range(a_px.n_layers):
+        assert torch.count_nonzero(sd_px[f"layers.{i}.attention.wr.weight"]) == 0
+        assert torch.equal(sd_px[f"layers.{i}.attention.r_norm.weight"], torch.ones(32))
+    tokens = _batch(corpus)
+    # the same kernel on both sides: bit-identical (ρ = RMSNorm(0) = 0 makes Parallax's weights p·(1 + 0 − 0) = p)
+    assert torch.equal(_loss(a_sm, sd_sm, tokens, "reference"), _loss(a_px, sd_px, tokens, "reference"))
+    # default paths (SDPA for softmax, the Parallax reference on CPU): equal to float32 rounding
+    torch.testing.assert_close(_loss(a_sm, sd_sm, tokens, "auto"), _loss(a_px, sd_px, tokens, "auto"), rtol=0, atol=1e-6)
+
+    # fine-tune 10 steps from the converted folder through checkpoint.initial_load_path, W_R with its own warmup
+    ft = root / "ft"
+    run_train(tiny_args(corpus, ft, 10, 16, 2, "--model.attention", "parallax", "--checkpoint.initial_load_path",
+                        str(dst), "--optimizer.lr_warmup_patterns", r"\.wr\.", "--optimizer.lr_warmup_steps", "5",
+                        "--checkpoint.interval", "10"))
+    sd_ft = load_dcp_state(ft / "checkpoint" / "step-10")
+    for i in range(a_px.n_layers):
+        assert torch.count_nonzero(sd_ft[f"layers.{i}.attention.wr.weight"]) > 0
+    assert not torch.equal(sd_ft["layers.0.attention.wq.weight"], sd_px["layers.0.attention.wq.weight"])
+    # the fine-tune started from the converted weights, not from a fresh init: its step-1 loss is the
+    # converted model's loss on its first batch, far below a random model's log(64) ≈ 4.16
+    first = json.loads((ft / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] < 3.5
+
+
+def test_top_half_with_gate_and_hf_source(trained):
+    root, corpus, src = trained
+    tokens = _batch(corpus)
+    dst = root / "top"
+    assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho") == 0
+    _, a_sm, sd_sm = load_checkpoint(src)
+    _, a, sd = load_checkpoint(dst)
+    assert a.layer_mechanisms() == ["softmax", "softmax", "parallax", "parallax"]
+    o = a.attention_options["parallax"]
+    assert (o.rho_gate, o.rho_gate_bias, o.rope_on_rho) == (True, 1.5, False)
+    assert torch.equal(sd["layers.3.attention.r_gate.bias"], torch.full((4,), 1.5))
+    assert "layers.1.attention.wr.weight" not in sd
+    assert torch.equal(_loss(a_sm, sd_sm, tokens, "reference"), _loss(a, sd, tokens, "reference"))
+
+    # HF Qwen3 folder in → HF folder out (with the tokenizer files), same logits as transformers' Qwen3
+    hf = root / "hf"
+    assert export_hf.main([str(src), str(hf), "--tokenizer", corpus["tokenizer"]]) == 0
+    hf_px = root / "hf_px"
+    assert _convert(hf, hf_px, "--layers", "1,3") == 0
+    assert (hf_px / "tokenizer.json").is_file()
+    fmt, a2, sd2 = load_checkpoint(hf_px)
+    assert fmt == "hf" and a2.layer_mechanisms() == ["softmax", "parallax", "softmax", "parallax"]
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(a2, sd2)(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def _fails(capsys, *argv, match: str, dst: Path):
+    assert _convert(*argv, dst) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1, err  # one clear line
+    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}.*"))  # nothing written, no temp left
+
+
+def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, monkeypatch):
+    root, corpus, src = trained
+    # corrupt DCP: truncated data file
+    bad = tmp_path / "corrupt"
+    shutil.copytree(src, bad)
+    data = next(bad.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    _fails(capsys, bad, match="corrupt", dst=tmp_path / "o1")
+    # not a checkpoint at all
+    (tmp_path / "empty").mkdir()
+    _fails(capsys, tmp_path / "empty", match="neither a DCP step folder", dst=tmp_path / "o2")
+    # already Parallax: nothing to convert
+    px = tmp_path / "px"
+    assert _convert(src, px) == 0
+    _fails(capsys, px, match="not softmax attention", dst=tmp_path / "o3")
+    # layer range outside the model, existing destination
+    _fails(capsys, src, "--layers", "2-9", match="outside 0-3", dst=tmp_path / "o4")
+    assert _convert(src, px) == 2 and "already exists" in capsys.readouterr().err
+    # HF: unsupported architecture, tensors that do not fit config.json, corrupt safetensors
+    hf = tmp_path / "hf"
+    assert export_hf.main([str(src), str(hf)]) == 0
+    capsys.readouterr()
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.pop("attnlab")  # as a Qwen3 folder from elsewhere
+    for name, change, match in [("llama", {"model_type": "llama"}, "only Qwen3"),
+                                ("mismatch", {"num_attention_heads": 8}, "do not fit the architecture")]:
+        d = tmp_path / name
+        shutil.copytree(hf, d)
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        _fails(capsys, d, match=match, dst=tmp_path / f"o_{name}")
+    d = tmp_path / "badst"
+    shutil.copytree(hf, d)
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000])
+    _fails(capsys, d, match="corrupt or unreadable safetensors", dst=tmp_path / "o5")
+    # the logit check: a conversion that changes the function is refused
+    real = conv.convert_state
+
+    def broken(*a, **k):
+        args, sd = real(*a, **k)
+        sd["layers.1.attention.wr.weight"] = torch.full_like(sd["layers.1.attention.wr.weight"], 0.1)
+        return args, sd
+
+    monkeypatch.setattr(conv, "convert_state", broken)
+    _fails(capsys, src, match="disagrees with the source", dst=tmp_path / "o6")
