@@ -97,3 +97,24 @@ def test_cache_overflow_and_sampling_filters():
     draws = {int(sample(logits, 1.0, top_p=0.3, generator=g)) for _ in range(100)}
     assert draws == {1}  # the top token alone holds > 30 % of the mass
     assert int(sample(logits, greedy=True)) == 1
+
+
+def test_generate_script_greedy_matches_full_forward(tmp_path, capsys):
+    import sys
+
+    from models.hf import save_hf
+    from tests.utils import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import generate as script
+
+    model = _tiny("parallax")
+    save_hf(model.state_dict(), model.model_args, tmp_path / "hf")
+    prompt = torch.tensor([[5, 17, 3, 40]])
+    assert script.main([str(tmp_path / "hf"), "--prompt", "5 17 3 40", "--tokenizer", "ids", "--greedy",
+                        "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [int(t) for t in out[0].split()] == _full_greedy(model, prompt, 5)[0][0].tolist()
+    assert "tokens/s" in out[-1]
+    assert script.main([str(tmp_path / "hf"), "--prompt", "5 99", "--tokenizer", "ids"]) == 2
+    assert "outside the model's vocabulary" in capsys.readouterr().err
