@@ -109,6 +109,11 @@ def validate_config(job_config) -> None:
     if t.seq_len <= 0 or t.local_batch_size <= 0 or t.steps <= 0:
         raise ValueError(f"training.seq_len, training.local_batch_size and training.steps must be positive "
                          f"(got {t.seq_len}, {t.local_batch_size}, {t.steps})")
+    f8 = job_config.quantize.linear.float8
+    if "quantize.linear.float8" in job_config.model.converters and f8.recipe_name and f8.enable_fsdp_float8_all_gather:
+        raise ValueError(f"quantize.linear.float8.recipe_name={f8.recipe_name!r} cannot be combined with "
+                         "enable_fsdp_float8_all_gather=true in torchtitan 0.2.2; unset recipe_name for tensorwise "
+                         "scaling with float8 all-gather")
     p = job_config.parallelism
     for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(p, key) != 1:

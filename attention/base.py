@@ -65,6 +65,7 @@ class AttentionContext:
     max_seqlen: int = 0
     rope_theta: float = 1e6
     cache: Any = None
+    max_position: int = 0
     _rope: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -72,27 +73,34 @@ class AttentionContext:
         return self.positions.shape[0]
 
     def rope(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [B, T, 1, head_dim] float32 for ``self.positions`` (HF/Qwen3 half-rotation layout)."""
-        if head_dim not in self._rope:
-            n = int(self.positions.max().item()) + 1 if self.positions.numel() else 1
-            table = precompute_rope_cache(head_dim, n, self.rope_theta).to(self.positions.device)
-            t = table[self.positions]  # [B, T, 2*head_dim]
-            self._rope[head_dim] = (t[..., None, :head_dim], t[..., None, head_dim:])
-        return self._rope[head_dim]
+        """cos, sin: [B, T, 1, head_dim] float32 for ``self.positions`` (HF/Qwen3 half-rotation layout).
+        The model fills the cache for its head dim before the (compiled) blocks run; other head dims are
+        computed on the fly inside compiled code (no cache mutation, no host sync there)."""
+        if head_dim in self._rope:
+            return self._rope[head_dim]
+        n = self.max_position or int(self.positions.max().item()) + 1
+        table = precompute_rope_cache(head_dim, n, self.rope_theta).to(self.positions.device)
+        t = table[self.positions]  # [B, T, 2*head_dim]
+        cos_sin = (t[..., None, :head_dim], t[..., None, head_dim:])
+        if not torch.compiler.is_compiling():
+            self._rope[head_dim] = cos_sin
+        return cos_sin
 
     @staticmethod
     def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float) -> "AttentionContext":
         """Build the context for a training batch. With ``block_causal`` a new document starts wherever
         ``positions == 0`` (and at every row start)."""
         B, T = positions.shape
+        max_position = int(positions.max().item()) + 1 if positions.numel() else 1
         if not block_causal:
-            return AttentionContext(positions=positions, rope_theta=rope_theta)
+            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=max_position)
         starts = positions.reshape(-1) == 0
         starts[::T] = True  # every row starts a document
         idx = torch.nonzero(starts).flatten()
         cu = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
         max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-        return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta)
+        return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
+                                max_position=max_position)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,6 +109,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def document_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[B, T] int64 document index of every token, from fla-style ``cu_seqlens`` over ``B*T`` tokens."""
-    seq = torch.arange(B * T, device=cu_seqlens.device)
-    return (torch.searchsorted(cu_seqlens[1:].to(torch.int64), seq, right=True)).view(B, T)
+    """[B, T] int64 document index of every token, from fla-style ``cu_seqlens`` over ``B*T`` tokens.
+    A cumulative sum of document starts (inductor cannot lower ``searchsorted`` on these views)."""
+    starts = torch.zeros(B * T, dtype=torch.int64, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].to(torch.int64)] = 1
+    return starts.cumsum(0).view(B, T)

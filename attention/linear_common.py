@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.base import document_ids
+
 logger = logging.getLogger(__name__)
 
 LINEAR_IMPLS = ("auto", "recurrent", "chunk", "fla")
@@ -136,7 +138,7 @@ def position_in_doc(cu_seqlens: torch.Tensor | None, B: int, T: int, device: tor
         return torch.arange(T, device=device).expand(B, T)
     seq = torch.arange(B * T, device=device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = torch.searchsorted(cu[1:], seq, right=True)
+    doc = document_ids(cu, B, T).flatten()
     return (seq - cu[doc]).view(B, T)
 
 

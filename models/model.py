@@ -77,7 +77,9 @@ class Transformer(ModelProtocol):
         if positions is None or not block:
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        return AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
+        ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
+        ctx.rope(self.model_args.head_dim)  # fill the RoPE cache outside the compiled blocks
+        return ctx
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 ctx: AttentionContext | None = None) -> torch.Tensor:

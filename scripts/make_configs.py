@@ -55,7 +55,7 @@ converters = ["quantize.linear.float8"]
 impl = "auto"
 {attn_table}
 [quantize.linear.float8]
-recipe_name = "tensorwise"
+# tensorwise scaling (torchtitan's default when recipe_name is unset; needed for float8 FSDP all-gather)
 enable_fsdp_float8_all_gather = true
 precompute_float8_dynamic_scale_for_fsdp = true
 filter_fqns = ["output"]
