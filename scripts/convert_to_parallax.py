@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     print(f"wrote {fmt} checkpoint {dst}: layers {layers[0]}-{layers[-1]} ({len(layers)}/{args.n_layers}) now "
           f"Parallax with W_R = 0; max |Δlogits| = {diff:.2e}")
     if fmt == "dcp":
-        lp = "" if len(set(pattern)) == 1 else " --model.layer_pattern " + " ".join(pattern)
+        lp = "" if len(set(pattern)) == 1 else " --model.layer_pattern " + ",".join(pattern)
         print(f"fine-tune: python train.py --job.config_file configs/convert_finetune_parallax.toml "
               f"--checkpoint.initial_load_path {dst}{lp}")
     return 0
