@@ -76,6 +76,9 @@ FLAVORS: dict[str, ModelArgs] = {
     # ~1.6M parameters: trains visibly on a 2-core CPU in minutes (the embedded default).
     "debug": _flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
                      vocab_size=4096, max_seq_len=256),
+    # ~45M parameters, 8k vocabulary: the small-scale replication model (scripts/replicate.py).
+    "repl-45M": _flavor(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536,
+                        vocab_size=8192, max_seq_len=512),
     "0.6B": _flavor(**_06),
     "0.6B-T24": _flavor(**{**_06, "n_heads": 24}),  # Transformer†: param-matched through more q heads
     "0.6B-P64": _flavor(**{**_06, "head_dim": 64, "hidden_dim": 4480}),  # Parallax†: compute-matched

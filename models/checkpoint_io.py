@@ -7,9 +7,6 @@ The model is rebuilt from the training config: the same CLI/TOML argv as ``train
 ``argv`` is empty, ``<run>/train_args.json`` (a JSON list of the argv, written by ``scripts/replicate.py``).
 Only the model's keys are read from the checkpoint (``torch.distributed.checkpoint`` loads what is asked
 for), so full training checkpoints and model-only ones both work. Shape mismatches name the keys.
-
-``EXTRA_FLAVORS`` are sizes used by the replication configs that are not (yet) in ``models/args.py``;
-:func:`install_flavors` adds them to ``models.args.FLAVORS`` (idempotent).
 """
 
 from __future__ import annotations
@@ -22,19 +19,7 @@ from pathlib import Path
 
 import torch
 
-from models.args import FLAVORS, ModelArgs
-
-EXTRA_FLAVORS: dict[str, ModelArgs] = {
-    # ~45M parameters with a 8k vocabulary (≈41M non-embedding): the small-scale replication model.
-    "repl-45M": ModelArgs(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536,
-                          vocab_size=8192, max_seq_len=512),
-}
-
-
-def install_flavors() -> None:
-    for name, args in EXTRA_FLAVORS.items():
-        FLAVORS.setdefault(name, args)
-
+from models.args import ModelArgs
 
 def resolve_step_dir(path: str | os.PathLike) -> Path:
     """A DCP folder (with ``.metadata``): ``path`` itself, or the highest ``step-N`` under ``path`` or
@@ -60,7 +45,6 @@ def load_config(argv: list[str] | None, step_dir: Path):
     """The merged JobConfig: from ``argv`` (train.py's flags) or ``<run>/train_args.json``."""
     from train import DEFAULT_CONFIG, parse_config
 
-    install_flavors()
     argv = list(argv or [])
     saved = run_dir_of(step_dir) / "train_args.json"
     if not argv and saved.is_file():
@@ -73,7 +57,6 @@ def load_config(argv: list[str] | None, step_dir: Path):
 def model_args_from_config(cfg) -> ModelArgs:
     from models.args import get_flavor
 
-    install_flavors()
     args = get_flavor(cfg.model.flavor)
     args.update_from_config(cfg)
     return args

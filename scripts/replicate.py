@@ -82,10 +82,7 @@ def train_tokenizer(corpus: str, out: str, vocab: int, n_docs: int) -> str:
 
 
 def train_one(argv: list[str]) -> None:
-    """``train.py`` in this process, with the replication flavors installed."""
-    from models.checkpoint_io import install_flavors
-
-    install_flavors()
+    """``train.py`` in this process."""
     import train
 
     train.main(argv)
