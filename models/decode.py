@@ -47,7 +47,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, state: DecodeState)
     if state.pos + T > state.max_len:
         raise ValueError(f"decode cache holds {state.max_len} tokens; {state.pos} used, {T} more requested")
     positions = torch.arange(state.pos, state.pos + T, device=tokens.device).expand(B, T)
-    ctx = AttentionContext(positions=positions, rope_theta=model.model_args.rope_theta)
+    ctx = AttentionContext(positions=positions, rope_theta=model.model_args.rope_theta, max_position=state.pos + T)
     h = model.tok_embeddings(tokens)
     for layer, cache in zip(model.layers.values(), state.caches):
         ctx.cache = cache
