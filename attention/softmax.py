@@ -12,6 +12,8 @@ adapter applies unchanged. Kernels (``[attention] impl``):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,13 @@ def _sdpa(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> t
     return o.transpose(1, 2)
 
 
+@functools.cache
+def _varlen_params() -> frozenset:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> torch.Tensor:
     """Packed documents on CUDA through torch's flash varlen kernel."""
     from torch.nn.attention.varlen import varlen_attn
@@ -58,7 +67,10 @@ def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) ->
     cu = ctx.cu_seqlens.to(torch.int32)
     kw = {"window_size": (window - 1, 0)} if window else {}
     if HQ != k.shape[2]:
-        kw["enable_gqa"] = True
+        if "enable_gqa" in _varlen_params():
+            kw["enable_gqa"] = True
+        else:  # torch 2.11's varlen_attn has no GQA: repeat the kv heads
+            flat[1], flat[2] = (t.repeat_interleave(HQ // k.shape[2], dim=1) for t in flat[1:])
     o = varlen_attn(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, scale=scale, **kw)
     return o.view(B, T, HQ, D)
 
@@ -121,8 +133,10 @@ class SoftmaxAttention(nn.Module):
         impl = self.args.impl
         if r is None and impl in ("auto", "sdpa"):
             if impl == "auto" and q.is_cuda and ctx.cu_seqlens is not None:
-                return _varlen(q, k, v, ctx, window, self.scale)
-            return _sdpa(q, k, v, ctx, window, self.scale)
+                if not window or "window_size" in _varlen_params():
+                    return _varlen(q, k, v, ctx, window, self.scale)
+            else:
+                return _sdpa(q, k, v, ctx, window, self.scale)
         return parallax_attention(q, k, v, r, scale=self.scale, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                                   window_size=window, impl="auto" if impl == "sdpa" else impl)
 

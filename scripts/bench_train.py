@@ -37,8 +37,6 @@ def common(args, dump: Path, fp8: bool) -> list[str]:
            "--training.global_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
            "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--validation.no-enable",
            "--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
-    if not fp8:
-        out += ["--model.converters", ""]
     return out
 
 
@@ -66,6 +64,8 @@ def ours(args, name, fp8, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"),
            "--job.config_file", str(REPO / "configs" / f"{config}.toml"), *common(args, dump, fp8), *extra]
+    if not fp8:
+        cmd += ["--model.converters", ""]
     run(cmd, out / f"{dump.name}.log")
     path = dump / "metrics.jsonl"
     return summarize([json.loads(x) for x in open(path)], args.warmup) if path.exists() else {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from attention.base import document_ids
 from attention.linear_common import position_in_doc
 
 
@@ -133,7 +134,10 @@ def _doc_masks(cu_seqlens, T, NT, C, device):
     """Masks of the packed-document chunk layout ([1, 1, NT, ...], broadcast over heads)."""
     L = NT * C
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = torch.searchsorted(cu[1:], torch.arange(L, device=device), right=True).view(1, 1, NT, C)  # padding -> N
+    doc = document_ids(cu, 1, T)  # cumsum form: inductor cannot lower searchsorted here
+    if L > T:
+        doc = torch.cat([doc, doc.new_full((1, L - T), cu.numel() - 1)], dim=1)  # padding -> N
+    doc = doc.view(1, 1, NT, C)
     pos = position_in_doc(cu_seqlens, 1, T, device)
     if L > T:
         pos = torch.cat([pos, pos.new_ones(1, L - T)], dim=1)  # padding never starts a document
