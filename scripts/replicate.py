@@ -112,7 +112,7 @@ def convert_softmax_to_parallax(src_run: str, dst: str, argv: list[str]) -> str:
 
 def _run(cmd: list[str], log: str, timeout: int) -> tuple[bool, float]:
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
