@@ -65,9 +65,13 @@ def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) ->
     B, T, HQ, D = q.shape
     flat = [t.reshape(B * T, t.shape[2], D) for t in (q, k, v)]
     cu = ctx.cu_seqlens.to(torch.int32)
-    kw = {"window_size": (window - 1, 0)} if window else {}
+    params = _varlen_params()
+    if "window_size" in params:  # (left, right): (-1, 0) is causal; varlen_attn is NOT causal by default
+        kw = {"window_size": (window - 1 if window else -1, 0)}
+    else:  # older signature (torch 2.11): a causal flag, no window (``mix`` routes windows elsewhere)
+        kw = {"is_causal": True}
     if HQ != k.shape[2]:
-        if "enable_gqa" in _varlen_params():
+        if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:  # torch 2.11's varlen_attn has no GQA: repeat the kv heads
             flat[1], flat[2] = (t.repeat_interleave(HQ // k.shape[2], dim=1) for t in flat[1:])

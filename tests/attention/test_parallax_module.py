@@ -116,3 +116,17 @@ def test_unknown_mechanism_lists_valid_names():
 def test_flops_parallax_twice_softmax():
     assert _module("parallax").flops_per_token(128) == 2 * _module("softmax").flops_per_token(128)
     assert _module("softmax").flops_per_token(128) == 4 * 4 * 8 * 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,window", [("softmax", 0), ("softmax", 5), ("parallax", 0)])
+def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
+    """The CUDA fast paths (varlen flash / Triton) are causal and document-masked like the oracle."""
+    ref = _module(name, window_size=window).float().cuda()
+    B, T = 2, 64
+    x = torch.randn(B, T, 32, device="cuda")
+    pos = torch.cat([torch.arange(20), torch.arange(44)]).expand(B, T).cuda()
+    ctx = AttentionContext.from_positions(pos, True, 1e6)
+    expect = ref(x, ctx)
+    ref.args.impl = "auto"
+    torch.testing.assert_close(ref(x, ctx), expect, rtol=2e-3, atol=2e-3)
