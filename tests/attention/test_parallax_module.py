@@ -121,12 +121,17 @@ def test_flops_parallax_twice_softmax():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,window", [("softmax", 0), ("softmax", 5), ("parallax", 0)])
 def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
-    """The CUDA fast paths (varlen flash / Triton) are causal and document-masked like the oracle."""
-    ref = _module(name, window_size=window).float().cuda()
+    """The CUDA fast paths (flash varlen / Triton) in bf16 are causal and document-masked like the float32
+    oracle (the flash kernels take half precision only; bf16 budget as in the kernel tests)."""
+    m = _module(name, window_size=window).float().cuda()
     B, T = 2, 64
     x = torch.randn(B, T, 32, device="cuda")
     pos = torch.cat([torch.arange(20), torch.arange(44)]).expand(B, T).cuda()
     ctx = AttentionContext.from_positions(pos, True, 1e6)
-    expect = ref(x, ctx)
-    ref.args.impl = "auto"
-    torch.testing.assert_close(ref(x, ctx), expect, rtol=2e-3, atol=2e-3)
+    q, k, v = m.project_qkv(x, ctx)
+    r = m.probe(x, ctx)
+    expect = m.mix(q, k, v, r, ctx)  # impl "reference", float32
+    m.args.impl = "auto"
+    half = [t.bfloat16() if t is not None else None for t in (q, k, v, r)]
+    got = m.mix(*half, ctx).float()
+    torch.testing.assert_close(got, expect, rtol=4e-2, atol=4e-2)
