@@ -23,7 +23,8 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
-from attention.lla import QKVAttentionBase, RidgeLambda
+from attention.base import QKVAttentionBase
+from attention.lla import RidgeLambda
 from attention.ops.affine import IMPLS as AFFINE_IMPLS
 from attention.ops.affine import AffineState, affine_attention, affine_step
 from attention.registry import register_attention

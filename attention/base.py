@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchtitan.models.qwen3.model.model import precompute_rope_cache, rotate_half
+from torchtitan.models.utils import trunc_normal_
 
 
 @dataclass
@@ -114,3 +116,43 @@ def document_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     starts = torch.zeros(B * T, dtype=torch.int64, device=cu_seqlens.device)
     starts[cu_seqlens[1:-1].to(torch.int64)] = 1
     return starts.cumsum(0).view(B, T)
+
+
+class QKVAttentionBase(nn.Module):
+    """Qwen3-style q/k/v/o projections (torchtitan Qwen3 names: wq wk wv wo q_norm k_norm) with optional
+    q/k RMSNorm and RoPE: the front end shared by softmax, Parallax, LLA and the affine family."""
+
+    def __init__(self, args: AttentionArgs, qk_norm: bool, rope: bool = True):
+        super().__init__()
+        if args.n_heads % args.n_kv_heads:
+            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
+        self.args = args
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.rope = rope
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if qk_norm else None
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def project_qkv(self, x: torch.Tensor, ctx: AttentionContext):
+        """x: [B, T, dim] -> q [B, T, HQ, D], k, v [B, T, HKV, D] (q/k normed and RoPE'd)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            cos, sin = ctx.rope(self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v

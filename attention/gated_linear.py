@@ -12,7 +12,6 @@ Short convs on q/k/v (Mamba2 style, on by default), output RMSNorm · swish(W_g 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -18,11 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from torchtitan.models.utils import trunc_normal_
-
-from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.ops.parallax import parallax_attention, parallax_decode
 from attention.ops.parallax.naive import visibility_mask
 from attention.registry import register_attention
@@ -93,43 +90,15 @@ class KVCache:
 
 
 @register_attention("softmax", options=SoftmaxOptions, description="softmax attention (SDPA / varlen / Triton), the Qwen3 baseline")
-class SoftmaxAttention(nn.Module):
+class SoftmaxAttention(QKVAttentionBase):
     """Multi-head causal softmax attention with GQA, q/k RMSNorm and RoPE."""
 
     def __init__(self, args: AttentionArgs, opts: SoftmaxOptions):
-        super().__init__()
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
         if args.impl not in SOFTMAX_IMPLS:
             raise ValueError(f"attention.impl={args.impl!r} is not valid for {self.mechanism}; choose from {list(SOFTMAX_IMPLS)}")
-        self.args, self.opts = args, opts
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        super().__init__(args, opts.qk_norm)
+        self.opts = opts
         self.scale = args.head_dim**-0.5
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if opts.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if opts.qk_norm else None
-
-    def init_weights(self, init_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv):
-            trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.reset_parameters()
-
-    def project_qkv(self, x: torch.Tensor, ctx: AttentionContext):
-        """x: [B, T, dim] -> q [B, T, HQ, D], k, v [B, T, HKV, D], RoPE applied to q and k."""
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.rope(self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def mix(self, q, k, v, r, ctx: AttentionContext) -> torch.Tensor:
         """Token mixing: [B, T, HQ, D]. ``r`` is the probe (None for softmax)."""
