@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm  # noqa: E402
 from attention.ops.delta_rule import chunk_delta_rule  # noqa: E402
+from scripts.bench_common import timeit  # noqa: E402
 
 MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel"}
 
@@ -43,24 +44,6 @@ def make_inputs(mech, B, T, H, D, dtype, device):
     elif gate == "channel":
         g = -torch.rand(B, T, H, D, device=device) * 0.1
     return [q, k, v, beta, g]
-
-
-def timeit(fn, reps, warmup, device) -> float:
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / reps
 
 
 def fwd_bwd(op, inputs, do):

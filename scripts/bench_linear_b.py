@@ -27,19 +27,7 @@ from attention.linear_common import fla_gated_backward_ok, fla_importable  # noq
 from attention.ops.fox import chunk_forgetting_attn, flex_forgetting_attn  # noqa: E402
 from attention.ops.linear_attn import chunk_gla, fla_gla  # noqa: E402
 from attention.ops.path import chunk_path_attn  # noqa: E402
-
-
-def bench(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from scripts.bench_common import timeit as bench  # noqa: E402
 
 
 def flops(mech: str, B: int, T: int, H: int, D: int, C: int = 64) -> float:

@@ -23,19 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.ops.affine import affine_attention  # noqa: E402
 from attention.ops.lla import lla_attention  # noqa: E402
-
-
-def timed(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from scripts.bench_common import timeit as timed  # noqa: E402
 
 
 def inputs(B, T, HQ, HKV, D):

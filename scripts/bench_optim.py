@@ -113,6 +113,7 @@ def bench_train_step(args) -> float | None:
         margs.attention, margs.max_seq_len = args.attention, args.seq
         with torch.device("cuda"):
             model = Transformer(margs)
+        with torch.no_grad():
             model.init_weights()
         tok = torch.randint(0, margs.vocab_size, (args.batch, args.seq), device="cuda")
 
