@@ -18,7 +18,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
 from attention.linear_common import GatedRMSNorm, mark_adam
 from attention.ops.fox import IMPLS, forgetting_attention, fox_decode
 from attention.registry import register_attention
@@ -53,37 +53,27 @@ class FoxCache:
 
 
 @register_attention("fox", options=FoxOptions, description="FoX: softmax attention with a data-dependent forget gate (Lin et al. 2025)")
-class ForgettingAttention(nn.Module):
+class ForgettingAttention(QKVAttentionBase):
     """Causal softmax attention whose logits are biased by cumulative log forget gates."""
 
     def __init__(self, args: AttentionArgs, opts: FoxOptions):
-        super().__init__()
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
         if args.impl not in IMPLS:
             raise ValueError(f"attention.impl={args.impl!r} is not valid for fox; choose from {list(IMPLS)}")
-        self.args, self.opts = args, opts
-        H, HKV, D = args.n_heads, args.n_kv_heads, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, HKV, D
-        self.wq = nn.Linear(args.dim, H * D, bias=False)
-        self.wk = nn.Linear(args.dim, HKV * D, bias=False)
-        self.wv = nn.Linear(args.dim, HKV * D, bias=False)
-        self.wo = nn.Linear(H * D, args.dim, bias=False)
-        self.f_proj = nn.Linear(args.dim, H, bias=True)
         qk_norm, out_gate, out_norm = (opts.qk_norm or opts.pro, opts.output_gate or opts.pro, opts.output_norm or opts.pro)
-        self.q_norm = nn.RMSNorm(D, eps=args.norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(D, eps=args.norm_eps) if qk_norm else None
+        super().__init__(args, qk_norm, rope=False)
+        self.opts = opts
+        H, D = args.n_heads, args.head_dim
+        self.f_proj = nn.Linear(args.dim, H, bias=True)
         self.out_gate = nn.Linear(args.dim, H * D, bias=False) if out_gate else None
         self.o_norm = GatedRMSNorm(D, eps=args.norm_eps, activation="sigmoid") if out_norm else None
 
     def init_weights(self, init_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv, self.f_proj) + ((self.out_gate,) if self.out_gate is not None else ()):
+        super().init_weights(init_std)
+        for lin in (self.f_proj,) + ((self.out_gate,) if self.out_gate is not None else ()):
             trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         nn.init.constant_(self.f_proj.bias, self.opts.forget_bias_init)
-        for norm in (self.q_norm, self.k_norm, self.o_norm):
-            if norm is not None:
-                norm.reset_parameters()
+        if self.o_norm is not None:
+            self.o_norm.reset_parameters()
         mark_adam(self.f_proj.weight, self.f_proj.bias)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> FoxCache:

@@ -19,7 +19,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.linear_common import ShortConvolution, l2norm, mark_adam
 from attention.ops.fox import fox_decode
 from attention.ops.path import IMPLS, householder_update_, path_attention
@@ -58,22 +58,15 @@ class PathCache:
 
 
 @register_attention("path", options=PathOptions, description="PaTH: softmax attention with data-dependent Householder position encoding (Yang et al. 2025)")
-class PathAttention(nn.Module):
+class PathAttention(QKVAttentionBase):
     """Softmax attention whose q·k passes through a cumulative product of generalised Householder matrices."""
 
     def __init__(self, args: AttentionArgs, opts: PathOptions):
-        super().__init__()
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
         if args.impl not in IMPLS:
             raise ValueError(f"attention.impl={args.impl!r} is not valid for path; choose from {list(IMPLS)}")
-        self.args, self.opts = args, opts
+        super().__init__(args, opts.qk_norm, rope=False)
+        self.opts = opts
         H, HKV, D = args.n_heads, args.n_kv_heads, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, HKV, D
-        self.wq = nn.Linear(args.dim, H * D, bias=False)
-        self.wk = nn.Linear(args.dim, HKV * D, bias=False)
-        self.wv = nn.Linear(args.dim, HKV * D, bias=False)
-        self.wo = nn.Linear(H * D, args.dim, bias=False)
         if opts.use_low_rank_w:
             self.w_proj = nn.Sequential(nn.Linear(args.dim, opts.w_low_rank_dim, bias=False),
                                         nn.Linear(opts.w_low_rank_dim, HKV * D, bias=False))
@@ -82,8 +75,6 @@ class PathAttention(nn.Module):
         self.w_conv = ShortConvolution(HKV * D, opts.conv_size, "silu") if opts.use_w_shortconv else None
         self.bt_proj = nn.Linear(args.dim, HKV, bias=True)
         self.f_proj = nn.Linear(args.dim, H, bias=True) if opts.use_forget_gate else None
-        self.q_norm = nn.RMSNorm(D, eps=args.norm_eps) if opts.qk_norm else None
-        self.k_norm = nn.RMSNorm(D, eps=args.norm_eps) if opts.qk_norm else None
 
     def _adam(self):
         ps = list(self.bt_proj.parameters()) + (list(self.f_proj.parameters()) if self.f_proj is not None else [])
@@ -92,18 +83,15 @@ class PathAttention(nn.Module):
         return ps + ([self.w_conv.weight] if self.w_conv is not None else [])
 
     def init_weights(self, init_std: float) -> None:
-        lins = [self.wq, self.wk, self.wv, self.bt_proj] + ([self.f_proj] if self.f_proj is not None else [])
+        super().init_weights(init_std)
+        lins = [self.bt_proj] + ([self.f_proj] if self.f_proj is not None else [])
         lins += list(self.w_proj) if self.opts.use_low_rank_w else [self.w_proj]
         for lin in lins:
             trunc_normal_(lin.weight, mean=0.0, std=0.02)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         if self.w_conv is not None:
             self.w_conv.reset_parameters()
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.reset_parameters()
         mark_adam(*self._adam())
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> PathCache:
