@@ -117,3 +117,14 @@ def test_plot_ppl_from_two_runs(straight, corpus, tmp_path):
     subprocess.run([sys.executable, str(REPO / "scripts" / "plot_ppl.py"), str(straight), str(other), "-o", str(png)],
                    check=True, cwd=str(REPO))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_hybrid_stack_trains_and_resumes_exactly(corpus, tmp_path):
+    """A gdn/parallax hybrid (Qwen3-Next style pattern) trains and resumes bit-exactly like softmax does."""
+    hybrid = ["--model.layer_pattern", "gdn,gdn,gdn,parallax", "--checkpoint.interval", "2", "--validation.no-enable"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(tiny_args(corpus, straight, 4, 16, 2, *hybrid))
+    run_train(tiny_args(corpus, resumed, 4, 16, 2, *hybrid, "--training.stop_after_step", "2"))
+    run_train(tiny_args(corpus, resumed, 4, 16, 2, *hybrid))
+    a, b = losses(straight), losses(resumed)
+    assert a[4] < a[1] and [b[s] for s in (3, 4)] == [a[s] for s in (3, 4)]
