@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.ops.cala import local_context, normalized_linear_attention
 from attention.registry import register_attention
 
@@ -59,11 +58,10 @@ class CALACache:
 
 
 @register_attention("cala", options=CALAOptions, description="CALA: sliding-window context aggregation into q/k, LayerNorm, normalised linear attention")
-class ContextAggregatedLinearAttention(nn.Module):
+class ContextAggregatedLinearAttention(QKVAttentionBase):
     """CALA: local softmax context aggregation into q and k, LayerNorm, feature map, normalised linear attention."""
 
     def __init__(self, args: AttentionArgs, opts: CALAOptions):
-        super().__init__()
         if opts.feature_map not in FEATURE_MAPS:
             raise ValueError(f"attention.cala.feature_map={opts.feature_map!r}; choose from {list(FEATURE_MAPS)}")
         if opts.local_feature_map not in ("elu", "softplus"):
@@ -72,15 +70,9 @@ class ContextAggregatedLinearAttention(nn.Module):
             raise ValueError(f"attention.cala.window_size={opts.window_size} must be >= 1")
         if args.impl not in CALA_IMPLS:
             raise ValueError(f"attention.impl={args.impl!r} is not valid for cala; choose from {list(CALA_IMPLS)}")
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
-        self.args, self.opts = args, opts
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        super().__init__(args, qk_norm=False, rope=False)  # CALA normalises q/k with LayerNorm after aggregation
+        self.opts = opts
         D = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * D, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * D, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * D, bias=False)
-        self.wo = nn.Linear(args.n_heads * D, args.dim, bias=False)
         self.q_ln = nn.LayerNorm(D, eps=args.norm_eps)
         self.k_ln = nn.LayerNorm(D, eps=args.norm_eps)
         self.feature_dim = (opts.feature_dim or D) if opts.feature_map == "favor" else D
@@ -88,9 +80,7 @@ class ContextAggregatedLinearAttention(nn.Module):
             self.register_buffer("omega", torch.empty(self.feature_dim, D))
 
     def init_weights(self, init_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv):
-            trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        super().init_weights(init_std)
         self.q_ln.reset_parameters()
         self.k_ln.reset_parameters()
         if self.opts.feature_map == "favor":

@@ -27,7 +27,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, apply_rope
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
 from attention.ops.hla import IMPLS, hla, init_state
 from attention.ops.hla.serial import hla_step
 from attention.registry import register_attention
@@ -72,11 +72,10 @@ class HLACache:
 
 
 @register_attention("hla", options=HLAOptions, description="Higher-order Linear Attention (2nd/3rd order, AHLA), decayed, chunked Triton")
-class HigherOrderLinearAttention(nn.Module):
+class HigherOrderLinearAttention(QKVAttentionBase):
     """Masked higher-order linear attention with per-head decay, q/k normalisation and output norm."""
 
     def __init__(self, args: AttentionArgs, opts: HLAOptions):
-        super().__init__()
         if opts.order not in (2, 3):
             raise ValueError(f"attention.hla.order={opts.order!r}; choose from [2, 3]")
         if opts.variant not in ("symmetric", "asymmetric"):
@@ -91,17 +90,9 @@ class HigherOrderLinearAttention(nn.Module):
             raise ValueError(f"attention.hla.gamma_init={opts.gamma_init} must be in (0, 1)")
         if args.impl not in IMPLS:
             raise ValueError(f"attention.impl={args.impl!r} is not valid for hla; choose from {list(IMPLS)}")
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
-        self.args, self.opts = args, opts
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        super().__init__(args, opts.qk_norm == "rms", rope=opts.rope)
+        self.opts = opts
         D = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * D, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * D, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * D, bias=False)
-        self.wo = nn.Linear(args.n_heads * D, args.dim, bias=False)
-        self.q_norm = nn.RMSNorm(D, eps=args.norm_eps) if opts.qk_norm == "rms" else None
-        self.k_norm = nn.RMSNorm(D, eps=args.norm_eps) if opts.qk_norm == "rms" else None
         self.o_norm = nn.RMSNorm(D, eps=args.norm_eps) if opts.output_norm else None
         self.g_proj = nn.Linear(args.dim, args.n_heads * D, bias=False) if opts.output_gate else None
         if opts.decay == "learnable":
@@ -119,12 +110,11 @@ class HigherOrderLinearAttention(nn.Module):
         return torch.full((H,), o.gamma_init)
 
     def init_weights(self, init_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv) + ((self.g_proj,) if self.g_proj is not None else ()):
-            trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-        for norm in (self.q_norm, self.k_norm, self.o_norm):
-            if norm is not None:
-                norm.reset_parameters()
+        super().init_weights(init_std)
+        if self.g_proj is not None:
+            trunc_normal_(self.g_proj.weight, mean=0.0, std=0.02)
+        if self.o_norm is not None:
+            self.o_norm.reset_parameters()
         if self.opts.decay == "learnable":
             self.decay_log.copy_(torch.log(-torch.log(self._init_gammas())))
             self.decay_log._optim = "adam"  # a scalar per head, not a hidden matrix

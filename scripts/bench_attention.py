@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench_common import median_ms as bench_ms  # noqa: E402
 
 Factory = Callable[..., "Callable[[], torch.Tensor] | None"]
 
@@ -125,22 +126,6 @@ DECODE: dict[str, Factory] = {
 
 
 # ------------------------------------------------------------------ timing
-def bench_ms(fn: Callable[[], object], warmup: int = 5, rep: int = 20) -> float:
-    """Median ms over ``rep`` CUDA-event-timed calls (L2 not flushed: every call streams far more than L2)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def graph_us(fn: Callable[[], object], iters: int = 50) -> float:
     """µs per call replaying a CUDA graph that holds ``iters`` calls (launch overhead amortised)."""
     s = torch.cuda.Stream()

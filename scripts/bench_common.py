@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: one timing helper (CUDA events on a GPU, wall clock on a CPU)."""
+"""Shared by the benchmark scripts: timing helpers (CUDA events on a GPU, wall clock on a CPU)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,19 @@ def timeit(fn, reps: int, warmup: int = 1, device: str = "cuda") -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def median_ms(fn, rep: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of ``rep`` individually CUDA-event-timed calls (robust to stragglers)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from optim.build import build_optimizers  # noqa: E402
 from optim.config import Optimizer  # noqa: E402
+from scripts.bench_common import median_ms as _time  # noqa: E402
 
 
 class Attn(nn.Module):
@@ -65,21 +65,6 @@ class Shapes06B(nn.Module):
 
     def forward(self, x):
         return x
-
-
-def _time(fn, iters, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def bench_optimizer(name, args, dist_on) -> tuple[float, int]:
