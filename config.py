@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import attention
 from attention.registry import REGISTRY
+from optim import config as optim_config
 
 
 @dataclass
@@ -70,22 +71,14 @@ class Training:
     spans ``training.steps``, and a checkpoint is written at the stop step so the same command resumes."""
 
 
-def _optim_sections() -> dict:
-    try:
-        from optim import config as optim_config
-    except ImportError:
-        return {}
-    return {n: getattr(optim_config, c) for n, c in (("optimizer", "Optimizer"), ("lr_scheduler", "LRScheduler"))
-            if hasattr(optim_config, c)}
-
-
-_extra = [(n, c, field(default_factory=c)) for n, c in _optim_sections().items()]
 JobConfig = dataclasses.make_dataclass(
     "JobConfig",
     [("model", Model, field(default_factory=Model)),
      ("attention", Attention, field(default_factory=Attention)),
      ("data", Data, field(default_factory=Data)),
-     ("training", Training, field(default_factory=Training))] + _extra,
+     ("training", Training, field(default_factory=Training)),
+     ("optimizer", optim_config.Optimizer, field(default_factory=optim_config.Optimizer)),
+     ("lr_scheduler", optim_config.LRScheduler, field(default_factory=optim_config.LRScheduler))],
 )
 
 

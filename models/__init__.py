@@ -15,15 +15,6 @@ class _Flavors(dict):
         return get_flavor(name)
 
 
-def _optim_builders():
-    try:
-        from optim.build import build_lr_schedulers, build_optimizers
-    except ImportError:
-        from torchtitan.components.lr_scheduler import build_lr_schedulers
-        from torchtitan.components.optimizer import build_optimizers
-    return build_optimizers, build_lr_schedulers
-
-
 def register_train_spec() -> None:
     """Register the model with torchtitan once (idempotent)."""
     from torchtitan.components.loss import build_cross_entropy_loss
@@ -35,8 +26,8 @@ def register_train_spec() -> None:
     from models.metrics import build_metrics
     from models.parallelize import parallelize_model
     from models.validate import build_validator
+    from optim.build import build_lr_schedulers, build_optimizers
 
-    build_optimizers, build_lr_schedulers = _optim_builders()
     ts.register_train_spec(SPEC_NAME, ts.TrainSpec(
         model_cls=Transformer, model_args=_Flavors(FLAVORS), parallelize_fn=parallelize_model, pipelining_fn=None,
         build_optimizers_fn=build_optimizers, build_lr_schedulers_fn=build_lr_schedulers,

@@ -17,21 +17,11 @@ from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
 
-def _save_list() -> set:
-    """Ops whose outputs selective AC keeps: torchtitan's list plus this project's attention custom ops."""
-    ops = set(_op_sac_save_list)
-    for name in ("parallax_fwd", "attn_fwd"):
-        ns = getattr(torch.ops, "attnlab", None)
-        if ns is not None and hasattr(ns, name):
-            ops.add(getattr(ns, name).default)
-    return ops
-
-
 def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
-                 op_sac_save_list=_save_list(), base_folder=job_config.job.dump_folder)
+                 op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:

@@ -84,7 +84,6 @@ def test_unknown_toml_key_is_named(corpus, tmp_path):
 
 
 def test_heads_must_divide():
-    from models.args import get_flavor
     from attention import build_attention
     from attention.base import AttentionArgs
 

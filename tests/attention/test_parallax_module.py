@@ -1,6 +1,5 @@
 """Parallax/softmax modules and the Parallax reference against an independent float64 per-token loop."""
 
-import math
 
 import pytest
 import torch
@@ -8,7 +7,6 @@ import torch
 import attention
 from attention.base import AttentionArgs, AttentionContext
 from attention.ops.parallax.naive import naive_parallax
-from attention.parallax import ParallaxOptions
 
 
 def loop_parallax(q, k, v, r, scale, doc=None):

@@ -7,7 +7,6 @@ difference comes from the optimizer (a shard-local Newton–Schulz would be far 
 import os
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
