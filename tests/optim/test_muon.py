@@ -121,6 +121,33 @@ def test_blocks_are_separate_matrices():
     torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in parts]), rtol=1e-5, atol=1e-6)
 
 
+def test_same_shape_matrices_batched_equal_separate_optimizers():
+    """The step batches Newton–Schulz over same-shape matrices (and blocks); each result must equal the
+    matrix's own one-parameter Muon. Mixed shapes, a blocked parameter and two groups in one optimizer."""
+    torch.manual_seed(0)
+    shapes = [(24, 40), (24, 40), (40, 24), (24, 40), (12, 40)]
+    ws = [torch.randn(s) for s in shapes]
+    together = [torch.nn.Parameter(w.clone()) for w in ws]
+    groups = [{"params": together[:3]}, {"params": together[3:], "lr": 0.01, "weight_decay": 0.0}]
+    blocks = {together[3]: Blocks(0, (12, 12))}  # two 12x40 blocks batch with the plain 12x40 matrix
+    opt = Muon(groups, lr=0.02, ns_dtype="float32", blocks=blocks)
+    alone, opts = [], []
+    for i, w in enumerate(ws):
+        p = torch.nn.Parameter(w.clone())
+        kw = dict(lr=0.01, weight_decay=0.0) if i >= 3 else dict(lr=0.02)
+        opts.append(Muon([p], ns_dtype="float32", blocks={p: Blocks(0, (12, 12))} if i == 3 else None, **kw))
+        alone.append(p)
+    for _ in range(3):
+        for p, q in zip(together, alone):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        for o in opts:
+            o.step()
+    for p, q in zip(together, alone):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_update_scale_values():
     assert update_scale(3072, 1024, "spectral") == math.sqrt(3)
     assert update_scale(1024, 3072, "spectral") == 1.0
