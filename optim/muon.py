@@ -266,7 +266,7 @@ class Muon(torch.optim.Optimizer):
         Owners go round-robin within each shape (largest shapes first), so every rank gets an equal share of
         every shape and the batched NS calls stay balanced.
         """
-        ws, me = dist.get_world_size(pg), dist.get_rank(pg)
+        ws = dist.get_world_size(pg)
         by_shape: dict[tuple, list[int]] = {}
         for i, (p, _, _) in enumerate(jobs):
             by_shape.setdefault(tuple(p.shape), []).append(i)
