@@ -23,6 +23,17 @@ from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
 
 IMPLS = ("auto", "triton", "chunked", "reference")
+TRITON_VARIANT = "v1"
+"""Which Triton kernels ``impl="triton"`` runs: "v1" (``triton.py``: bf16 tensor-core operands, split masks,
+autotuned tiles) or "v0" (``triton_v0.py``: the first version, fp32/TF32 tiles), kept for A/B benchmarks."""
+
+
+def _triton_ops():
+    import importlib
+
+    if TRITON_VARIANT not in ("v0", "v1"):
+        raise ValueError(f"TRITON_VARIANT={TRITON_VARIANT!r}: choose 'v0' or 'v1'")
+    return importlib.import_module("attention.ops.lla.triton" + ("_v0" if TRITON_VARIANT == "v0" else ""))
 
 
 def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +63,11 @@ class _LLAFunction(torch.autograd.Function):
         ds, de = doc_bounds(cu_seqlens, B, T, q.device)
         ct = torch.float64 if (q.dtype == torch.float64 and not use_triton) else torch.float32
         if use_triton:
-            from attention.ops.lla.triton import lla_fwd_triton
-
+            ops = _triton_ops()
             qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
             lc = lam.to(torch.float32).contiguous()
-            o, rho, delta, m, om = lla_fwd_triton(qc, kc, vc, lc, ds, scale, cg_iters, jacobi, rtol, *block)
+            o, rho, delta, m, om = ops.lla_fwd_triton(qc, kc, vc, lc, ds, scale, cg_iters, jacobi, rtol, *block)
+            ctx.ops = ops
             ctx.save_for_backward(qc, kc, vc, lc, ds, de, o, rho, delta, m, om)
         else:
             qh = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
@@ -73,10 +84,10 @@ class _LLAFunction(torch.autograd.Function):
     def backward(ctx, do):
         scale, cg_iters, jacobi, rtol, use_triton, block, G, ct = ctx.cfg
         if use_triton:
-            from attention.ops.lla.triton import lla_bwd_triton
-
             q, k, v, lam, ds, de, o, rho, delta, m, om = ctx.saved_tensors
-            dq, dk, dv, dlam = lla_bwd_triton(q, k, v, lam, ds, de, o, do.to(torch.float32).contiguous(), rho,
+            v0 = ctx.ops.__name__.endswith("_v0")  # v0 takes fp32 do; v1 casts do to q's dtype itself
+            dd = do.to(torch.float32).contiguous() if v0 else do
+            dq, dk, dv, dlam = ctx.ops.lla_bwd_triton(q, k, v, lam, ds, de, o, dd, rho,
                                               delta, m, om, scale, cg_iters, jacobi, rtol, *block)
         else:
             q, k, v, lam, ds, o, rho, delta = ctx.saved_tensors
@@ -126,7 +137,8 @@ def lla_attention(
     scale: kernel exp(scale·q·k), default D**-0.5. cg_iters: CG iterations (paper: 16 suffice in bf16).
     jacobi: Jacobi-preconditioned CG. rtol: CG stops per row at ‖r‖ ≤ rtol·‖b‖.
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
-    block: (query, key) tile sizes; default (64, 64) for Triton, (128, ·) for the chunked path.
+    block: (query, key) tile sizes; default: autotuned for Triton (v1; v0: (32, 32) at D > 64, else (64, 64)),
+    (128, ·) for the chunked path.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
     B, T, HQ, D = q.shape
@@ -144,5 +156,10 @@ def lla_attention(
         lam_full = lam_full.to(torch.float32)
     use_triton = impl == "triton"
     if block is None:
-        block = (32, 32) if use_triton and D > 64 else ((64, 64) if use_triton else (128, 128))
+        if not use_triton:
+            block = (128, 128)
+        elif TRITON_VARIANT == "v0":
+            block = (32, 32) if D > 64 else (64, 64)
+        else:
+            block = (None, None)  # autotuned
     return _LLAFunction.apply(q, k, v, lam_full, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block)

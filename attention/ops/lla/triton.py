@@ -1,76 +1,143 @@
-"""Blockwise LLA in Triton (FlashLLA, spec ``lla.md`` §5-6, errata fixed, λω ridge, exact backward).
+"""Blockwise LLA in Triton, v1 (FlashLLA, spec ``lla.md`` §5-6, errata fixed, λω ridge, exact backward).
 
 Three kernels, each a program per (query or key tile, batch, head); no T×T and no T×d×d tensor exists:
 
 - ``_lla_fwd_kernel``: pass (i) online statistics m, ω, μ̃ (and the Jacobi diagonal) over the key tiles;
-  pass (ii) CG for ρ (``CG_ITERS`` streamed passes over K, the matrix-free Σ·p of eq. 13); pass (iii)
-  output (eq. 16). Writes o, ρ, δ, m, ω.
-- ``_lla_bwd_q_kernel``: pass A accumulates μ̃, τ = Σ c and Σ c k; the adjoint CG solve for u; pass B
-  accumulates F·K for dq. Writes dq, u, β and dλ.
-- ``_lla_bwd_kv_kernel``: per key tile (all q heads of its GQA group, all query tiles below the diagonal):
-  dk and dv.
+  pass (ii) CG for ρ (``CG_ITERS`` streamed passes over K, matrix-free Σ·p); pass (iii) output (eq. 16).
+  Writes o, ρ, δ, m (log2 units), ω.
+- ``_lla_bwd_q_kernel``: pass A accumulates τ = Σ c and Σ c k; the adjoint CG solve for u; pass B
+  accumulates F·K (and u·μ) for dq. Writes dq, u, β and dλ.
+- ``_lla_bwd_kv_kernel``: per key tile (all q heads of its GQA group, all query tiles of its documents at or
+  below the diagonal): dk and dv, with the tiles held transposed ([key, query]) so no operand is transposed
+  for the dk/dv products.
 
-The math is the one of ``chunked.py`` (its docstring derives it). All accumulators are fp32; tiles are
-loaded in fp32 and multiplied with ``tl.dot`` (TF32 tensor cores on GPU). Varlen documents enter as
-``doc_start``/``doc_end`` per token ([B, T] int32): query i sees keys doc_start[i] ≤ j ≤ i.
-Layout [B, T, H, D] with unit stride on D; D is padded to a power of two with zero masks (padded
-coordinates stay exactly 0 through CG).
+The math is the one of ``chunked.py`` (its docstring derives it). Differences to v0 (``triton_v0.py``), all
+for speed on tensor cores:
+
+- tensor-core operands in the input dtype (bf16 → bf16 wgmma at twice the TF32 rate, half the registers
+  and shared memory), fp32 accumulation; everything outside the dots (CG vectors x, r, the row scalars,
+  ω, τ, δ) stays fp32. Rounded operands: the weight products w⊙(·) (as P in flash attention), the CG
+  direction p (the rounded p *is* the direction: x and r are updated with the same rounded p that Σ
+  multiplied, so CG stays consistent), ρ, u and Δμ in the z·ρ / z·u products. fp32 inputs keep fp32 dots.
+- matvec in centred form Σp = Σ_j t_j k_j − (Σ_j t_j) q + λω p with t_j = w_j(k_j·p − q·p): μ̃ is not
+  needed inside CG (fewer live registers), and t is rounded once so Σ·p is exactly Σ_j t̂_j z_j.
+- δ is the fp32 sum of the rounded score numerators used for P@V (= ω − μ·ρ in exact arithmetic for any
+  ρ), so the output is an exact affine combination of the v_j (scores sum to 1) even in bf16.
+- backward: z·Δμ = 2β z·ρ − z·u (one GEMM less per tile in both kernels); u·μ = Σ_j w_j z_j·u is summed
+  in pass B, so pass A needs no μ̃ GEMM (3 instead of 4 GEMMs, 4 with Jacobi).
+- masks (causal, document start, T) only on the key tiles that need them: the key range of a query tile is
+  split into masked head [lo, mid1), unmasked body [mid1, mid2), masked diagonal [mid2, hi).
+- exp2 with log2(e) folded into the logit scale; heaviest (last) query tiles scheduled first.
+- tiles autotuned per (D, G, CG_ITERS, JACOBI, dtypes), not per T; ``block=(BR, BC)`` pins a tile.
+
+Varlen documents enter as ``doc_start``/``doc_end`` per token ([B, T] int32): query i sees keys
+doc_start[i] ≤ j ≤ i. Layout [B, T, H, D] with unit stride on D; D is padded to a power of two with zero
+masks (padded coordinates stay exactly 0 through CG).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _weights(q, k, o_r, o_c, ds, m, scale, T):
-    """w = exp(scale·q kᵀ − m) on the visible (row, key) pairs, 0 elsewhere. [BR, BC]."""
-    s = tl.dot(q, tl.trans(k)) * scale
-    ok = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] >= ds[:, None]) & (o_c[None, :] < T)
-    return tl.where(ok, tl.exp(s - m[:, None]), 0.0)
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(P, o_t, o_d, s_t, ok_t, D):
-    return tl.load(P + o_t[:, None] * s_t + o_d[None, :], mask=ok_t[:, None] & (o_d[None, :] < D), other=0.0).to(tl.float32)
+def _rows(P, o_t, o_d, s_t, T, D: tl.constexpr, MASK: tl.constexpr):
+    """Rows o_t of a [T, D] slab (stride s_t), native dtype, zero padded. [len(o_t), BD]."""
+    if MASK:
+        return tl.load(P + o_t[:, None] * s_t + o_d[None, :], mask=(o_t[:, None] < T) & (o_d[None, :] < D), other=0.0)
+    else:
+        return tl.load(P + o_t[:, None] * s_t + o_d[None, :], mask=o_d[None, :] < D, other=0.0)
 
 
 @triton.jit
-def _matvec(p, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC: tl.constexpr, BD: tl.constexpr):
-    """Σ_i p_i for the rows of the tile (eq. 13), streaming K once."""
+def _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK: tl.constexpr):
+    """w = 2^(qk_scale·q kᵀ − m2) (= exp(scale q·k − m)), 0 on invisible pairs. [BR, BC] fp32."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale - m2[:, None]
+    if MASK:
+        ok = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] >= ds[:, None]) & (o_c[None, :] < T)
+        s = tl.where(ok, s, float("-inf"))
+    return tl.exp2(s)
+
+
+@triton.jit
+def _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, a, b, qk_scale, T, D: tl.constexpr,
+                 JACOBI: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     o_d = tl.arange(0, BD)
-    ap = tl.zeros_like(p)
-    for start in range(lo, hi, BC):
+    for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
-        k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
-        w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-        ap += tl.dot(w * tl.dot(p, tl.trans(k)), k)
-    qp = tl.sum(q * p, 1)[:, None]
-    mp = tl.sum(mut * p, 1)[:, None]
-    return ap - qp * mut - mp * q + (om[:, None] * qp) * q + rid[:, None] * p
+        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK:
+            ok = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] >= ds[:, None]) & (o_c[None, :] < T)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m2, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m2 - m_safe)
+        p = tl.exp2(s - m_safe[:, None]).to(k.dtype)
+        om = om * alpha + tl.sum(p.to(tl.float32), 1)
+        mut = mut * alpha[:, None] + tl.dot(p, k)
+        if JACOBI:
+            ksq = ksq * alpha[:, None] + tl.dot(p, k * k)
+        m2 = m_new
+    return m2, om, mut, ksq
 
 
 @triton.jit
-def _cg(b, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D,
-        CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, with the active mask of Algorithm 2."""
+def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
+                 MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """acc += Σ_j t_j k_j, rs += Σ_j t_j with t_j = w_j (k_j·p − q·p), over key tiles [a, b)."""
+    o_d = tl.arange(0, BD)
+    for start in range(a, b, BC):
+        o_c = start + tl.arange(0, BC)
+        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
+        w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
+        t = (w * (tl.dot(p, tl.trans(k)) - qp[:, None])).to(k.dtype)
+        acc += tl.dot(t, k)
+        rs += tl.sum(t.to(tl.float32), 1)
+    return acc, rs
+
+
+@triton.jit
+def _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+            BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Σ_i p_i (eq. 13, centred form) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
+    pf = p.to(tl.float32)
+    qp = tl.sum(q.to(tl.float32) * pf, 1)
+    acc = tl.zeros([BR, BD], tl.float32)
+    rs = tl.zeros([BR], tl.float32)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    return acc - rs[:, None] * q.to(tl.float32) + rid[:, None] * pf
+
+
+@triton.jit
+def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D: tl.constexpr,
+        CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, active mask of Algorithm 2. The direction p is kept
+    in the operand dtype; x and r are updated with that same (rounded) p and its exact product Σp."""
     x = tl.zeros_like(b)
     r = b
     if JACOBI:
         z = r / diag
     else:
         z = r
-    p = z
+    p = z.to(q.dtype)
     rz = tl.sum(r * z, 1)
     thresh = rtol2 * tl.sum(b * b, 1)
     for _ in range(CG_ITERS):
-        ap = _matvec(p, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC, BD)
-        pap = tl.sum(p * ap, 1)
+        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, BR, BC, BD)
+        pf = p.to(tl.float32)
+        pap = tl.sum(pf * ap, 1)
         active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thresh)
         alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
-        x += alpha[:, None] * p
+        x += alpha[:, None] * pf
         r -= alpha[:, None] * ap
         if JACOBI:
             z = r / diag
@@ -78,160 +145,203 @@ def _cg(b, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, 
             z = r
         rz_new = tl.sum(r * z, 1)
         beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
-        p = tl.where(active[:, None], z + beta[:, None] * p, p)
+        p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(q.dtype)
         rz = tl.where(active, rz_new, rz)
     return x
 
 
 @triton.jit
-def _tile_setup(DS, i_r, b, T, BR: tl.constexpr, BC: tl.constexpr):
-    o_r = i_r * BR + tl.arange(0, BR)
+def _tile_setup(DS, b, T, BR: tl.constexpr, BC: tl.constexpr):
+    """Query tile (heaviest first) and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
+    [mid2, hi) masked (every bound but hi a multiple of BC)."""
+    i_r = tl.cdiv(T, BR) - 1 - tl.program_id(0)
+    row0 = i_r * BR
+    o_r = row0 + tl.arange(0, BR)
     row_ok = o_r < T
     ds = tl.load(DS + b * T + o_r, mask=row_ok, other=0)
-    lo = tl.min(tl.where(row_ok, ds, T), 0)
-    lo = (lo // BC) * BC
-    hi = tl.minimum((i_r + 1) * BR, T)
-    return o_r, row_ok, ds, lo, hi
+    lo = (tl.min(tl.where(row_ok, ds, T), 0) // BC) * BC
+    hi = tl.minimum(row0 + BR, T)
+    full_lo = tl.cdiv(tl.max(ds, 0), BC) * BC  # tiles from here on see no document start
+    full_hi = ((row0 + 1) // BC) * BC  # tiles below here are entirely causal-visible
+    mid1 = tl.minimum(tl.maximum(full_lo, lo), hi)
+    mid2 = tl.maximum(tl.minimum(full_hi, hi), mid1)
+    return o_r, row_ok, ds, lo, mid1, mid2, hi
 
 
 @triton.jit
-def _stats(q, ds, o_r, K, s_kt, lo, hi, scale, T, D, JACOBI: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-           BD: tl.constexpr):
-    """Pass (i): online max m, ω, μ̃ and Σ_j w_j k_j² (Jacobi)."""
+def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
+               MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     o_d = tl.arange(0, BD)
-    m = tl.full([BR], float("-inf"), tl.float32)
-    om = tl.zeros([BR], tl.float32)
-    mut = tl.zeros([BR, BD], tl.float32)
-    ksq = tl.zeros([BR, BD], tl.float32)
-    for start in range(lo, hi, BC):
+    for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
-        k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
-        s = tl.dot(q, tl.trans(k)) * scale
-        ok = (o_c[None, :] <= o_r[:, None]) & (o_c[None, :] >= ds[:, None]) & (o_c[None, :] < T)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.where(ok, tl.exp(s - m_safe[:, None]), 0.0)
-        om = om * alpha + tl.sum(p, 1)
-        mut = mut * alpha[:, None] + tl.dot(p, k)
-        if JACOBI:
-            ksq = ksq * alpha[:, None] + tl.dot(p, k * k)
-        m = m_new
-    m = tl.where(m == float("-inf"), 0.0, m)
-    return m, om, mut, ksq
+        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
+        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
+        a_ = (w * (1 - (tl.dot(rho, tl.trans(k)) - rq[:, None]))).to(v.dtype)
+        acc += tl.dot(a_, v)
+        den += tl.sum(a_.to(tl.float32), 1)
+    return acc, den
 
 
 @triton.jit
 def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
-                    T, HQ, D, scale, rtol2,
-                    G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
+                    T, HQ, qk_scale, rtol2,
+                    D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, hi = _tile_setup(DS, i_r, b, T, BR, BC)
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)
     Q += b * s_qb + h * s_qh
     K += b * s_kb + (h // G) * s_kh
     V += b * s_kb + (h // G) * s_kh
-    q = _load_rows(Q, o_r, o_d, s_qt, row_ok, D)
+    q = _rows(Q, o_r, o_d, s_qt, T, D, True)
     lam = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0)
-    m, om, mut, ksq = _stats(q, ds, o_r, K, s_kt, lo, hi, scale, T, D, JACOBI, BR, BC, BD)
+    # -- pass (i): statistics --
+    m2 = tl.full([BR], float("-inf"), tl.float32)
+    om = tl.zeros([BR], tl.float32)
+    mut = tl.zeros([BR, BD], tl.float32)
+    ksq = tl.zeros([BR, BD], tl.float32)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, True, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, False, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, True, BC, BD)
+    m2 = tl.where(m2 == float("-inf"), 0.0, m2)
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
-    mu = mut - om[:, None] * q
-    diag = ksq - 2 * mut * q + om[:, None] * q * q + rid[:, None]
-    rho = _cg(mu, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
-    delta = om - tl.sum(mu * rho, 1)
-    rq = tl.sum(rho * q, 1)
+    qf = q.to(tl.float32)
+    mu = mut - om[:, None] * qf
+    if JACOBI:
+        diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
+    else:
+        diag = mu
+    # -- pass (ii): CG --
+    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI,
+              BR, BC, BD)
+    # -- pass (iii): output, eq. 16; δ = Σ_j of the very score numerators used (= ω − μ·ρ exactly) --
+    rho_b = rho.to(q.dtype)
+    rq = tl.sum(rho_b.to(tl.float32) * q.to(tl.float32), 1)
     acc = tl.zeros([BR, BD], tl.float32)
-    for start in range(lo, hi, BC):  # pass (iii), eq. 16
-        o_c = start + tl.arange(0, BC)
-        k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
-        v = _load_rows(V, o_c, o_d, s_kt, o_c < T, D)
-        w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-        acc += tl.dot(w * (1 - (tl.dot(rho, tl.trans(k)) - rq[:, None])), v)
-    o = acc / delta[:, None]
+    den = tl.zeros([BR], tl.float32)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    o = acc / den[:, None]
     st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
     tl.store(O + p_o, o, mask=ok2)
     tl.store(RHO + p_o, rho, mask=ok2)
-    tl.store(DELTA + st, delta, mask=row_ok)
-    tl.store(M + st, m, mask=row_ok)
+    tl.store(DELTA + st, den, mask=row_ok)
+    tl.store(M + st, m2, mask=row_ok)
     tl.store(OMEGA + st, om, mask=row_ok)
+
+
+@triton.jit
+def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
+                 JACOBI: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    o_d = tl.arange(0, BD)
+    for start in range(a, b, BC):
+        o_c = start + tl.arange(0, BC)
+        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
+        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
+        c = (tl.dot(g, tl.trans(v)) * w * inv_d[:, None]).to(k.dtype)
+        tau += tl.sum(c.to(tl.float32), 1)
+        ck += tl.dot(c, k)
+        if JACOBI:
+            wb = w.to(k.dtype)
+            mut += tl.dot(wb, k)
+            ksq += tl.dot(wb, k * k)
+    return tau, ck, mut, ksq
+
+
+@triton.jit
+def _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
+                 D: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    o_d = tl.arange(0, BD)
+    for start in range(a, b, BC):
+        o_c = start + tl.arange(0, BC)
+        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
+        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
+        zr = tl.dot(rho_b, tl.trans(k)) - rq[:, None]
+        zu = tl.dot(u_b, tl.trans(k)) - uq[:, None]
+        gam = tl.dot(g, tl.trans(v))
+        # z·Δμ = 2β z·ρ − z·u
+        f = w * (gam * (1 - zr) * inv_d[:, None] + 2 * beta[:, None] * zr - zu + zu * zr
+                 - beta[:, None] * (1 + zr * zr) + lt[:, None])
+        acc += tl.dot(f.to(k.dtype), k)
+        umu += tl.sum(w * zu, 1)
+    return acc, umu
 
 
 @triton.jit
 def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA, DLAM,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
-                      T, HQ, D, scale, rtol2,
-                      G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
+                      T, HQ, scale, qk_scale, rtol2,
+                      D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, hi = _tile_setup(DS, i_r, b, T, BR, BC)
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)
     Q += b * s_qb + h * s_qh
     DO += b * s_qb + h * s_qh
     K += b * s_kb + (h // G) * s_kh
     V += b * s_kb + (h // G) * s_kh
-    q = _load_rows(Q, o_r, o_d, s_qt, row_ok, D)
-    g = _load_rows(DO, o_r, o_d, s_qt, row_ok, D)
+    q = _rows(Q, o_r, o_d, s_qt, T, D, True)
+    g = _rows(DO, o_r, o_d, s_qt, T, D, True)
     st = (b * T + o_r) * HQ + h
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
     o = tl.load(O + p_o, mask=ok2, other=0.0)
-    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
     delta = tl.load(DELTA + st, mask=row_ok, other=1.0)
-    m = tl.load(M + st, mask=row_ok, other=0.0)
+    m2 = tl.load(M + st, mask=row_ok, other=0.0)
+    om = tl.load(OMEGA + st, mask=row_ok, other=1.0)
     lam = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0)
-    beta = tl.sum(g * o, 1) / delta
-    rq = tl.sum(rho * q, 1)
-    # -- pass A: ω, μ̃, Jacobi diagonal, τ = Σ c, Σ c k --
-    om = tl.zeros([BR], tl.float32)
+    inv_d = 1.0 / delta
+    beta = tl.sum(g.to(tl.float32) * o, 1) * inv_d
+    g = g.to(q.dtype)
+    # -- pass A: τ = Σ c, Σ c k (and μ̃, Jacobi diagonal) --
     tau = tl.zeros([BR], tl.float32)
+    ck = tl.zeros([BR, BD], tl.float32)
     mut = tl.zeros([BR, BD], tl.float32)
     ksq = tl.zeros([BR, BD], tl.float32)
-    ck = tl.zeros([BR, BD], tl.float32)
-    for start in range(lo, hi, BC):
-        o_c = start + tl.arange(0, BC)
-        k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
-        v = _load_rows(V, o_c, o_d, s_kt, o_c < T, D)
-        w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-        c = tl.dot(g, tl.trans(v)) * w / delta[:, None]
-        om += tl.sum(w, 1)
-        tau += tl.sum(c, 1)
-        mut += tl.dot(w, k)
-        ck += tl.dot(c, k)
-        if JACOBI:
-            ksq += tl.dot(w, k * k)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
+                                     D, JACOBI, True, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
+                                     T, D, JACOBI, False, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
+                                     D, JACOBI, True, BC, BD)
     rid = lam * om
-    mu = mut - om[:, None] * q
-    diag = ksq - 2 * mut * q + om[:, None] * q * q + rid[:, None]
-    y = ck - tau[:, None] * q
-    u = _cg(y, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
-    dmu = 2 * beta[:, None] * rho - u
-    trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
-    uq = tl.sum(u * q, 1)
-    dq_ = tl.sum(dmu * q, 1)
-    # -- pass B: Σ_j F_ij k_j --
-    acc = tl.zeros([BR, BD], tl.float32)
-    for start in range(lo, hi, BC):
-        o_c = start + tl.arange(0, BC)
-        k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
-        v = _load_rows(V, o_c, o_d, s_kt, o_c < T, D)
-        w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-        zr = tl.dot(rho, tl.trans(k)) - rq[:, None]
-        zu = tl.dot(u, tl.trans(k)) - uq[:, None]
-        zd = tl.dot(dmu, tl.trans(k)) - dq_[:, None]
-        gam = tl.dot(g, tl.trans(v))
-        f = gam * w * (1 - zr) / delta[:, None] + w * (
-            zd + zu * zr - beta[:, None] * (1 + zr * zr) + (lam * trg)[:, None])
-        acc += tl.dot(f, k)
-    dq = scale * acc + tau[:, None] * rho - delta[:, None] * dmu - tl.sum(u * mu, 1)[:, None] * rho
-    tl.store(DQ + p_o, dq, mask=ok2)
+    qf = q.to(tl.float32)
+    y = ck - tau[:, None] * qf
+    if JACOBI:
+        diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
+    else:
+        diag = y
+    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI,
+            BR, BC, BD)
     tl.store(U + p_o, u, mask=ok2)
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
+    trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
+    rho_b = rho.to(q.dtype)
+    u_b = u.to(q.dtype)
+    rq = tl.sum(rho_b.to(tl.float32) * qf, 1)
+    uq = tl.sum(u_b.to(tl.float32) * qf, 1)
+    # -- pass B: Σ_j F_ij k_j and u·μ = Σ_j w_ij z_ij·u --
+    acc = tl.zeros([BR, BD], tl.float32)
+    umu = tl.zeros([BR], tl.float32)
+    lt = lam * trg
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
+                            qk_scale, T, D, True, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
+                            mid2, qk_scale, T, D, False, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
+                            qk_scale, T, D, True, BC, BD)
+    dmu = 2 * beta[:, None] * rho - u
+    dq = scale * acc + tau[:, None] * rho - delta[:, None] * dmu - umu[:, None] * rho
+    tl.store(DQ + p_o, dq, mask=ok2)
     tl.store(BETA + st, beta, mask=row_ok)
     tl.store(DLAM + st, trg * om, mask=row_ok)
 
@@ -239,18 +349,19 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
 @triton.jit
 def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
-                       T, HQ, HKV, D, scale,
-                       G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+                       T, HQ, HKV, scale, qk_scale,
+                       D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     b, hk = i_bh // HKV, i_bh % HKV
-    o_c = i_c * BC + tl.arange(0, BC)
+    c0 = i_c * BC
+    o_c = c0 + tl.arange(0, BC)
     col_ok = o_c < T
     o_d = tl.arange(0, BD)
     de = tl.load(DE + b * T + o_c, mask=col_ok, other=0)
-    q_lo = ((i_c * BC) // BR) * BR
+    q_lo = (c0 // BR) * BR
     q_hi = tl.max(de, 0)  # queries of the same documents only
-    k = _load_rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, col_ok, D)
-    v = _load_rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, col_ok, D)
+    k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):
@@ -259,35 +370,71 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
             o_r = start + tl.arange(0, BR)
             row_ok = o_r < T
             ds = tl.load(DS + b * T + o_r, mask=row_ok, other=T)
-            q = _load_rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, row_ok, D)
-            g = _load_rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, row_ok, D)
+            q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+            g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True).to(q.dtype)
             st = (b * T + o_r) * HQ + h
             p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
             ok2 = row_ok[:, None] & (o_d[None, :] < D)
             rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
             u = tl.load(U + p_o, mask=ok2, other=0.0)
-            delta = tl.load(DELTA + st, mask=row_ok, other=1.0)
-            m = tl.load(M + st, mask=row_ok, other=0.0)
+            inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
+            m2 = tl.load(M + st, mask=row_ok, other=0.0)
             beta = tl.load(BETA + st, mask=row_ok, other=0.0)
             lam = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=0.0)
-            dmu = 2 * beta[:, None] * rho - u
-            trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
-            w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-            w = tl.where(row_ok[:, None], w, 0.0)
-            zr = tl.dot(rho, tl.trans(k)) - tl.sum(rho * q, 1)[:, None]
-            zu = tl.dot(u, tl.trans(k)) - tl.sum(u * q, 1)[:, None]
-            zd = tl.dot(dmu, tl.trans(k)) - tl.sum(dmu * q, 1)[:, None]
-            gam = tl.dot(g, tl.trans(v))
+            lt = lam * (tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1))
+            rho_b = rho.to(q.dtype)
+            u_b = u.to(q.dtype)
+            dmu_b = (2 * beta[:, None] * rho - u).to(q.dtype)
+            qf = q.to(tl.float32)
+            rq = tl.sum(rho_b.to(tl.float32) * qf, 1)
+            uq = tl.sum(u_b.to(tl.float32) * qf, 1)
+            # tiles transposed: [BC keys, BR queries]
+            s = tl.dot(k, tl.trans(q)) * qk_scale - m2[None, :]
+            need = (start < c0 + BC - 1) | (tl.max(ds, 0) > c0) | (start + BR > T) | (c0 + BC > T)
+            if need:
+                ok = (o_c[:, None] <= o_r[None, :]) & (o_c[:, None] >= ds[None, :]) & row_ok[None, :] & col_ok[:, None]
+                s = tl.where(ok, s, float("-inf"))
+            w = tl.exp2(s)
+            zr = tl.dot(k, tl.trans(rho_b)) - rq[None, :]
+            zu = tl.dot(k, tl.trans(u_b)) - uq[None, :]
+            gam = tl.dot(v, tl.trans(g))
             wn = w * (1 - zr)
-            a = wn / delta[:, None]
-            c = gam * w / delta[:, None]
-            f = gam * a + w * (zd + zu * zr - beta[:, None] * (1 + zr * zr) + (lam * trg)[:, None])
-            dk += scale * tl.dot(tl.trans(f), q) + tl.dot(tl.trans(wn), dmu) + tl.dot(tl.trans(w * zu - c), rho)
-            dv += tl.dot(tl.trans(a), g)
+            a = wn * inv_d[None, :]
+            f = gam * a + w * (2 * beta[None, :] * zr - zu + zu * zr - beta[None, :] * (1 + zr * zr) + lt[None, :])
+            x = w * zu - gam * w * inv_d[None, :]
+            dk += scale * tl.dot(f.to(q.dtype), q) + tl.dot(wn.to(q.dtype), dmu_b) + tl.dot(x.to(q.dtype), rho_b)
+            dv += tl.dot(a.to(q.dtype), g)
     p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
     ok2 = col_ok[:, None] & (o_d[None, :] < D)
     tl.store(DK + p_k, dk, mask=ok2)
     tl.store(DV + p_k, dv, mask=ok2)
+
+
+# ----- tiles: autotuned per (D, G, CG_ITERS, JACOBI, dtypes), never per T -----
+
+def _cfg(br, bc, w, s=2):
+    return triton.Config({"BR": br, "BC": bc}, num_warps=w, num_stages=s)
+
+
+# BR = 64 rows keep the fp32 CG state (x, r, Σp: 3 × [64, 128] fp32) at 32 registers each with 8 warps.
+FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 4), _cfg(64, 128, 8), _cfg(128, 64, 8)]
+KV_CONFIGS = [_cfg(64, 64, 8), _cfg(32, 64, 4), _cfg(64, 128, 8)]  # BR = query tile, BC = key tile
+_KEY = ["D", "G", "CG_ITERS", "JACOBI"]
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_fwd_kernel)
+_bwd_q_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_bwd_q_kernel)
+_bwd_kv_tuned = triton.autotune(KV_CONFIGS, key=["D", "G"])(_lla_bwd_kv_kernel)
+
+
+def _launch(tuned, raw, grid_of, block, args, kwargs):
+    """block=None: autotuned (fixed (32, 32) under TRITON_INTERPRET); else (BR, BC) pinned."""
+    if block is None and os.environ.get("TRITON_INTERPRET") == "1":
+        block = (32, 32)
+    if block is None:
+        tuned[lambda meta: grid_of(meta["BR"], meta["BC"])](*args, **kwargs)
+        return
+    br, bc = block
+    nw = 8 if max(br, bc) * kwargs["BD"] >= 64 * 128 else 4
+    raw[grid_of(br, bc)](*args, **kwargs, BR=br, BC=bc, num_warps=nw, num_stages=2)
 
 
 def _strides(q, k, lam):
@@ -295,38 +442,41 @@ def _strides(q, k, lam):
             lam.stride(0), lam.stride(1), lam.stride(2))
 
 
-def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r, block_c):
-    """q: [B, T, HQ, D]; k, v: [B, T, HKV, D]; lam: [B, T, HQ] fp32; doc_start: [B, T] int32.
-    Returns o, rho: [B, T, HQ, D] fp32; delta, m, omega: [B, T, HQ] fp32."""
+def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
+    """q: [B, T, HQ, D]; k, v: [B, T, HKV, D] (bf16/fp16/fp32: the dot operand dtype); lam: [B, T, HQ] fp32;
+    doc_start: [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
     rho, delta, m, om = torch.empty_like(o), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
     BD = max(16, triton.next_power_of_2(D))
-    grid = (triton.cdiv(T, block_r), B * HQ)
-    _lla_fwd_kernel[grid](q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam),
-                          T, HQ, D, scale, rtol**2, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi,
-                          BR=block_r, BC=block_c, BD=BD, num_warps=4 if BD <= 64 else 8)
+    block = None if block_r is None else (block_r, block_c)
+    _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
+            (q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam), T, HQ, scale * LOG2E, rtol**2),
+            dict(D=D, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BD=BD))
     return o, rho, delta, m, om
 
 
 def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
-                   block_r, block_c):
-    """Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32) and dlam [B, T, HQ]."""
+                   block_r=None, block_c=None):
+    """do: [B, T, HQ, D] (any float dtype; cast to q's for the dots). Returns dq [B, T, HQ, D], dk, dv
+    [B, T, HKV, D] (fp32) and dlam [B, T, HQ]."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     BD = max(16, triton.next_power_of_2(D))
+    do = do.to(q.dtype).contiguous()
     dq = torch.full_like(o, float("nan"))
     u = torch.empty_like(o)
     beta, dlam = o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
-    nw = 4 if BD <= 64 else 8
-    _lla_bwd_q_kernel[(triton.cdiv(T, block_r), B * HQ)](
-        q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
-        T, HQ, D, scale, rtol**2, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BR=block_r, BC=block_c, BD=BD,
-        num_warps=nw)
+    block = None if block_r is None else (block_r, block_c)
+    _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
+            (q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
+             T, HQ, scale, scale * LOG2E, rtol**2),
+            dict(D=D, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BD=BD))
     dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
     dv = torch.full_like(dk, float("nan"))
-    _lla_bwd_kv_kernel[(triton.cdiv(T, block_c), B * HKV)](
-        q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
-        T, HQ, HKV, D, scale, G=HQ // HKV, BR=block_r, BC=block_c, BD=BD, num_warps=nw)
+    _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
+            (q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
+             T, HQ, HKV, scale, scale * LOG2E),
+            dict(D=D, G=HQ // HKV, BD=BD))
     return dq, dk, dv, dlam
