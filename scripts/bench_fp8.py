@@ -1,0 +1,81 @@
+"""What float8 can buy at the 0.6B model's linear shapes: compiled fwd+bwd of bf16 vs torchao float8 linears.
+
+    python scripts/bench_fp8.py [--tokens 16384]
+
+Rows: the issue's anchor (two 4096×4096 linears), and the 0.6B Qwen3 block's linears (dim 1024: q 1024→2048,
+k/v 1024→1024, o 2048→1024, [r 1024→2048 for Parallax], gate/up 1024→3072, down 3072→1024), each as a chain of
+linears under ``torch.compile``, bf16 inputs, fwd+bwd, median of CUDA-event timings. Columns: bf16 ms, float8
+tensorwise and rowwise ms (torchao ``convert_to_float8_training``), speedup. The block row bounds the end-to-end
+fp8 speedup of the 0.6B model: only these GEMMs get faster; attention, norms, the LM head and the optimizer do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench_common import median_ms  # noqa: E402
+
+SHAPES = {
+    "anchor 2x 4096->4096": [(4096, 4096), (4096, 4096)],
+    "0.6B block linears (softmax)": [(1024, 2048), (1024, 1024), (1024, 1024), (2048, 1024),
+                                     (1024, 3072), (1024, 3072), (3072, 1024)],
+    "0.6B FFN only": [(1024, 3072), (1024, 3072), (3072, 1024)],
+    "1.7B block linears": [(2048, 2048), (2048, 1024), (2048, 1024), (2048, 2048),
+                           (2048, 6144), (2048, 6144), (6144, 2048)],
+}
+
+
+class Parallel(nn.Module):
+    """Independent linears on one input (each reads x of its own in-width); outputs summed into one loss."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in shapes)
+
+    def forward(self, xs):
+        return sum(lin(x).float().square().mean() for lin, x in zip(self.lins, xs, strict=True))
+
+
+def time_variant(shapes, tokens: int, recipe: str | None) -> float:
+    torch.manual_seed(0)
+    model = Parallel(shapes).cuda().to(torch.bfloat16)
+    if recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        model = convert_to_float8_training(copy.deepcopy(model), config=Float8LinearConfig.from_recipe_name(recipe))
+    model = torch.compile(model)
+    xs = [torch.randn(tokens, i, device="cuda", dtype=torch.bfloat16, requires_grad=True) for i, _ in shapes]
+
+    def step():
+        model(xs).backward()
+
+    return median_ms(step, rep=20, warmup=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    a = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.tokens} tokens, fwd+bwd, compiled")
+    print(f"{'shapes':<32} {'bf16 ms':>8} {'tensorwise':>11} {'x':>6} {'rowwise':>8} {'x':>6}")
+    for name, shapes in SHAPES.items():
+        base = time_variant(shapes, a.tokens, None)
+        cells = []
+        for recipe in ("tensorwise", "rowwise"):
+            try:
+                ms = time_variant(shapes, a.tokens, recipe)
+                cells.append(f"{ms:>11.3f} {base / ms:>5.2f}x")
+            except Exception as e:  # report and go on
+                cells.append(f"{'failed':>11} {type(e).__name__[:6]:>6}")
+        print(f"{name:<32} {base:>8.3f} {cells[0]} {cells[1].replace('  ', ' ', 1)}")
+
+
+if __name__ == "__main__":
+    main()
