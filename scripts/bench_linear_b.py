@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=None)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--only", default="gla,gated_linear,linear,fox,path,softmax")
+    ap.add_argument("--only", default="softmax,gla,gated_linear,linear,fox,path")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear_b.py needs CUDA")
@@ -107,6 +107,7 @@ def main() -> None:
         for name, fn in paths(mech, dev).items():
             if isinstance(fn, str):
                 rows.append((mech, name, "n/a", "n/a", "", fn[:60]))
+                print("  " + " | ".join(rows[-1]), flush=True)
                 continue
             note, fwd, fb, tf = "", float("nan"), float("nan"), ""
             try:
@@ -129,6 +130,7 @@ def main() -> None:
                 traceback.print_exc(limit=2)
             torch.cuda.empty_cache()
             rows.append((mech, name, f"{fwd:.2f}", f"{fb:.2f}", tf, note))
+            print("  " + " | ".join(rows[-1]), flush=True)  # progress: a slow compile later loses nothing
     print(f"\n| mechanism | path | fwd ms | fwd+bwd ms | fwd TFLOP/s | note |  ({shape}, bf16)")
     print("|---|---|---|---|---|---|")
     for r in rows:
