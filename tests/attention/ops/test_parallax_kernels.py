@@ -118,21 +118,80 @@ def test_probe_changes_output():
 
 
 # -------------------------------------------------------------------- decode
+def decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe):
+    k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)
+    q = torch.randn(B, TQ, HQ, D)
+    r = 0.3 * torch.randn(B, TQ, HQ, D) if probe else None
+    return q, k, v, r
+
+
+def decode_reference(q, k, v, seqlens, r, window=None):
+    return naive_parallax_decode(q.double(), k.double(), v.double(), seqlens, r.double() if r is not None else None,
+                                 window_size=window)
+
+
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
 @pytest.mark.parametrize("splits", [1, 4], ids=["S1", "S4"])
 def test_decode_vs_reference(probe, window, splits):
     """Per-row lengths (one shorter than a block, one filling the cache), TQ=2 new tokens, GQA 2:1."""
     B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
-    k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)
-    q = torch.randn(B, TQ, HQ, D)
-    r = 0.3 * torch.randn(B, TQ, HQ, D) if probe else None
+    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe)
     seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)
-    ref = naive_parallax_decode(q.double(), k.double(), v.double(), seqlens, r.double() if probe else None,
-                                window_size=window)
+    ref = decode_reference(q, k, v, seqlens, r, window)
     out = parallax_decode_triton(q, k, v, seqlens, r, window_size=window, num_splits=splits)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-5
+
+
+# id: (HQ, HKV, TQ, splits, probe); cache LMAX=90 in blocks of 16 (interpreter), so 3/5/7 splits leave some
+# splits empty for the short rows (m = -inf partials) and give chunks that are not a multiple of the split size
+MERGE_CASES = {
+    "G4-TQ1-S3-probe": (4, 1, 1, 3, True),
+    "G2-TQ2-S5-probe": (4, 2, 2, 5, True),
+    "G1-TQ3-S2-softmax": (2, 2, 3, 2, False),
+    "G4-TQ1-S7-softmax": (8, 2, 1, 7, False),
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES), ids=list(MERGE_CASES))
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_decode_merge_paths(case, merge):
+    """Fused (last-arriver) and two-launch merges against float64; the counters are zero afterwards and a second
+    call gives the same output bit for bit (nothing left over from the first)."""
+    HQ, HKV, TQ, splits, probe = MERGE_CASES[case]
+    B, LMAX, D = 2, 90, 16
+    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe)
+    seqlens = torch.tensor([TQ + 4, 90], dtype=torch.int32)
+    ref = decode_reference(q, k, v, seqlens, r)
+    out = parallax_decode_triton(q, k, v, seqlens, r, num_splits=splits, merge=merge)
+    assert torch.isfinite(out).all(), "unwritten (NaN) output rows"
+    assert rel_err(out, ref) < 2e-5
+    counters = kops.decode_counters(q.device, B * HKV)
+    assert counters.eq(0).all(), f"counters not reset: {counters[:B * HKV].tolist()}"
+    again = parallax_decode_triton(q, k, v, seqlens, r, num_splits=splits, merge=merge)
+    assert torch.equal(again, out)
+    assert counters.eq(0).all()
+
+
+def test_decode_fused_merge_counts_arrivals():
+    """A counter that is not zero before the call makes the fused merge skip (no program sees S − 1 first):
+    the output stays NaN-poisoned. Shows the output really comes from the last-arriver branch."""
+    q, k, v, r = decode_inputs(1, 64, 2, 1, 16, 1, True)
+    seqlens = torch.tensor([64], dtype=torch.int32)
+    counters = kops.decode_counters(q.device, 1)
+    counters[0] = 100
+    try:
+        out = parallax_decode_triton(q, k, v, seqlens, r, num_splits=2, merge="fused")
+        assert torch.isnan(out).all()
+    finally:
+        counters.zero_()
+
+
+def test_decode_rejects_unknown_merge():
+    q, k, v, r = decode_inputs(1, 16, 2, 1, 16, 1, True)
+    with pytest.raises(ValueError, match="PARALLAX_DECODE_MERGE"):
+        parallax_decode_triton(q, k, v, torch.tensor([16], dtype=torch.int32), r, merge="atomic")
 
 
 def test_decode_matches_full_forward_last_rows():

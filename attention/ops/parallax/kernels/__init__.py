@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from attention.ops.parallax.kernels import ops as _ops
 from attention.ops.parallax.kernels.ops import decode_splits, parallax_bwd, parallax_decode_op, parallax_fwd
 
 __all__ = ["parallax_triton", "parallax_decode_triton", "parallax_fwd", "parallax_bwd", "decode_splits"]
@@ -82,17 +83,24 @@ def parallax_decode_triton(
     scale: float | None = None,
     window_size: int | None = None,
     num_splits: int = 0,
+    merge: str | None = None,
 ) -> torch.Tensor:
     """Decode step: TQ new tokens per sequence against a KV cache that already holds them.
 
     q, r: [B, TQ, HQ, D]; k_cache, v_cache: [B, LMAX, HKV, D]; cache_seqlens: [B] int32, valid tokens per
     row including the TQ new ones (query t sits at position cache_seqlens − TQ + t). num_splits: KV splits
-    (0: chosen from the static shapes, CUDA-graph safe). Returns [B, TQ, HQ, D] in q's dtype.
+    (0: chosen from the static shapes, CUDA-graph safe). merge: how the splits are combined, "fused" (the
+    last split program merges, one launch) or "kernel" (a second launch); None: ``ops.DECODE_MERGE`` (env
+    ``PARALLAX_DECODE_MERGE``, default "fused"). Returns [B, TQ, HQ, D] in q's dtype.
     """
     _check(q, k_cache, v_cache, r)
+    merge = _ops.DECODE_MERGE if merge is None else merge
+    if merge not in _ops.DECODE_MERGES:
+        raise ValueError(f"decode merge {merge!r} (PARALLAX_DECODE_MERGE) must be one of {_ops.DECODE_MERGES}")
     B, TQ, HQ, D = q.shape
     scale = D**-0.5 if scale is None else float(scale)
     if num_splits <= 0:
         num_splits = decode_splits(B, k_cache.shape[2], k_cache.shape[1], q.device)
     return parallax_decode_op(q.contiguous(), k_cache, v_cache, cache_seqlens.to(torch.int32),
-                              r.contiguous() if r is not None else None, scale, int(window_size or 0), num_splits)
+                              r.contiguous() if r is not None else None, scale, int(window_size or 0), num_splits,
+                              merge == "fused")

@@ -2,13 +2,20 @@
 
 Only K and V are cached; ρ comes with the new tokens. One program per (KV split, batch row, kv head) stacks
 the G·TQ query rows of the GQA group into one tile (K/V read once per kv head), streams its slice of the cache
-and writes the partials (m, d1, d2, O1, O2) in fp32; a second kernel merges the splits:
+and writes the partials (m, d1, d2, O1, O2) in fp32, which are then merged:
 
     M = max_s m_s ; w_s = 2^(m_s − M) ; d1 = Σ w_s d1_s ; d2 = Σ w_s d2_s ; O1 = Σ w_s O1_s ; O2 = Σ w_s O2_s
     o = O1/d1 · (1 + d2/d1) − O2/d1
 
+Fused merge (default, one launch): after storing its partials, each program of a (batch row, kv head) bumps
+that row's int32 counter with an acquire-release atomic; the program that sees S − 1 (the last to finish)
+reads every split's partials back from L2, merges them online (the same rescaling as the main loop) and writes
+o, then resets the counter to 0, so the workspace is all zeros between calls (CUDA-graph capturable, no memset
+launch). Two-launch path (``merge="kernel"``): ``_parallax_decode_merge_kernel`` merges after the split kernel.
+
 The number of splits depends only on static shapes (batch, heads, cache capacity, SM count), never on the
-per-sequence lengths, so a call is CUDA-graph capturable. With a single split the first kernel writes o.
+per-sequence lengths, so a call is CUDA-graph capturable. With a single split the kernel writes o directly
+(no partials, no counter).
 Query token t of row b sits at position ``seqlens[b] − TQ + t`` (the new tokens are already in the cache).
 """
 
@@ -19,10 +26,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, qk_scale, W, CHUNK,
+def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT, qk_scale, W, CHUNK,
                             B, LMAX, TQ: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                             BR: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr, WINDOW: tl.constexpr,
-                            SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+                            SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Grid (S, B·HKV). CNT: int32 [≥ B·HKV] zeros, used only when SPLIT and FUSED_MERGE."""
     G: tl.constexpr = HQ // HKV
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -80,12 +88,54 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, qk_s
         if HAS_PROBE:
             tl.store(PD2 + off_p, d2, mask=row_ok)
             tl.store(PO2 + off_p[:, None] * D + o_d[None, :], acc2, mask=row_ok[:, None])
+        if FUSED_MERGE:
+            n_split = tl.num_programs(0)
+            tl.debug_barrier()  # all threads' partial stores happen before the release below
+            n_done = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel")  # old value: splits finished before this one
+            if n_done == n_split - 1:  # last to finish: every other split's partials are visible
+                _merge_splits(O, PM, PD1, PD2, PO1, PO2, off_q, i_b, i_t, i_h, row_ok, n_split, B, TQ, HQ, D, BR,
+                              HAS_PROBE)
+                tl.atomic_xchg(CNT + i_bh, 0)  # back to zero for the next call (graph replay)
     else:
         inv = 1.0 / tl.where(d1 > 0, d1, 1.0)
         o = acc1 * inv[:, None]
         if HAS_PROBE:
             o = o * (1.0 + d2 * inv)[:, None] - acc2 * inv[:, None]
         tl.store(O + off_q, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits(O, PM, PD1, PD2, PO1, PO2, off_q, i_b, i_t, i_h, row_ok, n_split, B, TQ: tl.constexpr,
+                  HQ: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, HAS_PROBE: tl.constexpr):
+    """Online merge of the n_split partials of BR query rows (fused path); writes o [BR, D] at off_q."""
+    o_d = tl.arange(0, D)
+    m = tl.full([BR], float("-inf"), dtype=tl.float32)
+    d1 = tl.zeros([BR], dtype=tl.float32)
+    d2 = tl.zeros([BR], dtype=tl.float32)
+    o1 = tl.zeros([BR, D], dtype=tl.float32)
+    o2 = tl.zeros([BR, D], dtype=tl.float32)
+    for s in range(0, n_split):
+        off_p = ((s * B + i_b) * TQ + i_t).to(tl.int64) * HQ + i_h  # [BR]
+        off_o = off_p[:, None] * D + o_d[None, :]  # [BR, D]
+        # .cg: read at L2 (coherence point), never a stale L1 line
+        m_s = tl.load(PM + off_p, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # split with no visible key: weight 0, no NaN
+        alpha = tl.math.exp2(m - m_sub)
+        w = tl.math.exp2(m_s - m_sub)
+        d1 = d1 * alpha + w * tl.load(PD1 + off_p, mask=row_ok, other=0.0, cache_modifier=".cg")
+        o1 = o1 * alpha[:, None] + w[:, None] * tl.load(PO1 + off_o, mask=row_ok[:, None], other=0.0,
+                                                        cache_modifier=".cg")
+        if HAS_PROBE:
+            d2 = d2 * alpha + w * tl.load(PD2 + off_p, mask=row_ok, other=0.0, cache_modifier=".cg")
+            o2 = o2 * alpha[:, None] + w[:, None] * tl.load(PO2 + off_o, mask=row_ok[:, None], other=0.0,
+                                                            cache_modifier=".cg")
+        m = m_new
+    inv = 1.0 / tl.where(d1 > 0, d1, 1.0)
+    o = o1 * inv[:, None]
+    if HAS_PROBE:
+        o = o * (1.0 + d2 * inv)[:, None] - o2 * inv[:, None]
+    tl.store(O + off_q, o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 - ``parallax_kernels::fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, window) -> (o, lse, vbar, tbar)
 - ``parallax_kernels::bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
-- ``parallax_kernels::decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits) -> o
+- ``parallax_kernels::decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits, fused_merge) -> o
 
 Autograd is registered on ``fwd`` (``register_autograd``); ``fake`` kernels give the shapes for tracing.
 Tensors use the ``[B, T, H, D]`` layout; with ``cu_seqlens`` the batch is one flattened row (B = 1).
@@ -12,6 +12,7 @@ Row statistics (lse in log2 units, t̄, τ, β) are fp32 ``[HQ, B*T]``.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -142,6 +143,27 @@ DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
 MIN_KEYS_PER_SPLIT = 256
 WAVES = 1
+DECODE_MERGES = ("fused", "kernel")
+DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "fused")
+"""How decode merges its KV splits: "fused" (the last split program of a row merges, one launch) or "kernel"
+(a second merge launch). Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)`` overrides."""
+
+_COUNTERS: dict[tuple[str, int], Tensor] = {}
+
+
+def decode_counters(device: torch.device, n: int) -> Tensor:
+    """The fused merge's int32 arrival counters for ``device`` (≥ n entries, all zero between calls).
+
+    One buffer per device, allocated once (zeros) and grown only when a call needs more rows; every call
+    leaves it zeroed, so replays of a captured CUDA graph need no memset. Calls on one device must not run
+    concurrently on different streams (they would share counters).
+    """
+    key = (device.type, device.index or 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(1024, triton.next_power_of_2(n)), device=device, dtype=torch.int32)
+        _COUNTERS[key] = buf
+    return buf
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +182,7 @@ def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.dev
 
 @torch.library.custom_op("parallax_kernels::decode", mutates_args=())
 def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, r: Optional[Tensor],
-                       scale: float, window_size: int, num_splits: int) -> Tensor:
+                       scale: float, window_size: int, num_splits: int, fused_merge: bool = True) -> Tensor:
     B, TQ, HQ, D = q.shape
     LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
     probe = r is not None
@@ -178,12 +200,14 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
         pd2, po2 = (_empty_like(pm), _empty_like(po1)) if probe else (pm, po1)
     else:
         pm = pd1 = pd2 = po1 = po2 = o
+    fused = S > 1 and fused_merge
+    cnt = decode_counters(q.device, B * HKV) if fused else cache_seqlens
     _parallax_decode_kernel[(S, B * HKV)](
-        q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, scale * LOG2E, W, chunk,
-        B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
+        chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
+        FUSED_MERGE=fused, DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
-    if S > 1:
+    if S > 1 and not fused:
         _parallax_decode_merge_kernel[(B * TQ * HQ,)](
             o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
             num_warps=1 if INTERPRET else 2)
@@ -191,5 +215,5 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
 
 
 @parallax_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, r, scale, window_size, num_splits):
+def _(q, k_cache, v_cache, cache_seqlens, r, scale, window_size, num_splits, fused_merge=True):
     return torch.empty_like(q)
