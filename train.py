@@ -48,6 +48,7 @@ class AttnTrainer(Trainer):
         folder = getattr(self.checkpointer, "folder", self.job_config.checkpoint.folder)
 
         def checked_load(step: int = -1) -> bool:
+            self._prepare_dataloader_reshard(folder, step)
             try:
                 return load(step=step)
             except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -59,6 +60,27 @@ class AttnTrainer(Trainer):
                     "remove it.") from e
 
         self.checkpointer.load = checked_load
+
+    def _prepare_dataloader_reshard(self, folder: str, step: int) -> None:
+        """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from
+        the DCP metadata), so that a different world size reshards its position (see data.loader)."""
+        dl = getattr(self, "dataloader", None)
+        if dl is None or not hasattr(dl, "resume_world_size") or not folder or not os.path.isdir(folder):
+            return
+        step = step if step >= 0 else self.checkpointer._find_load_step(folder)
+        path = os.path.join(folder, f"step-{step}")
+        if step < 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+            return
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception:  # unreadable metadata: the load itself reports it
+            return
+        ranks = [k for k in keys if k.startswith("dataloader.dp_rank_")]
+        dl.resume_world_size, dl.checkpoint_path = (len(ranks) or None), path
+        if ranks:
+            dl.check_reshardable(len(ranks))  # before DCP, so the message is not buried in a load error
 
     def should_continue_training(self) -> bool:
         stop = self.job_config.training.stop_after_step

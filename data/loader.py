@@ -117,8 +117,58 @@ def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, se
                          f"model's vocabulary is {model_vocab}; set model.vocab_size >= {tokenizer.get_vocab_size()}")
     dataset = PackedTextDataset(ds, field, name, tokenizer, seq_len, dp_rank, dp_world_size, **kw)
     logger.info(f"Data ({split}): {name}, rank {dp_rank}/{dp_world_size}")
-    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                   **{**asdict(dl_config), "batch_size": batch_size})
+    return ReshardableDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                 **{**asdict(dl_config), "batch_size": batch_size})
+
+
+class ReshardableDataloader(ParallelAwareDataloader):
+    """torchtitan's loader, plus resuming a checkpoint written with a different data-parallel world size.
+
+    Rule (map-style datasets: local files, the embedded corpus, ``data.streaming = false``): with W old ranks
+    where old rank r has read n_r documents (rank r reads documents r, r+W, r+2W, ...), every global document
+    below N = min_r(n_r·W + r) has been read; new rank r' of W' starts at the first document >= N in its own
+    interleaved shard. Old ranks' leftover partial rows are dropped and at most W documents per old rank are
+    read twice. When every document fills whole rows and ranks are in step, this is exactly the data order of an
+    uninterrupted run. Streaming (iterable) datasets keep an opaque per-rank state and cannot be resharded: the
+    load fails with one message naming the checkpoint and both world sizes.
+    ``resume_world_size`` is set by the trainer from the checkpoint's metadata before DCP loads it.
+    """
+
+    resume_world_size: int | None = None
+    checkpoint_path: str = ""
+
+    def state_dict(self) -> dict:
+        old = self.resume_world_size
+        if old is None or old == self.dp_world_size:
+            return super().state_dict()
+        # the template DCP fills on load: every old rank's state (bytes), so this rank can reshard them
+        return {**{f"dp_rank_{r}": b"" for r in range(old)}, "world_size": old}
+
+    def check_reshardable(self, old: int) -> None:
+        """Raise the one clear error when a checkpoint of ``old`` ranks cannot be resharded to this world size."""
+        if old != self.dp_world_size and not isinstance(getattr(self.dataset, "_data", None), Dataset):
+            raise ValueError(
+                f"checkpoint {self.checkpoint_path!r} was written by {old} data-parallel ranks and this run has "
+                f"{self.dp_world_size}: the streaming data loader's per-rank position cannot be resharded. Resume "
+                f"with {old} data-parallel ranks, or use local files / data.streaming = false (map-style datasets "
+                "reshard), or start a new run from it with checkpoint.initial_load_path (model only).")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        old = state_dict.get("world_size") if state_dict else None
+        if old is None or old == self.dp_world_size:
+            return super().load_state_dict(state_dict)
+        import math
+        import pickle
+
+        self.check_reshardable(old)
+        ds = self.dataset
+        done = [pickle.loads(state_dict[f"dp_rank_{r}"])["dataset_state"]["sample_idx"] for r in range(old)]
+        n_global = min(n * old + r for r, n in enumerate(done))
+        W, r = self.dp_world_size, self.dp_rank
+        ds._sample_idx = max(0, math.ceil((n_global - r) / W))
+        ds._token_buffer = []
+        logger.warning(f"Data loader resharded from {old} to {W} ranks: resuming at global document {n_global} "
+                       f"(rank {r} skips {ds._sample_idx} of its documents; leftover partial rows dropped)")
 
 
 def _flavor_vocab(job_config) -> int:

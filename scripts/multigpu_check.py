@@ -1,0 +1,174 @@
+"""Multi-GPU correctness: FSDP on K devices vs one device at the same global batch, and resume across world sizes.
+
+    python scripts/multigpu_check.py                                   # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
+    python scripts/multigpu_check.py --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
+    python scripts/multigpu_check.py --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
+
+What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_causal, compile off by default):
+  1. a seed checkpoint on one process (sharded and unsharded initialisation draw different random numbers);
+  2. for every K in --nprocs: ``--steps`` steps on K processes from that seed, local batch G/max(K) per
+     process and global batch G, so runs with fewer processes use gradient accumulation; checkpoint every
+     steps/2. FSDP shards over K (Muon then runs its distributed path), so "1 vs K" also checks that
+     distributed Muon equals single-device Muon and that gradient accumulation equals data parallelism;
+  3. for every a:b in --resume: the a-process run's checkpoint at steps/2, resumed on b processes to --steps,
+     compared with the uninterrupted runs (the data loader reshards its position, see data/loader.py).
+Loss curves are read from each run's metrics.jsonl; the table prints max |Δloss| against the 1-process run
+and PASS/FAIL against --tol. Default tolerances: 1e-4 in float32 (CPU: only summation order differs),
+3e-2 with bf16 (GPU: the 1-device run uses autocast over fp32 weights, FSDP bf16 parameters with fp32
+reduction; differences grow over steps, so the tolerance is for ~12 steps).
+
+The default data are synthetic (tests/utils.make_corpus: a word-level tokenizer and documents that each fill
+one packed row exactly), because only then do 1 and K processes see identical global batches. With real data
+(--data/--tokenizer) each rank packs its own document stream, so rows differ and the curves agree only
+statistically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.utils import losses, make_corpus, run_train, tiny_args  # noqa: E402
+
+
+def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
+    out = tiny_args(corpus, dump, steps, args.seq, args.local_batch, "--training.global_batch_size",
+                    str(args.global_batch), "--checkpoint.interval", str(max(1, args.steps // 2)),
+                    "--validation.no-enable", "--model.flavor", args.flavor, "--model.attention", args.attention,
+                    "--model.attn_mask_type", "block_causal", "--optimizer.name", args.optimizer,
+                    "--optimizer.lr", str(args.lr), "--checkpoint.keep_latest_k", "0", *extra)
+    if args.vocab:
+        out += ["--model.vocab_size", str(args.vocab)]
+    if args.device == "cuda":
+        out = [a for a in out if a != "--debug.deterministic"]  # some CUDA kernels have no deterministic mode
+        out += ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
+    return out + args.extra
+
+
+def launch(args, train_args: list[str], nproc: int, log: Path) -> tuple[bool, float]:
+    t0 = time.time()
+    try:
+        proc = run_train(train_args, nproc=nproc, timeout=args.timeout)
+        log.write_text(proc.stdout + proc.stderr)
+        return True, time.time() - t0
+    except Exception as e:  # AssertionError with the tail of the log, or a timeout
+        log.write_text(str(e))
+        print(f"  FAILED ({nproc} procs), log {log}:\n{str(e)[-2500:]}", file=sys.stderr, flush=True)
+        return False, time.time() - t0
+
+
+def max_delta(a: dict[int, float], b: dict[int, float], steps) -> float:
+    steps = list(steps)
+    if not all(s in a and s in b for s in steps):
+        return float("inf")
+    return max(abs(a[s] - b[s]) for s in steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--nprocs", default="", help="comma list; default 1,2,4 (cuda) / 1,2 (cpu)")
+    ap.add_argument("--resume", default="", help="a:b pairs, e.g. 4:2,2:4,4:1; default 4:2,2:4,4:1 (cuda) / 2:1 (cpu)")
+    ap.add_argument("--steps", type=int, default=0, help="default 12 (cuda) / 4 (cpu); resume at steps/2")
+    ap.add_argument("--flavor", default="debug")
+    ap.add_argument("--attention", default="parallax")
+    ap.add_argument("--optimizer", default="muon")
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--seq", type=int, default=0, help="default 256 (cuda) / 16 (cpu)")
+    ap.add_argument("--global-batch", type=int, default=0, help="sequences per step; default 16 (cuda) / 4 (cpu)")
+    ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (default 64 with the synthetic corpus)")
+    ap.add_argument("--data", default="", help="training files instead of the synthetic corpus")
+    ap.add_argument("--tokenizer", default="", help="tokenizer folder for --data")
+    ap.add_argument("--tol", type=float, default=0.0, help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    args.extra = extra
+    cuda = args.device == "cuda"
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    nprocs = sorted({int(k) for k in (args.nprocs or ("1,2,4" if cuda else "1,2")).split(",")} | {1})
+    pairs = [tuple(int(x) for x in p.split(":")) for p in (args.resume or ("4:2,2:4,4:1" if cuda else "2:1")).split(",")
+             if p]
+    pairs = [(a, b) for a, b in pairs if a in nprocs and b in nprocs]
+    args.steps = args.steps or (12 if cuda else 4)
+    args.seq = args.seq or (256 if cuda else 16)
+    args.global_batch = args.global_batch or (16 if cuda else 4)
+    if args.global_batch % max(nprocs):
+        ap.error(f"--global-batch {args.global_batch} must be a multiple of the largest process count {max(nprocs)}")
+    args.local_batch = args.global_batch // max(nprocs)
+    args.tol = args.tol or (3e-2 if cuda else 1e-4)
+    out = Path(args.out or tempfile.mkdtemp(prefix="multigpu_check_"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.data:
+        corpus = {"tokenizer": args.tokenizer, "train": args.data, "val": args.data}
+    else:
+        corpus = make_corpus(out / "corpus", seq_len=args.seq,
+                             n_train=args.global_batch * (args.steps + 2), n_val=4)
+        args.vocab = args.vocab or 64
+    half = max(1, args.steps // 2)
+    print(f"{args.device}: {args.flavor} {args.attention}+{args.optimizer}, T={args.seq}, global batch "
+          f"{args.global_batch} (local {args.local_batch}), {args.steps} steps; logs in {out}", flush=True)
+
+    seed = out / "seed"
+    ok, _ = launch(args, base_args(args, corpus, seed, 1, "--checkpoint.create_seed_checkpoint"), 1, out / "seed.log")
+    if not ok:
+        print("seed checkpoint failed; nothing compared")
+        return 1
+    init = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+    curves, times = {}, {}
+    for k in nprocs:
+        dump = out / f"np{k}"
+        shutil.rmtree(dump, ignore_errors=True)
+        ok, times[k] = launch(args, base_args(args, corpus, dump, args.steps, *init), k, out / f"np{k}.log")
+        curves[k] = losses(dump) if ok and (dump / "metrics.jsonl").exists() else {}
+        print(f"  {k} procs: {'ok' if ok else 'FAILED'} in {times[k]:.0f}s", flush=True)
+    rows = []  # (what, steps, max delta, result)
+    ref = curves[1]
+    all_steps = range(1, args.steps + 1)
+    for k in nprocs[1:]:
+        d = max_delta(ref, curves[k], all_steps)
+        rows.append((f"1 vs {k} procs (FSDP {k}, accum {max(nprocs) // k} vs {max(nprocs)})", f"1-{args.steps}", d))
+    for a, b in pairs:
+        dump = out / f"resume_{a}to{b}"
+        shutil.rmtree(dump, ignore_errors=True)
+        src = out / f"np{a}" / "checkpoint" / f"step-{half}"
+        if not src.is_dir():
+            rows.append((f"resume {a}->{b} procs at step {half}", "-", float("inf")))
+            continue
+        shutil.copytree(src, dump / "checkpoint" / f"step-{half}")
+        ok, _ = launch(args, base_args(args, corpus, dump, args.steps, *init), b, out / f"resume_{a}to{b}.log")
+        got = losses(dump) if ok and (dump / "metrics.jsonl").exists() else {}
+        resumed = range(half + 1, args.steps + 1)
+        if got and min(got) != half + 1:
+            print(f"  resume {a}->{b}: first logged step {min(got)}, expected {half + 1} (did it resume?)")
+            got = {}
+        rows.append((f"resume {a}->{b} procs at step {half} vs 1 proc", f"{half + 1}-{args.steps}",
+                     max_delta(ref, got, resumed)))
+        rows.append((f"resume {a}->{b} procs at step {half} vs {b} procs", f"{half + 1}-{args.steps}",
+                     max_delta(curves[b], got, resumed)))
+
+    print(f"\nloss curves (1 proc): " + " ".join(f"{ref[s]:.4f}" for s in sorted(ref)))
+    print(f"{'check':48s} {'steps':>7s} {'max|dloss|':>11s} {'tol':>8s}  result")
+    failed = 0
+    for what, steps, d in rows:
+        res = "PASS" if d <= args.tol else "FAIL"
+        failed += res == "FAIL"
+        print(f"{what:48s} {steps:>7s} {d:11.3g} {args.tol:8.1g}  {res}")
+    print(f"{len(rows) - failed}/{len(rows)} passed ({args.device}, tolerance {args.tol:g})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
