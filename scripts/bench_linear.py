@@ -1,12 +1,17 @@
 """Benchmark the delta-rule family ops (deltanet, gdn, kda): fwd and fwd+bwd milliseconds per compute path.
 
-Paths: "chunk" (PyTorch WY/UT form under torch.compile), "chunk_eager" (same, not compiled; --eager),
-"fla" (fla-core 0.6.0 Triton kernels, where they import and are allowed: fla refuses the gated backward on
-Hopper with 3.4 <= Triton < 3.7.1, and this script reports that as "refused"), plus SDPA causal softmax as the
+Paths: "fla" (fla-core 0.6.0 Triton kernels, where they import and are allowed: fla refuses the gated backward
+on Hopper with 3.4 <= Triton < 3.7.1, and this script reports that as "refused"), "fla_hopper" (fla's kernels
+with our dqkwg kernel in the backward, ``attention/ops/delta_rule/fla_hopper.py``), "chunk" (PyTorch WY/UT
+form under torch.compile), "chunk_eager" (same, not compiled; --eager), plus SDPA causal softmax as the
 reference row. Shape B4_T4096_H16_D128 in bf16 by default (the issue's target: GDN/KDA fwd+bwd <= 4 ms).
 
+Rows are printed as soon as they are measured, fla rows first. The torch.compile'd "chunk" rows run in a child
+process killed after ``--budget`` seconds (compiling the unrolled chunk loop at T=4096 can take minutes);
+such a row reads "timeout".
+
     python scripts/bench_linear.py --quick          # fewer repetitions
-    python scripts/bench_linear.py --mechs gdn kda --paths chunk fla
+    python scripts/bench_linear.py --quick --mechs gdn kda --paths fla_hopper fla chunk --budget 30
     python scripts/bench_linear.py --device cpu --B 1 --T 256 --H 2 --D 32 --quick   # smoke test
 
 TFLOP/s use the chunked-form FLOP count (per token and head: 4CK + C(K+V) + 6KV + 2CV forward,
@@ -16,7 +21,10 @@ x3 for fwd+bwd), the same count as the modules' ``flops_per_token``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -69,6 +77,12 @@ def bench_mech(mech, path, a, dtype):
             return "n/a", "n/a", why or "needs CUDA"
         from attention.ops.delta_rule.fla import fla_delta_rule as op
         bwd_ok, bwd_why = (True, "") if not gated else fla_gated_backward_ok(torch.device("cuda"))
+    elif path == "fla_hopper":
+        ok, why = fla_importable()
+        if not ok or a.device != "cuda":
+            return "n/a", "n/a", why or "needs CUDA"
+        from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule as op
+        bwd_ok, bwd_why = True, ""
     elif path == "chunk":
         op = torch.compile(chunk_delta_rule, dynamic=False)
         bwd_ok, bwd_why = True, ""
@@ -101,6 +115,39 @@ def bench_sdpa(a, dtype):
     return fwd, timeit(run, a.reps, a.warmup, a.device), ""
 
 
+PATH_ORDER = ["fla", "fla_hopper", "chunk", "chunk_eager"]
+HEADER = f"{'mechanism':<9} {'path':<11} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note"
+
+
+def format_row(row, flops):
+    mech, path, fwd, both, note = row
+    fmt = lambda x: f"{x:9.2f}" if isinstance(x, float) else f"{x:>9}"  # noqa: E731
+    tf = f"{flops / fwd / 1e9:9.1f}" if isinstance(fwd, float) and mech != "softmax" else f"{'':>9}"
+    return f"{mech:<9} {path:<11} {fmt(fwd)} {fmt(both)} {tf}  {note}"
+
+
+def run_row(mech, path, a, dtype):
+    """One row; the compiled chunk path runs in a child process under the --budget time limit."""
+    try:
+        if path != "chunk" or a.budget <= 0:
+            return (mech, path, *bench_mech(mech, path, a, dtype))
+        cmd = [sys.executable, os.path.abspath(__file__), "--_row", mech, path] + a.argv
+        # own process group, so the compile workers inductor forks are stopped with the child
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=a.budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return (mech, path, "timeout", "timeout", f"compile+run > --budget {a.budget:.0f}s")
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if not lines:
+            return (mech, path, "error", "error", (err.strip().splitlines() or ["no output"])[-1][:60])
+        return tuple(json.loads(lines[-1])["row"])
+    except Exception as e:  # keep the table going; report the failure in the row
+        return (mech, path, "error", "error", f"{type(e).__name__}: {str(e).splitlines()[0][:50]}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=4)
@@ -110,39 +157,47 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mechs", nargs="+", default=list(MECHS), choices=list(MECHS))
-    p.add_argument("--paths", nargs="+", default=["fla", "chunk"], choices=["fla", "chunk", "chunk_eager"])
+    p.add_argument("--paths", nargs="+", default=["fla", "fla_hopper", "chunk"], choices=PATH_ORDER)
     p.add_argument("--eager", action="store_true", help="also time the uncompiled chunk path")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for the chunk path's float32 matmuls")
     p.add_argument("--quick", action="store_true", help="3 warmup + 5 timed repetitions (default 5 + 20)")
+    p.add_argument("--budget", type=float, default=40.0,
+                   help="seconds allowed per compiled 'chunk' row (compile + timing, child process); 0 = in-process")
+    p.add_argument("--no-sdpa", action="store_true", help="skip the softmax (SDPA) reference row")
+    p.add_argument("--_row", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--_row"]
     a.warmup, a.reps = (3, 5) if a.quick else (5, 20)
     if a.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
-    paths = list(a.paths) + (["chunk_eager"] if a.eager and "chunk_eager" not in a.paths else [])
     dtype = getattr(torch, a.dtype)
+    if a._row:  # child process of run_row: one row as a JSON line
+        a.budget = 0
+        print(json.dumps({"row": list(run_row(*a._row, a, dtype))}), flush=True)
+        return
+    paths = list(a.paths) + (["chunk_eager"] if a.eager and "chunk_eager" not in a.paths else [])
+    paths = sorted(dict.fromkeys(paths), key=PATH_ORDER.index)  # fla rows first
     shape = f"B{a.B}_T{a.T}_H{a.H}_D{a.D}"
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     import triton
 
+    flops = chunk_flops(a.B, a.T, a.H, a.D, a.D)
     print(f"# {shape} {a.dtype} on {dev}; torch {torch.__version__}, triton {triton.__version__}"
           f"{', tf32' if a.tf32 else ''}", flush=True)
-    rows = [("softmax", "sdpa", *bench_sdpa(a, dtype))]
-    print("done softmax/sdpa", flush=True)
-    for mech in a.mechs:
-        for path in paths:
+    print(HEADER, flush=True)
+    rows = []
+    for path in paths:
+        for mech in a.mechs:
             t0 = time.time()
-            try:
-                rows.append((mech, path, *bench_mech(mech, path, a, dtype)))
-            except Exception as e:  # keep the table going; report the failure in the row
-                rows.append((mech, path, "error", "error", f"{type(e).__name__}: {str(e).splitlines()[0][:50]}"))
-            print(f"done {mech}/{path} in {time.time() - t0:.0f}s", flush=True)
-    flops = chunk_flops(a.B, a.T, a.H, a.D, a.D)
-    fmt = lambda x: f"{x:9.2f}" if isinstance(x, float) else f"{x:>9}"  # noqa: E731
-    print(f"\n{'mechanism':<9} {'path':<11} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note")
-    for mech, path, fwd, both, note in rows:
-        tf = f"{flops / fwd / 1e9:9.1f}" if isinstance(fwd, float) and mech != "softmax" else f"{'':>9}"
-        print(f"{mech:<9} {path:<11} {fmt(fwd)} {fmt(both)} {tf}  {note}")
-    fla = {r[0]: r[3] for r in rows if r[1] == "fla"}
+            rows.append(run_row(mech, path, a, dtype))
+            print(f"{format_row(rows[-1], flops)}  [{time.time() - t0:.0f}s]", flush=True)
+    if not a.no_sdpa:
+        rows.append(("softmax", "sdpa", *bench_sdpa(a, dtype)))
+        print(format_row(rows[-1], flops), flush=True)
+    print(f"\n{HEADER}")
+    for row in rows:
+        print(format_row(row, flops))
+    fla = {r[0]: r[3] for r in rows if r[1] in ("fla", "fla_hopper") and isinstance(r[3], float)}
     for mech, path, fwd, both, _ in rows:
         if path == "chunk" and isinstance(both, float) and isinstance(fla.get(mech), float) and both > 3 * fla[mech]:
             print(f"note: {mech} chunk fwd+bwd is {both / fla[mech]:.1f}x fla's (> 3x)")

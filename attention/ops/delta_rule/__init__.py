@@ -5,27 +5,32 @@
 - "recurrent": :func:`naive.naive_recurrent_delta_rule`, token loop, float64-capable (the oracle);
 - "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
 - "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
-- "auto": fla when it can run this call safely (CUDA, importable, gated backward safe), else "chunk",
-  with a one-line log message saying why; always "chunk" inside ``torch.compile`` (fla's ops are compiler-
-  disabled, which breaks torchtitan's ``fullgraph=True`` block compile).
+- "fla_hopper": fla-core's kernels with our Triton replacement of the one backward kernel that Triton
+  3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`); any CUDA GPU where fla imports;
+- "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "fla_hopper" when
+  only fla's gated-backward check fails (Hopper + Triton < 3.7.1); else "chunk", with a one-line log message
+  saying why; always "chunk" inside ``torch.compile`` (fla's ops are compiler-disabled, which breaks
+  torchtitan's ``fullgraph=True`` block compile).
 """
 
 from __future__ import annotations
 
 import torch
 
-from attention.linear_common import log_once
+from attention.linear_common import fla_gated_backward_ok, log_once
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
+from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
 
-__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "select_impl"]
+__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "fla_hopper_delta_rule",
+           "select_impl"]
 
-DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla")
+DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla", "fla_hopper")
 
 
 def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: str = "delta_rule") -> str:
-    """Resolve "auto" to "fla" or "chunk" for this call; validate explicit names."""
+    """Resolve "auto" to "fla", "fla_hopper" or "chunk" for this call; validate explicit names."""
     if impl not in DELTA_RULE_IMPLS:
         raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(DELTA_RULE_IMPLS)}")
     if impl in ("recurrent", "chunk"):
@@ -34,11 +39,21 @@ def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: 
         # Inside torch.compile (torchtitan compiles each block with fullgraph=True) fla's ops are
         # @torch.compiler.disable'd graph breaks, so "auto" takes the compiled PyTorch chunk path.
         return "chunk"
+    if impl == "fla_hopper":
+        why = fla_unavailable_reason(x, gated, needs_grad=False)  # the gated backward is ours: no Hopper check
+        if why:
+            raise RuntimeError(f"attention.impl='fla_hopper' cannot run {who} here: {why}; use 'auto' or 'chunk'")
+        return "fla_hopper"
     why = fla_unavailable_reason(x, gated, needs_grad)
     if impl == "fla":
         if why:
-            raise RuntimeError(f"attention.impl='fla' cannot run {who} here: {why}; use 'auto' or 'chunk'")
+            raise RuntimeError(f"attention.impl='fla' cannot run {who} here: {why}; "
+                               "use 'auto', 'fla_hopper' or 'chunk'")
         return "fla"
+    if why and not fla_unavailable_reason(x, gated, needs_grad=False):
+        # only fla's gated-backward check failed (Hopper + Triton < 3.7.1): swap in our dqkwg kernel
+        log_once(f"{who}: {fla_gated_backward_ok(x.device)[1]}; using fla-core with our dqkwg kernel (fla_hopper)")
+        return "fla_hopper"
     if why:
         if x.is_cuda:
             log_once(f"{who}: fla-core not used ({why}); using the PyTorch chunk path")
@@ -74,5 +89,8 @@ def delta_rule(
         return naive_recurrent_delta_rule(*args)
     if path == "fla":
         o, h = fla_delta_rule(*args)
+        return o.to(v.dtype), h
+    if path == "fla_hopper":
+        o, h = fla_hopper_delta_rule(*args)
         return o.to(v.dtype), h
     return chunk_delta_rule(*args, chunk_size=chunk_size)
