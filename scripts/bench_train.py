@@ -1,11 +1,17 @@
 """End-to-end training throughput: tokens/s per GPU, MFU and peak memory, through the real trainer.
 
     python scripts/bench_train.py --data DIR --tokenizer DIR [--quick] [--rows softmax,parallax,...]
+    python scripts/bench_train.py ... --optimizer adamw          # every row with AdamW (as stock torchtitan)
+    python scripts/bench_train.py ... --nproc 4 --precisions bf16 # also on 4 GPUs: scaling efficiency
 
 Each row launches ``train.py`` (or stock torchtitan's qwen3 for the "stock" row) for ``--steps`` steps at the
 0.6B size on one GPU, compiled, with the given precision, and reads ``metrics.jsonl`` (the stock row: its log
 lines). Throughput is the median over the steps after ``--warmup``. Ratios are printed against the named
-baselines of the same run: Parallax vs softmax, fp8 vs bf16, ours vs stock torchtitan.
+baselines of the same run: Parallax vs softmax, fp8 vs bf16, ours vs stock torchtitan. Stock torchtitan trains
+with AdamW; ``--optimizer adamw`` switches our rows to AdamW too (default ``config``: each config's optimizer,
+Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs) compare both in one run.
+``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
+prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
@@ -28,13 +34,16 @@ ROWS = {  # name -> (config, extra args)
     "parallax": ("qwen3_0.6b_parallax", []),
     "parallax_p64": ("qwen3_0.6b_parallax_p64", []),
     "gdn": ("qwen3_0.6b_gdn", []),
+    "softmax_adamw": ("qwen3_0.6b_softmax_adamw_wsd", []),
+    "parallax_adamw": ("qwen3_0.6b_parallax_adamw_wsd", []),
 }
+ADAMW = ["--optimizer.name", "AdamW", "--optimizer.lr", "3e-4"]
 
 
-def common(args, dump: Path, fp8: bool) -> list[str]:
+def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
     out = ["--job.dump_folder", str(dump), "--model.hf_assets_path", args.tokenizer,
            "--training.dataset_path", args.data, "--training.local_batch_size", str(args.batch),
-           "--training.global_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+           "--training.global_batch_size", str(args.batch * nproc), "--training.seq_len", str(args.seq),
            "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--validation.no-enable",
            "--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
     return out
@@ -58,12 +67,14 @@ def summarize(records: list[dict], warmup: int) -> dict:
     return {"tps": med("tps"), "mfu": med("mfu"), "mem": max(r["memory_gib"] for r in rows), "loss": rows[-1]["loss"]}
 
 
-def ours(args, name, fp8, out: Path) -> dict:
+def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     config, extra = ROWS[name]
-    dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
+    dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"),
-           "--job.config_file", str(REPO / "configs" / f"{config}.toml"), *common(args, dump, fp8), *extra]
+           "--job.config_file", str(REPO / "configs" / f"{config}.toml"), *common(args, dump, fp8, nproc), *extra]
+    if args.optimizer == "adamw":
+        cmd += ADAMW
     if not fp8:
         cmd += ["--model.converters", ""]
     run(cmd, out / f"{dump.name}.log")
@@ -74,14 +85,14 @@ def ours(args, name, fp8, out: Path) -> dict:
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
 
 
-def stock(args, fp8, out: Path) -> dict:
-    """Stock torchtitan qwen3 0.6B with the same data, tokenizer, batch, compile and AC."""
-    dump = out / f"stock_{'fp8' if fp8 else 'bf16'}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=0",
+def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
+    """Stock torchtitan qwen3 0.6B with the same data, tokenizer, batch, compile and AC (AdamW, its default)."""
+    dump = out / f"stock_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "torchtitan.train",
            "--model.name", "qwen3", "--model.flavor", "0.6B", "--training.dataset", "c4_test",
            "--compile.enable", "--compile.components", "model,loss", "--activation_checkpoint.mode", "selective",
-           "--training.mixed_precision_param", "bfloat16", *common(args, dump, fp8)]
+           "--training.mixed_precision_param", "bfloat16", *common(args, dump, fp8, nproc)]
     if fp8:
         cmd += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name",
                 "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
@@ -105,26 +116,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", default="")
+    ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
+                    help="config: each config's optimizer (Muon); adamw: AdamW on every row (stock uses AdamW)")
+    ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")
     ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    results, scaled = {}, {}
     for prec in args.precisions.split(","):
         for name in args.rows.split(","):
-            r = stock(args, prec == "fp8", out) if name == "stock" else ours(args, name, prec == "fp8", out)
-            results[(name, prec)] = r
-            print(f"{name:14s} {prec:5s} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB"
-                                              if r else "failed"), flush=True)
-    (out / "results.json").write_text(json.dumps({f"{k[0]}/{k[1]}": v for k, v in results.items()}, indent=1))
+            for k in ([1, args.nproc] if args.nproc > 1 else [1]):
+                r = stock(args, prec == "fp8", out, k) if name == "stock" else ours(args, name, prec == "fp8", out, k)
+                (results if k == 1 else scaled)[(name, prec)] = r
+                print(f"{name:14s} {prec:5s} x{k} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem "
+                                                       f"{r['mem']:5.1f}GiB" if r else "failed"), flush=True)
+    (out / "results.json").write_text(json.dumps(
+        {f"{k[0]}/{k[1]}": v for k, v in results.items()} | {f"{k[0]}/{k[1]}/x{args.nproc}": v
+                                                              for k, v in scaled.items()}, indent=1))
 
     def ratio(a, b):
         ra, rb = results.get(a), results.get(b)
         return f"{ra['tps'] / rb['tps']:.3f}" if ra and rb else "n/a"
 
-    print(f"\nB{args.batch}_T{args.seq} 0.6B, {args.steps} steps (median after {args.warmup}); logs in {out}")
+    print(f"\nB{args.batch}_T{args.seq} 0.6B, {args.steps} steps (median after {args.warmup}), optimizer "
+          f"{'AdamW' if args.optimizer == 'adamw' else 'per config'}; logs in {out}")
     print(f"{'row':14s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s}")
     for (name, prec), r in results.items():
         if r:
@@ -134,6 +152,18 @@ def main() -> None:
               f"softmax/stock {ratio(('softmax', prec), ('stock', prec))} (target >= 1.0)")
     for name in args.rows.split(","):
         print(f"[{name}] fp8/bf16 {ratio((name, 'fp8'), (name, 'bf16'))} (target >= 1.2)")
+    if "softmax_adamw" in args.rows.split(","):
+        for prec in args.precisions.split(","):
+            print(f"[{prec}] softmax_adamw/stock {ratio(('softmax_adamw', prec), ('stock', prec))} (same optimizer)  "
+                  f"parallax_adamw/softmax_adamw {ratio(('parallax_adamw', prec), ('softmax_adamw', prec))}")
+    if scaled:
+        print(f"\nscaling 1 -> {args.nproc} GPUs (local batch {args.batch} each)")
+        print(f"{'row':14s} {'prec':5s} {'tok/s/GPU x1':>12s} {f'x{args.nproc}':>12s} {'efficiency':>10s} {'GiB':>6s}")
+        for (name, prec), r in scaled.items():
+            r1 = results.get((name, prec))
+            eff = f"{r['tps'] / r1['tps']:10.3f}" if r and r1 else f"{'n/a':>10s}"
+            print(f"{name:14s} {prec:5s} {r1['tps'] if r1 else 0:12,.0f} {r['tps'] if r else 0:12,.0f} {eff} "
+                  f"{r['mem'] if r else 0:6.1f}")
 
 
 if __name__ == "__main__":

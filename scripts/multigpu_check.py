@@ -47,6 +47,8 @@ def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
                     "--optimizer.lr", str(args.lr), "--checkpoint.keep_latest_k", "0", *extra)
     if args.vocab:
         out += ["--model.vocab_size", str(args.vocab)]
+    if args.device == "cpu" and args.optimizer == "muon":
+        out += ["--optimizer.muon_ns_dtype", "float32"]  # bf16 Newton-Schulz would amplify fp32 summation-order noise
     if args.device == "cuda":
         out = [a for a in out if a != "--debug.deterministic"]  # some CUDA kernels have no deterministic mode
         out += ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
