@@ -121,7 +121,11 @@ def _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D:
 def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D: tl.constexpr,
         CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, active mask of Algorithm 2. The direction p is kept
-    in the operand dtype; x and r are updated with that same (rounded) p and its exact product Σp."""
+    in the operand dtype; x and r are updated with that same (rounded) p and its exact product Σp.
+    Solved for b/‖b‖ (CG is scale-equivariant) so p stays O(1) in bf16/fp16 whatever ω is."""
+    bn = tl.sqrt(tl.sum(b * b, 1))
+    bn = tl.where(bn > 0, bn, 1.0)
+    b = b / bn[:, None]
     x = tl.zeros_like(b)
     r = b
     if JACOBI:
@@ -147,7 +151,7 @@ def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rto
         beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
         p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(q.dtype)
         rz = tl.where(active, rz_new, rz)
-    return x
+    return x * bn[:, None]
 
 
 @triton.jit
