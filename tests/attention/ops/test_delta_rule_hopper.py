@@ -178,7 +178,7 @@ def test_fla_hopper_matches_chunk_fp32(gate, varlen):
     pytest.importorskip("fla")
     from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 
-    B, T, H, K, V = (1, 300, 2, 64, 64) if varlen else (2, 203, 2, 64, 64)
+    B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 203, 4, 64, 64)  # fla's autotune keys: share H, K, V
     cu = torch.tensor([0, 37, 200, 300], dtype=torch.int32, device="cuda") if varlen else None
     N = 3 if varlen else B
     inputs = _make(B, T, H, K, V, gate)
@@ -197,7 +197,7 @@ def test_fla_hopper_matches_recurrent_small(gate):
     pytest.importorskip("fla")
     from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 
-    B, T, H, K, V = 1, 77, 2, 32, 32
+    B, T, H, K, V = 1, 77, 4, 64, 64
     inputs = _make(B, T, H, K, V, gate)
     h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
     do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda")
