@@ -3,6 +3,7 @@
     python scripts/smoke_configs.py --data .gpu/data --tokenizer .gpu/tok                 # one GPU, all configs
     python scripts/smoke_configs.py --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node
     python scripts/smoke_configs.py --only 'parallax*' --steps 5 --seq 1024 ...           # fnmatch filter(s)
+    python scripts/smoke_configs.py --only 'qwen3_0.6b_*' --parallel 4 ...                # 4 runs share a GPU
     python scripts/smoke_configs.py --device cpu --flavor debug --only qwen3_0.6b_softmax -- --model.vocab_size 64
 
 Each config (all of configs/*.toml except debug_cpu and configs/replication/) runs in its own torchrun
@@ -57,7 +58,7 @@ def train_args(args, cfg: Path, dump: Path) -> list[str]:
     return out + args.extra
 
 
-def run_one(args, cfg: Path, out: Path) -> dict:
+def run_one(args, cfg: Path, out: Path, devices: str = "") -> dict:
     dump = out / cfg.stem
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"), *train_args(args, cfg, dump)]
@@ -65,6 +66,9 @@ def run_one(args, cfg: Path, out: Path) -> dict:
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
+    elif devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t0 = time.time()
     log = out / f"{cfg.stem}.log"
     try:
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flavor", default="", help="override model.flavor (e.g. debug for a CPU run)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per config")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="configs run at once; slot i gets GPUs i*nproc.. (mod --gpus), so with --nproc 1 several "
+                         "runs share one GPU when slots exceed GPUs (mind memory: ~15 GB per 0.6B run, ~30 GB 1.7B)")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs on this machine (default: torch.cuda.device_count())")
     ap.add_argument("--out", default="")
     ap.add_argument("--list", action="store_true", help="print the selected configs and exit")
     args = ap.parse_args(argv)
@@ -119,9 +127,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(todo)} configs, {args.nproc} x {args.device}, local batch {args.local_batch}, T={args.seq}, "
           f"{args.steps} steps; logs in {out}", flush=True)
     results = {}
-    for cfg in todo:
-        r = results[cfg.stem] = run_one(args, cfg, out)
-        print(f"  {cfg.stem:44s} {'ok' if r['ok'] else 'FAILED'} {r['s']:6.0f}s {r['why']}", flush=True)
+    if args.parallel <= 1:
+        for cfg in todo:
+            r = results[cfg.stem] = run_one(args, cfg, out)
+            print(f"  {cfg.stem:44s} {'ok' if r['ok'] else 'FAILED'} {r['s']:6.0f}s {r['why']}", flush=True)
+    else:
+        import queue
+        import threading
+
+        n_gpu = args.gpus
+        if not n_gpu and args.device == "cuda":
+            import torch
+
+            n_gpu = torch.cuda.device_count()
+        slots: queue.Queue = queue.Queue()
+        for i in range(args.parallel):
+            slots.put(",".join(str((i * args.nproc + j) % n_gpu) for j in range(args.nproc)) if n_gpu else "")
+        lock = threading.Lock()
+
+        def work(cfg):
+            devices = slots.get()
+            try:
+                r = run_one(args, cfg, out, devices)
+            finally:
+                slots.put(devices)
+            with lock:
+                results[cfg.stem] = r
+                print(f"  {cfg.stem:44s} {'ok' if r['ok'] else 'FAILED'} {r['s']:6.0f}s [{devices}] {r['why']}",
+                      flush=True)
+
+        threads = [threading.Thread(target=work, args=(cfg,)) for cfg in todo]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = {p.stem: results[p.stem] for p in todo}
     print(f"\n{'config':44s} {'result':>6s} {'s':>6s} {'loss':>8s} {'tok/s/dev':>10s}")
     for name, r in results.items():
         print(f"{name:44s} {'ok' if r['ok'] else 'FAILED':>6s} {r['s']:6.0f} {r['loss']:8.3f} {r['tps']:10,.0f}")
