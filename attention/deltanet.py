@@ -11,7 +11,8 @@ recurrence is position-aware by itself.
 KDA (``kda.py``) subclass it and only add a decay gate (``log_decay``) and their output-gate flavour.
 
 Compute paths (``[attention] impl``): "auto" (fla-core on CUDA when safe, else "chunk"), "chunk" (PyTorch
-WY/UT form, torch.compile-able), "recurrent" (token loop, the oracle), "fla" (fla-core, error if unavailable).
+WY/UT form, torch.compile-able), "recurrent" (token loop, the oracle), "fla" (fla-core, error if unavailable),
+"fla_hopper" (fla-core with our Hopper-safe dqkwg backward kernel; "auto" picks it on Hopper + Triton < 3.7.1).
 Decoding keeps a :class:`~attention.linear_common.RecurrentCache` (conv states + [B, H, K, V] float32 state).
 """
 
