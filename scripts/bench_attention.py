@@ -3,6 +3,8 @@
     python scripts/bench_attention.py            # full tables (issue 8)
     python scripts/bench_attention.py --quick    # T=4096 only, decode B∈{1,32} × L∈{4k,32k}
     python scripts/bench_attention.py --json out.json
+    python scripts/bench_attention.py --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
+    python scripts/bench_attention.py --decode-only --quick   # decode table alone (fused vs two-launch merge)
 
 Training rows: B=4, 16 q heads, 8 kv heads, causal, bf16, T ∈ {1024, 4096, 8192, 16384}, D ∈ {64, 128}.
 FLOP counts (stated, not measured): causal softmax forward = 2·B·HQ·T²·D (two GEMMs, half the square);
@@ -10,7 +12,14 @@ Parallax forward = 2× that (two more GEMMs on the same tiles, spec eq. 15); bac
 (FlashAttention's convention), so fwd+bwd = 3.5× forward.
 
 Decode rows: one new token, cache of L tokens (all valid), 16/8 heads, D=128, bf16; µs per call in CUDA-graph
-replay; "floor" reads K and V once at 3.0 TB/s (the measured H100 device-copy bandwidth).
+replay; "floor" reads K and V once at 3.0 TB/s (the measured H100 device-copy bandwidth). Our columns come
+twice: ``ours-*`` fold the split merge into the split kernel (default), ``ours-*-2launch`` merge in a second
+kernel (``merge="kernel"``).
+
+Tune report (``--tune-report``): for T=4096, D ∈ {64, 128}, probe and softmax, each kernel (fwd, dq, dkv) is
+timed alone at every candidate config (the short autotune list plus ``common.TUNE_EXTRA_*``, after the
+autotuner's prune), bypassing the autotuner. Compilation runs first in parallel worker processes (Triton's disk
+cache then serves the timing process), so the report fits in about a minute on an H100.
 
 Extending: add a factory to ``TRAIN`` (name → factory(q, k, v, r) returning a zero-argument callable that
 returns the output, or None when unavailable) or to ``DECODE`` (name → factory(q, r, k_cache, v_cache,
@@ -97,11 +106,11 @@ TRAIN: dict[str, tuple[Factory, bool]] = {  # name -> (factory, is_parallax for 
 
 
 # ------------------------------------------------------------------ decode columns
-def _ours_decode(probe: bool) -> Factory:
+def _ours_decode(probe: bool, merge: str = "fused") -> Factory:
     def make(q, r, kc, vc, seqlens):
         from attention.ops.parallax.kernels import parallax_decode_triton
 
-        return lambda: parallax_decode_triton(q, kc, vc, seqlens, r if probe else None)
+        return lambda: parallax_decode_triton(q, kc, vc, seqlens, r if probe else None, merge=merge)
 
     return make
 
@@ -119,7 +128,9 @@ def _fla_decode(q, r, kc, vc, seqlens):
 
 DECODE: dict[str, Factory] = {
     "ours-parallax": _ours_decode(True),
+    "ours-parallax-2launch": _ours_decode(True, "kernel"),
     "ours-softmax": _ours_decode(False),
+    "ours-softmax-2launch": _ours_decode(False, "kernel"),
     "sdpa": _sdpa_decode,
     "fla-parallax": _fla_decode,
 }
@@ -247,12 +258,16 @@ def report(train: dict, decode: dict) -> str:
     if decode:
         dn = sorted({n for row in decode.values() for n in row if n != "floor_us"}, key=list(DECODE).index)
         lines.append("\n## decode, us per call (CUDA graph; 1 new token, 16/8 heads, D=128, bf16)")
-        lines.append("| B, L | " + " | ".join(dn) + " | floor | ours-parallax / sdpa |")
-        lines.append("|---" * (len(dn) + 3) + "|")
+        lines.append("| B, L | " + " | ".join(dn) + " | floor | ours-parallax / sdpa | fused / 2launch |")
+        lines.append("|---" * (len(dn) + 4) + "|")
+
+        def div(row, a, b):
+            return row[a] / row[b] if row.get(a) and row.get(b) else None
+
         for key, row in decode.items():
-            ratio = row.get("ours-parallax") / row["sdpa"] if row.get("ours-parallax") and row.get("sdpa") else None
             lines.append(f"| {key} | " + " | ".join(fmt(row.get(n), "8.1f") for n in dn)
-                         + f" | {row['floor_us']:.1f} | {fmt(ratio, '.2f')} |")
+                         + f" | {row['floor_us']:.1f} | {fmt(div(row, 'ours-parallax', 'sdpa'), '.2f')}"
+                         + f" | {fmt(div(row, 'ours-parallax', 'ours-parallax-2launch'), '.2f')} |")
     lines.append("\n## ratios against the issue-8 targets")
     lines.extend(targets(train, decode))
     return "\n".join(lines)
@@ -333,6 +348,122 @@ def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 40
     return lines
 
 
+# ------------------------------------------------------------------ tune report
+TUNE_T, TUNE_DS, TUNE_B, TUNE_HQ, TUNE_HKV = 4096, (64, 128), 4, 16, 8
+
+
+def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
+    """(D, probe, kernel, (tile0, tile1, warps, stages)) for every candidate the report times; tiles are
+    (BM, BN) for fwd/dq and (BN, BM) for dkv, as in common.py."""
+    from attention.ops.parallax.kernels import common
+
+    lists = {"fwd": (common.FWD_SPECS + common.TUNE_EXTRA_FWD + [TUNE_FILL], common.prune_fwd, ("BM", "BN")),
+             "dq": (common.DQ_SPECS + common.TUNE_EXTRA_DQ + [TUNE_FILL], common.prune_bwd, ("BM", "BN")),
+             "dkv": (common.DKV_SPECS + common.TUNE_EXTRA_DKV, common.prune_bwd, ("BN", "BM"))}
+    jobs = []
+    for D in TUNE_DS:
+        for probe in (True, False):
+            for kern, (specs, prune, names) in lists.items():
+                specs = list(dict.fromkeys(specs))
+                kept = prune(common._configs(specs, names), {}, D=D, HAS_PROBE=probe)
+                kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages) for c in kept}
+                jobs += [(D, probe, kern, s) for s in specs if s in kept]
+    return jobs
+
+
+TUNE_FILL = (64, 64, 4, 3)  # config that computes lse, t̄ (fwd) and τ, β (dq) for the timing pass
+
+
+def _tune_tensors(D: int, probe: bool, real: bool = True) -> dict:
+    """Inputs plus every buffer the three launches read or write. real: run the forward (and the row pass) at
+    TUNE_FILL so lse, t̄, τ, β hold real values; the compile workers skip this (values don't matter there)."""
+
+    B, T, HQ, HKV, dev, dt = TUNE_B, TUNE_T, TUNE_HQ, TUNE_HKV, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, do = (torch.randn(B, T, HQ, D, device=dev, dtype=dt, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, T, HKV, D, device=dev, dtype=dt, generator=g) for _ in range(2))
+    r = 0.3 * torch.randn(B, T, HQ, D, device=dev, dtype=dt, generator=g) if probe else None
+    lse = torch.zeros(HQ, B * T, device=dev)
+    x = dict(q=q, k=k, v=v, r=r, do=do, o=torch.zeros_like(q), lse=lse, vbar=torch.zeros_like(q),
+             tbar=torch.zeros_like(lse), tau=torch.zeros_like(lse), beta=torch.zeros_like(lse), dq=torch.empty_like(q),
+             dr=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    if real:
+        _tune_call(x, "fwd", TUNE_FILL, D, out=x)()
+        _tune_call(x, "dq", TUNE_FILL, D)()
+    return x
+
+
+def _tune_call(x: dict, kern: str, spec: tuple, D: int, out: dict | None = None) -> Callable[[], None]:
+    """One launch of ``kern`` at ``spec`` (no autotuner); the forward writes into ``out`` or scratch buffers."""
+    from attention.ops.parallax.kernels import ops as kops
+
+    names = ("BN", "BM") if kern == "dkv" else ("BM", "BN")
+    cfg = {names[0]: spec[0], names[1]: spec[1], "num_warps": spec[2], "num_stages": spec[3]}
+    scale = D**-0.5
+    if kern == "fwd":
+        o, lse, vbar, tbar = (out[n] if out is not None else torch.empty_like(x[n])
+                              for n in ("o", "lse", "vbar", "tbar"))
+        return lambda: kops.launch_fwd(x["q"], x["k"], x["v"], x["r"], o, lse, vbar, tbar, None, scale, 0, 0,
+                                       config=cfg)
+    common = (x["do"], x["q"], x["k"], x["v"], x["r"], x["o"], x["lse"], x["vbar"], x["tbar"], x["tau"], x["beta"],
+              None, scale, 0, 0)
+    if kern == "dq":
+        return lambda: kops.launch_dq(*common, x["dq"], x["dr"], config=cfg)
+    return lambda: kops.launch_dkv(*common, x["dk"], x["dv"], config=cfg)
+
+
+def tune_worker(index: int, count: int) -> None:
+    """Compile (one launch each) the jobs index, index + count, ...; fills Triton's disk cache."""
+    jobs = tune_jobs()[index::count]
+    cells: dict = {}
+    for D, probe, kern, spec in jobs:
+        x = cells.get((D, probe)) or cells.setdefault((D, probe), _tune_tensors(D, probe, real=False))
+        try:
+            _tune_call(x, kern, spec, D)()
+        except Exception as e:  # noqa: BLE001 — e.g. out of shared memory: reported by the timing pass
+            print(f"[worker {index}] D={D} probe={probe} {kern} {spec}: {type(e).__name__}", flush=True)
+    torch.cuda.synchronize()
+
+
+def tune_report(workers: int) -> list[str]:
+    """Per-kernel ms of every candidate config; compiles in ``workers`` processes first."""
+    import subprocess
+
+    t0 = time.time()
+    if workers > 0:
+        cmd = [sys.executable, os.path.abspath(__file__), "--tune-worker"]
+        procs = [subprocess.Popen(cmd + [f"{i}/{workers}"]) for i in range(workers)]
+        for p in procs:
+            p.wait()
+        print(f"# compiled {len(tune_jobs())} configs in {workers} processes: {time.time() - t0:.0f}s", flush=True)
+    rows: dict = {}
+    for D, probe, kern, spec in tune_jobs():
+        key = (D, probe)
+        if key not in rows:
+            rows[key] = {"x": _tune_tensors(D, probe), "res": []}
+        try:
+            ms = bench_ms(_tune_call(rows[key]["x"], kern, spec, D), rep=10, warmup=2)
+        except Exception as e:  # noqa: BLE001
+            ms = None
+            print(f"  D={D} probe={probe} {kern} {spec}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        rows[key]["res"].append((kern, spec, ms))
+    lines = [f"## tune report: ms per kernel alone, T={TUNE_T}, B={TUNE_B}, {TUNE_HQ}/{TUNE_HKV} heads, bf16, causal "
+             f"({time.time() - t0:.0f}s); config = (tile, tile, warps, stages): (BM, BN) fwd/dq, (BN, BM) dkv; "
+             "* = best, [short] = in the current short list"]
+    from attention.ops.parallax.kernels import common
+
+    short = {"fwd": common.FWD_SPECS, "dq": common.DQ_SPECS, "dkv": common.DKV_SPECS}
+    for (D, probe), row in rows.items():
+        lines.append(f"### D={D} {'parallax' if probe else 'softmax'}")
+        for kern in ("fwd", "dq", "dkv"):
+            res = [(ms, spec) for k, spec, ms in row["res"] if k == kern]
+            best = min((ms for ms, _ in res if ms is not None), default=None)
+            cells = [f"{spec}{'[short]' if spec in short[kern] else ''}={fmt(ms, '.3f').strip()}"
+                     f"{'*' if ms is not None and ms == best else ''}" for ms, spec in res]
+            lines.append(f"- {kern:3s}: " + "  ".join(cells))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T=4096 only; decode B in {1, 32} x L in {4k, 32k}")
@@ -341,7 +472,22 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the raw numbers here")
     ap.add_argument("--sweep", action="store_true",
                     help="wide autotune lists (PARALLAX_WIDE_TUNE=1) at T=4096 for our kernels, then a decode sweep")
+    ap.add_argument("--tune-report", action="store_true",
+                    help="ms of fwd, dq, dkv alone at each candidate config, T=4096, D in {64, 128}, probe/softmax")
+    ap.add_argument("--tune-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
+                    help="compile processes for --tune-report (0: compile in the timing process)")
+    ap.add_argument("--tune-worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-only", action="store_true", help="skip the training tables")
     args = ap.parse_args()
+    if args.tune_worker:
+        tune_worker(*map(int, args.tune_worker.split("/")))
+        return
+    if args.tune_report:
+        import triton
+
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+        print("\n".join(tune_report(args.tune_workers)))
+        return
     if args.sweep:
         os.environ["PARALLAX_WIDE_TUNE"] = "1"
         for D in (64, 128):
@@ -355,7 +501,7 @@ def main() -> None:
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     train = {}
-    for D in (64, 128):
+    for D in () if args.decode_only else (64, 128):
         for T in Ts:
             train[f"T{T}_D{D}"] = run_train(T, D, names)
     decode = {}

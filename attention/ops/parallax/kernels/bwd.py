@@ -144,8 +144,7 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, 
             if WINDOW:
                 vis = vis & (o_m[None, :] - o_n[:, None] < W)
             b_pt = tl.where(vis, b_pt, 0.0)
-        b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
-        if HAS_PROBE:
+        if HAS_PROBE:  # ordered so few [BN, BM] tiles are live at once: P, t̄ − t, then a; g1 reuses g2
             if MASK:
                 b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
                 beta = tl.load(BETA + off_row, mask=row_ok, other=0.0)
@@ -154,17 +153,16 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, 
                 b_r = tl.load(R + off_q)
                 beta = tl.load(BETA + off_row)
                 tbar = tl.load(TBAR + off_row)
-            b_tt = tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)  # t_ij
-            b_dt = tbar[None, :] - b_tt  # t̄_i − t_ij
-            b_delta = b_at - beta[None, :]
-            b_w = b_pt * (1.0 + b_dt)  # s_ij of eq. (8)
-            b_g1 = b_pt * (b_at - tau[None, :] + b_dt * b_delta)
-            b_g2 = -b_pt * b_delta
+            b_dt = tbar[None, :] - tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)  # t̄_i − t_ij
+            dv += tl.dot((b_pt * (1.0 + b_dt)).to(b_do.dtype), b_do, input_precision=DOT_PREC)  # s_ij of eq. (8)
+            b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
+            b_g2 = b_pt * (beta[None, :] - b_at)  # −p δ
+            b_g1 = b_pt * (b_at - tau[None, :]) - b_dt * b_g2  # p (a − τ + (t̄ − t) δ)
             dk += tl.dot(b_g2.to(b_r.dtype), b_r, input_precision=DOT_PREC)
         else:
-            b_w = b_pt
+            dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+            b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
             b_g1 = b_pt * (b_at - tau[None, :])
-        dv += tl.dot(b_w.to(b_do.dtype), b_do, input_precision=DOT_PREC)
         dk += tl.dot((b_g1 * scale).to(b_q.dtype), b_q, input_precision=DOT_PREC)
     return dk, dv
 

@@ -71,13 +71,24 @@ def _configs(spec, names):
 FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
 DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
 DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3)]  # (BN, BM, ...): key tile first
+# Candidates against the backward's register spills (issue 8: on an H100 at D=128 with a probe, the dkv pick
+# (64, 64, 4, 3) spills 6.8M local-memory requests and dq 1.2M). Offline ptxas (CUDA 13.4, sm_90a; probe, D=128)
+# bytes of spill stores for dkv: (64, 64, 4, 3) 3796 | (64, 64, 8, 2) 1904 | (128, 32, 8, 2) 1368 |
+# (64, 32, 8, 2) 652 | (32, 32, 4, 2) 96. 8 warps halve the per-thread share of the two [BN, D] fp32
+# accumulators; BM = 32 halves every [BN, BM] score tile. `bench_attention.py --tune-report` times each of them
+# alone (fwd, dq, dkv) so the short lists above can be re-picked from measurements.
+TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
+TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
+TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
 # PARALLAX_WIDE_TUNE=1 (scripts/bench_attention.py --sweep): a wider list, to pick the short lists above.
 WIDE_FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
             (64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 32, 4, 4)]
 WIDE_BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
             (128, 32, 8, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2), (32, 32, 4, 3)]
 if os.environ.get("PARALLAX_WIDE_TUNE", "0") == "1":
-    FWD_SPECS, DQ_SPECS, DKV_SPECS = WIDE_FWD, WIDE_BWD, WIDE_BWD
+    FWD_SPECS = list(dict.fromkeys(WIDE_FWD + TUNE_EXTRA_FWD))
+    DQ_SPECS = list(dict.fromkeys(WIDE_BWD + TUNE_EXTRA_DQ))
+    DKV_SPECS = list(dict.fromkeys(WIDE_BWD + TUNE_EXTRA_DKV))
 INTERPRET_FWD = [(16, 16, 1, 1)]
 INTERPRET_BWD = [(16, 16, 1, 1)]
 

@@ -57,23 +57,70 @@ def _window(window_size: int, max_len: int) -> int:
     return window_size if 0 < window_size < max_len else 0
 
 
+# ---------------------------------------------------------------- launches
+def _launch(kernel, grid, args, meta, config: Optional[dict]):
+    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages} the bare kernel at that config
+    (scripts/bench_attention.py --tune-report times each candidate this way)."""
+    if config is None:
+        kernel[grid](*args, **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **config)
+
+
+def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int) -> dict:
+    return dict(HQ=q.shape[2], HKV=k.shape[2], D=q.shape[3], HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0,
+                DOT_PREC=_dot_prec(q.dtype))
+
+
+def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, config=None) -> None:
+    """Forward kernel into preallocated o, lse (and vbar, tbar with a probe)."""
+    B, T, HQ = q.shape[:3]
+    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
+    W = _window(window_size, Tmax)
+    probe = r is not None
+    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    args = (q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
+            cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T)
+    _launch(_parallax_fwd_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+
+
+def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq, dr,
+              config=None) -> None:
+    """Row pass: writes tau (and beta with a probe), dq (and dr)."""
+    B, T, HQ = q.shape[:3]
+    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
+    W = _window(window_size, Tmax)
+    probe = r is not None
+    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    args = (q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
+            dq, dr if probe else dq, cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
+    _launch(_parallax_bwd_dq_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+
+
+def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk, dv,
+               config=None) -> None:
+    """Column pass (reads tau, beta from the row pass): writes dk, dv."""
+    B, T = q.shape[:2]
+    HKV = k.shape[2]
+    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
+    W = _window(window_size, Tmax)
+    probe = r is not None
+    grid = lambda META: (triton.cdiv(Tmax, META["BN"]), HKV, NB)  # noqa: E731
+    args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv,
+            cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
+    _launch(_parallax_bwd_dkv_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+
+
 @torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
 def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     B, T, HQ, D = q.shape
-    HKV = k.shape[2]
-    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
-    W = _window(window_size, Tmax)
     probe = r is not None
     o = _empty_like(q)
     lse = _empty(HQ, B * T, device=q.device, dtype=torch.float32)
     vbar = _empty_like(q) if probe else q.new_empty(0)
     tbar = _empty_like(lse) if probe else lse.new_empty(0)
-    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
-    _parallax_fwd_kernel[grid](
-        q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
-        cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T,
-        HQ=HQ, HKV=HKV, D=D, HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0, DOT_PREC=_dot_prec(q.dtype))
+    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
     return o, lse, vbar, tbar
 
 
@@ -90,10 +137,6 @@ def _(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
 def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    B, T, HQ, D = q.shape
-    HKV = k.shape[2]
-    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
-    W = _window(window_size, Tmax)
     probe = r is not None
     dq = _empty_like(q)
     dk = _empty_like(k)
@@ -101,16 +144,10 @@ def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor
     dr = _empty_like(q) if probe else q.new_empty(0)
     tau = _empty_like(lse)
     beta = _empty_like(lse) if probe else tau
-    cu = cu_seqlens if varlen else lse
-    meta = dict(HQ=HQ, HKV=HKV, D=D, HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0, DOT_PREC=_dot_prec(q.dtype))
-    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
-    _parallax_bwd_dq_kernel[grid](
-        q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
-        dq, dr if probe else dq, cu, scale, scale * LOG2E, W, T_arg, B * T, **meta)
-    grid = lambda META: (triton.cdiv(Tmax, META["BN"]), HKV, NB)  # noqa: E731
-    _parallax_bwd_dkv_kernel[grid](
-        q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv, cu,
-        scale, scale * LOG2E, W, T_arg, B * T, **meta)
+    max_seqlen = _geometry(q, cu_seqlens, max_seqlen)[2]  # one host sync at most, shared by both passes
+    args = (do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size)
+    launch_dq(*args, dq, dr)
+    launch_dkv(*args, dk, dv)
     return dq, dk, dv, dr
 
 
