@@ -1,9 +1,9 @@
 """Small-scale replication of the Parallax paper's direction (issue 7): equal-token runs of a ~45M model.
 
-    python scripts/replicate.py [--corpus ../shared/corpus] [--out runs/replication] [--runs all]
-        [--steps 300 --batch 16 --seq-len 512 --flavor repl-45M] [--no-analyze]
+    python scripts/replicate.py --corpus DIR --out DIR [--budget-s 520] [--runs all]
+        [--steps 300 --batch 64 --seq-len 1024 --flavor repl-45M] [--val-tokens 262144] [--no-analyze]
 
-Runs (each ``training.steps`` × batch × seq tokens; one H100, about a minute each):
+Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
 
 | run               | mixer    | optimizer / schedule                                     |
 |-------------------|----------|----------------------------------------------------------|
@@ -12,24 +12,40 @@ Runs (each ``training.steps`` × batch × seq tokens; one H100, about a minute e
 | softmax_adamw     | softmax  | AdamW lr 3e-3 wd 0.1 β (0.9, 0.95), WSD                   |
 | parallax_adamw    | parallax | same                                                     |
 | parallax_muon_wd2 | parallax | Muon + weight-decay annealing γ = 2 (eq. 42)              |
-| gdn_muon          | gdn      | Muon, WSD                                                |
-| converted         | parallax | softmax_muon's weights + W_R = 0, fine-tuned steps/4 more |
+| converted         | parallax | softmax_muon's checkpoint → Parallax with W_R = 0 (scripts/convert_to_parallax.py), fine-tuned steps/4 more |
+| gdn_muon          | gdn      | Muon, WSD; runs last (see the budget)                    |
 
-Steps: a BPE tokenizer (8192 tokens) is trained on the first documents of ``train-00.jsonl.gz`` (cached in
-``<out>/tokenizer``); every run trains through ``train.py`` (base config ``configs/replication/repl45m_base.toml``)
-and validates on the whole ``val.jsonl.gz`` at its last step; Parallax/softmax runs are analysed with
-``scripts/analyze.py``. A failed run is reported in the table and does not stop the others. The last output
-is a table of validation perplexities (and COR / W_R stable rank for Parallax runs), also written to
-``<out>/summary.json``. Lead: copy ``train-00.jsonl.gz`` and ``val.jsonl.gz`` to the GPU machine and pass
-``--corpus``. AdamW lr: the paper's 3e-4 is for 0.6B/20k steps; 300 steps of a 45M model need a larger one.
+Pipeline: a BPE tokenizer (``--vocab`` tokens) is trained on the first ``--tokenizer-docs`` documents of
+``train-00.jsonl.gz`` (cached in ``<out>/tokenizer``; ``--tokenizer DIR`` reuses one); every run trains through
+``train.py`` in its own process (base config ``configs/replication/repl45m_base.toml``, bf16 autocast, compiled
+on CUDA, one data-loader worker) on all ``train-*.jsonl.gz`` of ``--corpus`` and validates on the first
+``--val-tokens`` tokens of ``val.jsonl.gz`` (full batches only) at its last step. Softmax/Parallax runs are
+analysed with ``scripts/analyze.py`` in the background while the next run trains; checkpoints are deleted
+afterwards (``--keep-checkpoints`` keeps them) so ``<out>`` stays small. A failed run is reported in the table and
+does not stop the others. Outputs, all under ``<out>``: ``summary.json``, ``table.txt`` (also printed last),
+``ppl.png`` (perplexity curves of all runs), ``diagnostics_by_layer.png`` (COR/CPA/entropy/sink per layer of
+every analysed run), ``<run>/{metrics.jsonl,train.log,analysis/}``, ``calibration/``.
+
+Budget (``--budget-s``, total wall seconds from the start of this script): after the tokenizer, a short
+calibration run (``--calib-steps`` steps) per mechanism (softmax, parallax, gdn) measures the fixed cost per run
+(process start, compile, validation) and the training tokens/s, and warms the shared compile cache
+(TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, default ``/tmp/repl_compile_cache``). Then ``steps`` is the largest
+value for which 2 softmax runs, 3 Parallax runs, the converted fine-tune (steps/4) and one more Parallax-sized
+slot for GDN fit in the time left. GDN runs last and gets ``min(steps, what fits in the remaining time)``: equal
+tokens if it is fast enough or the fixed costs were overestimated (the calibration's are cold-compile costs),
+fewer otherwise (the table says so). AdamW lr: the paper's 3e-4 is for 0.6B/20k steps; a short run of a 45M
+model needs a larger one.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -40,16 +56,22 @@ BASE = os.path.join(REPO, "configs", "replication", "repl45m_base.toml")
 
 ADAMW = ["--optimizer.name", "adamw", "--optimizer.lr", "3e-3", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
          "--optimizer.eps", "1e-8"]
-RUNS: dict[str, list[str]] = {
+RUNS: dict[str, list[str]] = {  # in run order: converted needs softmax_muon; gdn_muon takes what time is left
     "softmax_muon": ["--model.attention", "softmax"],
     "parallax_muon": ["--model.attention", "parallax"],
     "softmax_adamw": ["--model.attention", "softmax", *ADAMW],
     "parallax_adamw": ["--model.attention", "parallax", *ADAMW],
     "parallax_muon_wd2": ["--model.attention", "parallax", "--lr_scheduler.wd_anneal_gamma", "2.0"],
-    "gdn_muon": ["--model.attention", "gdn"],
     "converted": ["--model.attention", "parallax", "--optimizer.lr_warmup_patterns", "\\.wr\\.",
                   "--optimizer.lr_warmup_steps", "10"],
+    "gdn_muon": ["--model.attention", "gdn"],
 }
+CONVERTED_FRACTION = 4  # the converted fine-tune trains steps // 4 steps
+ANALYZED = ("softmax", "parallax", "converted")
+
+
+def mechanism(name: str) -> str:
+    return "gdn" if name.startswith("gdn") else "softmax" if name.startswith("softmax") else "parallax"
 
 
 def train_tokenizer(corpus: str, out: str, vocab: int, n_docs: int) -> str:
@@ -73,7 +95,7 @@ def train_tokenizer(corpus: str, out: str, vocab: int, n_docs: int) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts(), trainer)
     tok.save(os.path.join(out, "tokenizer.json"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
@@ -88,135 +110,346 @@ def train_one(argv: list[str]) -> None:
     train.main(argv)
 
 
-def convert_softmax_to_parallax(src_run: str, dst: str, argv: list[str]) -> str:
-    """Write softmax_muon's weights plus W_R = 0 (ρ = 0: exactly the softmax model) as a model-only DCP."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from models.checkpoint_io import build_model, load_config, load_weights, model_args_from_config, resolve_step_dir
-
-    step_dir = resolve_step_dir(src_run)
-    cfg = load_config(argv, step_dir)
-    model = build_model(model_args_from_config(cfg), "cpu")
-    missing = load_weights(model, step_dir, strict=False)
-    if any(not (".wr." in k or ".r_norm." in k) for k in missing):
-        raise ValueError(f"softmax checkpoint lacks non-probe keys: {missing}")
-    with torch.no_grad():
-        for layer in model.layers.values():
-            layer.attention.wr.weight.zero_()
-            layer.attention.r_norm.reset_parameters()
-    os.makedirs(dst, exist_ok=True)
-    dcp.save(model.state_dict(), checkpoint_id=dst, no_dist=True)
-    return dst
+def plan_steps(seconds: float, fixed: dict[str, float], tps: dict[str, float], tokens_per_step: int) -> int:
+    """Largest ``steps`` for which the budgeted runs fit in ``seconds``: 2 softmax runs, 3 Parallax runs, the
+    converted fine-tune (Parallax, steps // 4) and one Parallax-sized slot for GDN (GDN itself gets what is
+    left at the end, see :func:`fit_steps`). ``fixed[m]`` = seconds per run outside the training steps,
+    ``tps[m]`` = training tokens/s, for m in {"softmax", "parallax"}. Returns 0 when nothing fits."""
+    s, p = "softmax", "parallax"
+    fixed_total = 2 * fixed[s] + 5 * fixed[p]
+    per_step = tokens_per_step * (2 / tps[s] + (4 + 1 / CONVERTED_FRACTION) / tps[p])
+    return max(0, math.floor((seconds - fixed_total) / per_step))
 
 
-def _run(cmd: list[str], log: str, timeout: int) -> tuple[bool, float]:
+def fit_steps(seconds: float, fixed: float, tps: float, tokens_per_step: int, cap: int) -> int:
+    """Steps of one run that fit in ``seconds`` (at most ``cap``)."""
+    return max(0, min(cap, math.floor((seconds - fixed) * tps / tokens_per_step)))
+
+
+def read_metrics(run_dir: str) -> dict:
+    """Last validation/training record and the median training tokens/s (log intervals after step 1)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    recs = [json.loads(line) for line in open(path) if line.strip()]
+    val = [r for r in recs if "val_loss" in r]
+    train = [r for r in recs if "loss" in r]
+    tps = [r["tps"] for r in train if r["step"] > 1 and "tps" in r]
+    return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
+            "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
+            "tps": statistics.median(tps) if tps else None}
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], log: str, timeout: float) -> tuple[bool, float]:
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                timeout=max(1.0, timeout)).returncode
         except subprocess.TimeoutExpired:
+            f.write(f"\n[replicate] killed after {timeout:.0f} s\n")
             rc = -1
     return rc == 0, time.time() - t0
 
 
-def _val(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return {}
-    recs = [json.loads(line) for line in open(path)]
-    val = [r for r in recs if "val_loss" in r]
-    train = [r for r in recs if "loss" in r]
-    return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
-            "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None}
+def _spawn(cmd: list[str], log: str) -> subprocess.Popen:
+    """A background job (analysis, conversion) writing to ``log``."""
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _wait(proc: subprocess.Popen | None, timeout: float) -> bool:
+    if proc is None:
+        return False
+    try:
+        return proc.wait(timeout=max(1.0, timeout)) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
+def _tail(path: str, n: int = 400) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_corpus = next((p for p in (os.path.join(REPO, "..", "shared", "corpus"), os.path.join(REPO, "shared", "corpus"))
+                           if os.path.isdir(p)), "../shared/corpus")
+    ap.add_argument("--corpus", default=default_corpus,
+                    help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used)")
+    ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"))
+    ap.add_argument("--runs", default="all", help=f"comma-separated subset of {list(RUNS)}")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="total wall seconds for everything: sets the steps per run (0 = use --steps)")
+    ap.add_argument("--margin-s", type=float, default=30.0, help="part of --budget-s kept for the end (plots, analyses)")
+    ap.add_argument("--calib-steps", type=int, default=20, help="steps of each calibration run (--budget-s)")
+    ap.add_argument("--steps", type=int, default=300, help="steps per run without --budget-s")
+    ap.add_argument("--max-steps", type=int, default=100000, help="cap on the budgeted steps")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--flavor", default="repl-45M")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokenizer", default="", help="reuse this tokenizer folder instead of training one")
+    ap.add_argument("--tokenizer-docs", type=int, default=5000)
+    ap.add_argument("--val-tokens", type=int, default=262144,
+                    help="validation tokens, rounded down to full batches (0 = the whole val file)")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto = on CUDA)")
+    ap.add_argument("--workers", type=int, default=1, help="data-loader worker processes (tokenization)")
+    ap.add_argument("--cache-dir", default="/tmp/repl_compile_cache", help="shared inductor/Triton cache")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run at most")
+    ap.add_argument("--no-analyze", action="store_true")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep <run>/checkpoint (large) after the analyses")
+    ap.add_argument("--fresh", action="store_true", help="retrain runs that already finished in --out")
+    ap.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
+    args = ap.parse_args(argv)
+    bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in RUNS]
+    if bad:
+        ap.error(f"--runs: unknown {bad}; choose from {list(RUNS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--train-one"]:
         return train_one(argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_corpus = next((p for p in (os.path.join(REPO, "..", "shared", "corpus"), os.path.join(REPO, "shared", "corpus"))
-                           if os.path.isdir(p)), "../shared/corpus")
-    ap.add_argument("--corpus", default=default_corpus, help="folder with train-00.jsonl.gz and val.jsonl.gz")
-    ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"))
-    ap.add_argument("--runs", default="all", help=f"comma-separated subset of {list(RUNS)}")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--flavor", default="repl-45M")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokenizer-docs", type=int, default=20000)
-    ap.add_argument("--val-steps", type=int, default=-1, help="validation batches (-1 = the whole val file)")
-    ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
-    ap.add_argument("--no-analyze", action="store_true")
-    ap.add_argument("--fresh", action="store_true", help="retrain runs that already finished in --out")
-    ap.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
-    args = ap.parse_args(argv)
-    names = list(RUNS) if args.runs == "all" else args.runs.split(",")
-    if "converted" in names and "softmax_muon" not in names:
-        names.insert(0, "softmax_muon")
-    os.makedirs(args.out, exist_ok=True)
-    tok = train_tokenizer(args.corpus, os.path.join(args.out, "tokenizer"), args.vocab, args.tokenizer_docs)
+    t0 = time.time()
+    args = parse_args(argv)
+    want = set(RUNS) if args.runs == "all" else set(args.runs.split(","))
+    if "converted" in want:
+        want.add("softmax_muon")
+    names = [n for n in RUNS if n in want]
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(args.cache_dir, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(args.cache_dir, "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(args.cache_dir, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    import torch
+
+    compile_on = args.compile == "on" or (args.compile == "auto" and torch.cuda.is_available())
+    budget = args.budget_s
+    left = (lambda: budget - (time.time() - t0)) if budget > 0 else (lambda: float(args.timeout))  # noqa: E731
+    log = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "compile": compile_on,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+    train_files = sorted(glob.glob(os.path.join(args.corpus, "train-*.jsonl.gz")))
+    val_file = os.path.join(args.corpus, "val.jsonl.gz")
+    if not train_files or not os.path.isfile(val_file):
+        raise SystemExit(f"--corpus {args.corpus!r}: needs train-*.jsonl.gz and val.jsonl.gz")
+    t = time.time()
+    tok = os.path.abspath(args.tokenizer) if args.tokenizer else train_tokenizer(
+        args.corpus, os.path.join(out, "tokenizer"), args.vocab, args.tokenizer_docs)
+    log["tokenizer_s"] = round(time.time() - t, 1)
+    print(f"[replicate] tokenizer {tok} ({log['tokenizer_s']} s); train files {[os.path.basename(f) for f in train_files]}",
+          flush=True)
+
+    k = args.batch * args.seq_len
+    val_steps = max(1, args.val_tokens // k) if args.val_tokens > 0 else -1
+    data = train_files[0] if len(train_files) == 1 else os.path.join(args.corpus, "train-*.jsonl.gz")
     common = ["--job.config_file", BASE, "--model.flavor", args.flavor, "--model.vocab_size", str(args.vocab),
-              "--model.hf_assets_path", tok, "--training.dataset_path", os.path.join(args.corpus, "train-00.jsonl.gz"),
-              "--validation.dataset_path", os.path.join(args.corpus, "val.jsonl.gz"),
+              "--model.hf_assets_path", tok, "--training.dataset_path", data,
+              "--validation.dataset_path", val_file,
               "--training.seq_len", str(args.seq_len), "--validation.seq_len", str(args.seq_len),
               "--training.local_batch_size", str(args.batch), "--validation.local_batch_size", str(args.batch),
-              "--validation.steps", str(args.val_steps), *args.extra]
-    results = []
+              "--validation.steps", str(val_steps), "--training.dataloader.num_workers", str(args.workers),
+              *(["--compile.enable"] if compile_on else []), *args.extra]
+    log.update(tokens_per_step=k, val_tokens=k * val_steps if val_steps > 0 else "all")
+
+    # ---- calibration: fixed cost per run and training tokens/s per mechanism (warms the compile cache)
+    fixed: dict[str, float] = {}
+    tps: dict[str, float] = {}
+    steps = args.steps
+    if budget > 0:
+        n = args.calib_steps
+        for mech in dict.fromkeys(mechanism(nm) for nm in names):
+            dump = os.path.join(out, "calibration", mech)
+            shutil.rmtree(dump, ignore_errors=True)
+            os.makedirs(dump)
+            flags = [*common, "--model.attention", mech, "--job.dump_folder", dump, "--training.steps", str(n),
+                     "--metrics.log_freq", "5", "--checkpoint.no-enable"]
+            ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"),
+                            min(args.timeout, left()))
+            m = read_metrics(dump)
+            if ok and m.get("tps"):
+                tps[mech] = m["tps"]
+                fixed[mech] = secs - n * k / m["tps"] + 3.0  # + the final checkpoint save of a real run
+            print(f"[replicate] calibration {mech}: ok={ok} {secs:.0f} s, tokens/s {tps.get(mech, 0):,.0f}, "
+                  f"fixed {fixed.get(mech, float('nan')):.0f} s", flush=True)
+        for mech in ("softmax", "parallax"):  # a failed calibration borrows the other's numbers
+            other = "parallax" if mech == "softmax" else "softmax"
+            if mech not in tps and other in tps:
+                tps[mech], fixed[mech] = tps[other], fixed[other]
+        if "softmax" not in tps:
+            raise SystemExit(f"calibration failed (see {out}/calibration/*/train.log): "
+                             f"{_tail(os.path.join(out, 'calibration', 'softmax', 'train.log'))}")
+        steps = min(args.max_steps, plan_steps(left() - args.margin_s, fixed, tps, k))
+        if steps < 10:
+            raise SystemExit(f"--budget-s {budget}: only {steps} steps per run fit after calibration "
+                             f"(fixed {fixed}, tokens/s {tps}, {left():.0f} s left)")
+        log.update(calibration={m: {"tokens_per_s": round(tps[m]), "fixed_s": round(fixed[m], 1)} for m in tps},
+                   planned_steps=steps, seconds_left_after_calibration=round(left(), 1))
+        print(f"[replicate] {steps} steps per run = {steps * k:,} tokens; {left():.0f} s left", flush=True)
+    log_freq = str(max(1, steps // 25))
+
+    results: list[dict] = []
+    background: list[tuple[dict, str, subprocess.Popen]] = []  # (row, run dir, analyze.py process)
+    convert_job: subprocess.Popen | None = None
+    conv_dir = os.path.join(out, "converted_init")
     for name in names:
-        dump = os.path.join(args.out, name)
-        steps = args.steps if name != "converted" else max(1, args.steps // 4)
-        flags = [*common, *RUNS[name], "--job.dump_folder", dump, "--training.steps", str(steps)]
-        row = {"run": name, "steps": steps, "tokens": steps * args.batch * args.seq_len}
+        dump = os.path.join(out, name)
+        mech = mechanism(name)
+        n_steps = steps if name != "converted" else max(1, steps // CONVERTED_FRACTION)
+        if name == "gdn_muon" and budget > 0 and "gdn" in tps:  # what is left, at most `steps`
+            n_steps = fit_steps(left() - args.margin_s, fixed["gdn"], tps["gdn"], k, steps)
+        row = {"run": name, "steps": n_steps, "tokens": n_steps * k}
+        flags = [*common, *RUNS[name], "--job.dump_folder", dump, "--training.steps", str(n_steps),
+                 "--metrics.log_freq", log_freq]
         try:
+            if n_steps < 1:
+                raise RuntimeError(f"no time left ({left():.0f} s)")
             if name == "converted":
-                src = os.path.join(args.out, "softmax_muon")
-                init = convert_softmax_to_parallax(src, os.path.join(args.out, "converted_init"),
-                                                   [*common, *RUNS["converted"]])
-                flags += ["--checkpoint.initial_load_path", init, "--checkpoint.initial_load_model_only"]
-            done = _val(dump)
+                if not _wait(convert_job, left()):
+                    raise RuntimeError(f"conversion failed: {_tail(os.path.join(out, 'convert.log'))}")
+                flags += ["--checkpoint.initial_load_path", conv_dir, "--checkpoint.initial_load_model_only"]
+            done = read_metrics(dump)
             stale = name == "converted" and any(r["run"] == "softmax_muon" and not r.get("cached") for r in results)
-            if not args.fresh and not stale and done.get("step") == steps and done.get("val_loss") is not None:
-                ok, secs = True, 0.0  # finished earlier: reuse (e.g. softmax_muon for `--runs converted`)
-                row.update(**done, ok=ok, seconds=secs, cached=True)
-                print(json.dumps(row), flush=True)
-                results.append(row)
-                continue
-            shutil.rmtree(dump, ignore_errors=True)  # a model-only final checkpoint cannot be resumed
-            os.makedirs(dump, exist_ok=True)
-            with open(os.path.join(dump, "train_args.json"), "w") as f:
-                json.dump(flags, f)
-            ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"), args.timeout)
-        except Exception as e:  # conversion failures etc.: report, go on
-            ok, secs, row["error"] = False, 0.0, f"{type(e).__name__}: {e}"
-        row.update(ok=ok, seconds=round(secs, 1), **_val(dump))
-        if ok and not args.no_analyze and any(m in name for m in ("softmax", "parallax", "converted")):
-            a_ok, _ = _run([sys.executable, os.path.join(REPO, "scripts", "analyze.py"), dump, "--data",
-                            os.path.join(args.corpus, "val.jsonl.gz"), "--rows", "8", "--queries", "16",
-                            "--seq-len", str(args.seq_len)], os.path.join(dump, "analyze.log"), args.timeout)
-            summary = os.path.join(dump, "analysis", "analysis.json")
-            if a_ok and os.path.isfile(summary):
-                s = json.load(open(summary))["summary"]
-                row.update({k: s.get(k) for k in ("cor", "entropy", "sink_p", "srank_wr", "srank_wq")})
+            need_ckpt = name == "softmax_muon" and "converted" in names
+            if (not args.fresh and not stale and done.get("step") == n_steps and done.get("val_loss") is not None
+                    and (not need_ckpt or os.path.isdir(os.path.join(dump, "checkpoint")))):
+                row.update(**done, ok=True, seconds=0.0, cached=True)  # finished earlier: reuse
+                ok = True
+            else:
+                shutil.rmtree(dump, ignore_errors=True)  # a model-only final checkpoint cannot be resumed
+                os.makedirs(dump, exist_ok=True)
+                with open(os.path.join(dump, "train_args.json"), "w") as f:
+                    json.dump(flags, f)
+                ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"),
+                                min(args.timeout, left()))
+                row.update(ok=ok, seconds=round(secs, 1), **read_metrics(dump))
+                if not ok:
+                    row["error"] = "see train.log: " + _tail(os.path.join(dump, "train.log"), 200).replace("\n", " | ")
+        except Exception as e:  # conversion failures, no time left: report, go on
+            row.update(ok=False, seconds=0.0, error=f"{type(e).__name__}: {e}")
+        if row["ok"] and name == "softmax_muon" and "converted" in names:
+            shutil.rmtree(conv_dir, ignore_errors=True)
+            from models.args import get_flavor
+
+            fl = get_flavor(args.flavor)
+            try:
+                from models.checkpoint_io import resolve_step_dir
+
+                src = str(resolve_step_dir(dump))
+                convert_job = _spawn([sys.executable, os.path.join(REPO, "scripts", "convert_to_parallax.py"), src,
+                                      conv_dir, "--rope-theta", str(fl.rope_theta), "--norm-eps", str(fl.norm_eps),
+                                      "--no-progress"], os.path.join(out, "convert.log"))
+            except FileNotFoundError as e:
+                with open(os.path.join(out, "convert.log"), "w") as f:
+                    f.write(str(e))
+        if row["ok"] and not args.no_analyze and any(m in name for m in ANALYZED):
+            proc = _spawn([sys.executable, os.path.join(REPO, "scripts", "analyze.py"), dump, "--data", val_file,
+                           "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024))],
+                          os.path.join(dump, "analyze.log"))
+            background.append((row, dump, proc))
         print(json.dumps(row), flush=True)
         results.append(row)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(format_table(results))
+        write_summary(out, results, log)
+
+    # ---- analyses, cleanup, plots, table
+    for row, dump, proc in background:
+        ok = _wait(proc, max(20.0, left() - 10))
+        path = os.path.join(dump, "analysis", "analysis.json")
+        if ok and os.path.isfile(path):
+            s = json.load(open(path))["summary"]
+            row.update({k2: s.get(k2) for k2 in ("cor", "cpa", "entropy", "sink_p", "srank_wr", "srank_wq")})
+        else:
+            row["analysis_error"] = _tail(os.path.join(dump, "analyze.log"), 200)
+    _wait(convert_job, 10)
+    if not args.keep_checkpoints:
+        for name in names:
+            shutil.rmtree(os.path.join(out, name, "checkpoint"), ignore_errors=True)
+        shutil.rmtree(conv_dir, ignore_errors=True)
+    ran = [os.path.join(out, r["run"]) for r in results if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
+    if ran:
+        _run([sys.executable, os.path.join(REPO, "scripts", "plot_ppl.py"), *ran, "-o", os.path.join(out, "ppl.png")],
+             os.path.join(out, "plot_ppl.log"), 120)
+    try:
+        plot_diagnostics(out, [r["run"] for r in results])
+    except Exception as e:  # plotting must not lose the table
+        log["diagnostics_plot_error"] = f"{type(e).__name__}: {e}"
+    log["total_s"] = round(time.time() - t0, 1)
+    write_summary(out, results, log)
+    table = format_table(results, log)
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(table + "\n")
+    print(table, flush=True)
     return results
 
 
-def format_table(rows: list[dict]) -> str:
-    fmt = lambda v, spec: f"{'-':>{int(float(spec[:-1]))}}" if v is None else format(v, spec)  # noqa: E731
-    head = f"{'run':<18}{'steps':>6}{'tokens':>11}{'val_ppl':>9}{'val_loss':>9}{'COR':>7}{'srankWr':>8}{'sec':>7}  status"
+def write_summary(out: str, rows: list[dict], log: dict) -> None:
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"runs": rows, **log}, f, indent=1, default=str)
+
+
+def plot_diagnostics(out: str, names: list[str]) -> str | None:
+    """``diagnostics_by_layer.png``: per-layer means of COR, CPA, softmax entropy and sink of every analysed run."""
+    keys = ("cor", "cpa", "entropy", "sink_p")
+    series = {}
+    for name in names:
+        path = os.path.join(out, name, "analysis", "analysis.json")
+        if os.path.isfile(path):
+            series[name] = json.load(open(path))["layers"]
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6))
+    for ax, key in zip(axes, keys):
+        for i, (name, layers) in enumerate(series.items()):
+            pts = [(lay["layer"], lay["activations"][key]["mean"]) for lay in layers if key in lay["activations"]]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=f"C{i}", label=name)
+        ax.set_title(key)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "diagnostics_by_layer.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(rows: list[dict], log: dict | None = None) -> str:
+    def fmt(v, spec):
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width}}" if v is None else format(v, spec)
+
+    head = (f"{'run':<18}{'steps':>6}{'tokens':>12}{'val_ppl':>9}{'val_loss':>9}{'COR':>7}{'CPA':>7}{'srankWr':>8}"
+            f"{'s/run':>7}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['run']:<18}{r['steps']:>6}{r['tokens']:>11,}{fmt(r.get('val_ppl'), '9.2f')}"
-                     f"{fmt(r.get('val_loss'), '9.4f')}{fmt(r.get('cor'), '7.3f')}{fmt(r.get('srank_wr'), '8.2f')}"
-                     f"{r['seconds']:>7.0f}  {'ok' if r['ok'] else 'FAILED ' + r.get('error', 'see train.log')}")
+        lines.append(f"{r['run']:<18}{r['steps']:>6}{r['tokens']:>12,}{fmt(r.get('val_ppl'), '9.2f')}"
+                     f"{fmt(r.get('val_loss'), '9.4f')}{fmt(r.get('cor'), '7.3f')}{fmt(r.get('cpa'), '7.3f')}"
+                     f"{fmt(r.get('srank_wr'), '8.2f')}{r.get('seconds', 0):>7.0f}  "
+                     f"{'ok' if r.get('ok') else 'FAILED ' + r.get('error', 'see train.log')[:120]}")
+    if log:
+        lines.append(f"tokens/step {log.get('tokens_per_step'):,}; val tokens {log.get('val_tokens')}; "
+                     f"compile {log.get('compile')}; {log.get('device')}; total {log.get('total_s')} s; "
+                     f"calibration {log.get('calibration', '-')}")
     return "\n".join(lines)
 
 
