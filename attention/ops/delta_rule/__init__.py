@@ -9,11 +9,15 @@
   3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`); any CUDA GPU where fla imports;
 - "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "fla_hopper" when
   only fla's gated-backward check fails (Hopper + Triton < 3.7.1); else "chunk", with a one-line log message
-  saying why; always "chunk" inside ``torch.compile`` (fla's ops are compiler-disabled, which breaks
-  torchtitan's ``fullgraph=True`` block compile).
+  saying why. The same choice is made inside ``torch.compile``.
+
+"fla" and "fla_hopper" run through the custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd``
+(:mod:`ops`): opaque to torch.compile, so torchtitan's ``fullgraph=True`` block compile has no graph break.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -22,9 +26,10 @@ from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
 from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
+from attention.ops.delta_rule.ops import delta_rule_op
 
 __all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "fla_hopper_delta_rule",
-           "select_impl"]
+           "delta_rule_op", "select_impl"]
 
 DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla", "fla_hopper")
 
@@ -35,10 +40,13 @@ def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: 
         raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(DELTA_RULE_IMPLS)}")
     if impl in ("recurrent", "chunk"):
         return impl
-    if impl == "auto" and torch.compiler.is_compiling():
-        # Inside torch.compile (torchtitan compiles each block with fullgraph=True) fla's ops are
-        # @torch.compiler.disable'd graph breaks, so "auto" takes the compiled PyTorch chunk path.
-        return "chunk"
+    return _resolve(impl, x.device.type, x.device.index, gated, needs_grad, who)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: evaluated once at trace time, a constant
+def _resolve(impl: str, device_type: str, device_index: int | None, gated: bool, needs_grad: bool, who: str) -> str:
+    dev = torch.device(device_type) if device_index is None else torch.device(device_type, device_index)
+    x = SimpleNamespace(is_cuda=device_type == "cuda", device=dev)  # all fla_unavailable_reason reads
     if impl == "fla_hopper":
         why = fla_unavailable_reason(x, gated, needs_grad=False)  # the gated backward is ours: no Hopper check
         if why:
@@ -87,10 +95,6 @@ def delta_rule(
     args = (q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens)
     if path == "recurrent":
         return naive_recurrent_delta_rule(*args)
-    if path == "fla":
-        o, h = fla_delta_rule(*args)
-        return o.to(v.dtype), h
-    if path == "fla_hopper":
-        o, h = fla_hopper_delta_rule(*args)
-        return o.to(v.dtype), h
+    if path in ("fla", "fla_hopper"):  # custom ops: no graph break under torch.compile
+        return delta_rule_op(*args, backend=path, chunk_size=chunk_size)
     return chunk_delta_rule(*args, chunk_size=chunk_size)

@@ -55,26 +55,48 @@ def _fwd(q, k, v, beta, g, scale, h0, output_final_state, cu, ci):
     return o, ht, gc, A
 
 
-def _bwd(q, k, v, beta, gc, A, scale, h0, do, dht, cu, ci):
-    """fla backward sub-kernels with our dqkwg; returns (dq, dk, dv, dbeta, dg or None, dh0)."""
+def _bwd(q, k, v, beta, gc, A, scale, h0, do, dht, cu, ci, g_raw=None, dqkwg=None):
+    """fla backward sub-kernels with our dqkwg; returns (dq, dk, dv, dbeta, dg or None, dh0).
+
+    With ``A=None`` the WY form (and, from ``g_raw``, the log2 chunk cumsum ``gc``) is recomputed by the
+    forward's intra-chunk kernel (used by the custom op, which saves only its inputs). ``dqkwg``: the
+    dqkwg implementation (default ours; the custom op's "fla" backend passes fla's).
+    """
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
+    dqkwg = chunk_bwd_dqkwg if dqkwg is None else dqkwg
     kw = dict(cu_seqlens=cu, chunk_indices=ci)
-    if gc is None:
-        from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    if A is None:
+        if g_raw is None:
+            from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
+
+            w, u, A = prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=BT, **kw)
+        else:
+            from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+            from fla.ops.utils import chunk_local_cumsum
+            from fla.ops.utils.constant import RCP_LN2
+
+            gc = chunk_local_cumsum(g_raw, chunk_size=BT, scale=RCP_LN2, **kw)
+            w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=BT, **kw)
+    elif gc is None:
+        from fla.ops.delta_rule.wy_fast import recompute_w_u_fwd
 
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **kw)
     else:
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, **kw)
+    if gc is None:
+        from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd
+    else:
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, output_final_state=False,
                                                chunk_size=BT, **kw)
     dv = chunk_bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, chunk_size=BT, **kw)
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
                                                  chunk_size=BT, **kw)
-    dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, do, h, dh, w=w, g=gc, dv=dv, scale=scale, chunk_size=BT, **kw)
+    dq, dk, dw, dg = dqkwg(q=q, k=k, v=v_new, do=do, h=h, dh=dh, w=w, g=gc, dv=dv, scale=scale, chunk_size=BT, **kw)
     if gc is None:
         dk2, dv, db = prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, **kw)
     else:
