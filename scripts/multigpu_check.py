@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.utils import losses, make_corpus, run_train, tiny_args  # noqa: E402
+from tests.utils import losses, make_corpus, tiny_args  # noqa: E402
 
 
 def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
@@ -56,15 +57,23 @@ def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
 
 
 def launch(args, train_args: list[str], nproc: int, log: Path) -> tuple[bool, float]:
+    """train.py on ``nproc`` processes (torchrun unless 1); keeps the caller's PYTHONPATH (wheels elsewhere)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, str(REPO / "train.py"), *train_args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+        "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"), *train_args]
     t0 = time.time()
     try:
-        proc = run_train(train_args, nproc=nproc, timeout=args.timeout)
-        log.write_text(proc.stdout + proc.stderr)
-        return True, time.time() - t0
-    except Exception as e:  # AssertionError with the tail of the log, or a timeout
-        log.write_text(str(e))
-        print(f"  FAILED ({nproc} procs), log {log}:\n{str(e)[-2500:]}", file=sys.stderr, flush=True)
-        return False, time.time() - t0
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=str(REPO))
+        text, ok = p.stdout + p.stderr, p.returncode == 0
+    except subprocess.TimeoutExpired:
+        text, ok = f"TIMEOUT after {args.timeout}s", False
+    log.write_text(text)
+    if not ok:
+        print(f"  FAILED ({nproc} procs), log {log}:\n{text[-2500:]}", file=sys.stderr, flush=True)
+    return ok, time.time() - t0
 
 
 def max_delta(a: dict[int, float], b: dict[int, float], steps) -> float:
