@@ -110,15 +110,21 @@ def train_one(argv: list[str]) -> None:
     train.main(argv)
 
 
-def plan_steps(seconds: float, fixed: dict[str, float], tps: dict[str, float], tokens_per_step: int) -> int:
-    """Largest ``steps`` for which the budgeted runs fit in ``seconds``: 2 softmax runs, 3 Parallax runs, the
-    converted fine-tune (Parallax, steps // 4) and one Parallax-sized slot for GDN (GDN itself gets what is
-    left at the end, see :func:`fit_steps`). ``fixed[m]`` = seconds per run outside the training steps,
-    ``tps[m]`` = training tokens/s, for m in {"softmax", "parallax"}. Returns 0 when nothing fits."""
-    s, p = "softmax", "parallax"
-    fixed_total = 2 * fixed[s] + 5 * fixed[p]
-    per_step = tokens_per_step * (2 / tps[s] + (4 + 1 / CONVERTED_FRACTION) / tps[p])
-    return max(0, math.floor((seconds - fixed_total) / per_step))
+def plan_steps(seconds: float, fixed: dict[str, float], tps: dict[str, float], tokens_per_step: int,
+               names: list[str] | None = None) -> int:
+    """Largest ``steps`` for which the runs ``names`` (default: all) fit in ``seconds``: each softmax/Parallax
+    run trains ``steps``, the converted fine-tune (Parallax) ``steps // 4``, and gdn_muon is budgeted as one more
+    Parallax-sized run (GDN itself gets what is left at the end, see :func:`fit_steps`). ``fixed[m]`` = seconds
+    per run outside the training steps, ``tps[m]`` = training tokens/s, for m in {"softmax", "parallax"} (a
+    missing one borrows the other's). Returns 0 when nothing fits."""
+    names = list(RUNS) if names is None else names
+    total_fixed, per_step = 0.0, 0.0
+    for name in names:
+        mech = {"gdn": "parallax"}.get(mechanism(name), mechanism(name))
+        mech = mech if mech in tps else next(iter(tps))
+        total_fixed += fixed[mech]
+        per_step += tokens_per_step / tps[mech] / (CONVERTED_FRACTION if name == "converted" else 1)
+    return max(0, math.floor((seconds - total_fixed) / per_step))
 
 
 def fit_steps(seconds: float, fixed: float, tps: float, tokens_per_step: int, cap: int) -> int:
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "softmax" not in tps:
             raise SystemExit(f"calibration failed (see {out}/calibration/*/train.log): "
                              f"{_tail(os.path.join(out, 'calibration', 'softmax', 'train.log'))}")
-        steps = min(args.max_steps, plan_steps(left() - args.margin_s, fixed, tps, k))
+        steps = min(args.max_steps, plan_steps(left() - args.margin_s, fixed, tps, k, names))
         if steps < 10:
             raise SystemExit(f"--budget-s {budget}: only {steps} steps per run fit after calibration "
                              f"(fixed {fixed}, tokens/s {tps}, {left():.0f} s left)")
@@ -310,14 +316,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dump = os.path.join(out, name)
         mech = mechanism(name)
         n_steps = steps if name != "converted" else max(1, steps // CONVERTED_FRACTION)
-        if name == "gdn_muon" and budget > 0 and "gdn" in tps:  # what is left, at most `steps`
-            n_steps = fit_steps(left() - args.margin_s, fixed["gdn"], tps["gdn"], k, steps)
+        if name == "gdn_muon" and budget > 0:  # what is left, at most `steps`; nothing if its calibration failed
+            n_steps = fit_steps(left() - args.margin_s, fixed["gdn"], tps["gdn"], k, steps) if "gdn" in tps else 0
         row = {"run": name, "steps": n_steps, "tokens": n_steps * k}
         flags = [*common, *RUNS[name], "--job.dump_folder", dump, "--training.steps", str(n_steps),
                  "--metrics.log_freq", log_freq]
         try:
             if n_steps < 1:
-                raise RuntimeError(f"no time left ({left():.0f} s)")
+                raise RuntimeError("its calibration failed (calibration/gdn/train.log)" if budget > 0 and mech not in tps
+                                   else f"no time left ({left():.0f} s)")
             if name == "converted":
                 if not _wait(convert_job, left()):
                     raise RuntimeError(f"conversion failed: {_tail(os.path.join(out, 'convert.log'))}")
@@ -335,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 with open(os.path.join(dump, "train_args.json"), "w") as f:
                     json.dump(flags, f)
                 ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"),
-                                min(args.timeout, left()))
+                                min(args.timeout, left() - 10))  # keep 10 s for the table
                 row.update(ok=ok, seconds=round(secs, 1), **read_metrics(dump))
                 if not ok:
                     row["error"] = "see train.log: " + _tail(os.path.join(dump, "train.log"), 200).replace("\n", " | ")
@@ -367,7 +374,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # ---- analyses, cleanup, plots, table
     for row, dump, proc in background:
-        ok = _wait(proc, max(20.0, left() - 10))
+        ok = _wait(proc, max(5.0, left() - 10))
         path = os.path.join(dump, "analysis", "analysis.json")
         if ok and os.path.isfile(path):
             s = json.load(open(path))["summary"]

@@ -117,3 +117,9 @@ def test_pipeline_end_to_end_cpu(tmp_path):
     assert not (out / "softmax_muon" / "checkpoint").exists() and not (out / "converted_init").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["val_tokens"] == 64 and len(summary["runs"]) == 3
+
+
+def test_plan_steps_counts_only_the_requested_runs():
+    fixed, tps, k = {"parallax": 10.0}, {"parallax": 1000.0}, 100  # softmax borrows parallax's numbers
+    # softmax_muon + converted: 2 fixed costs, 1.25 * steps * 0.1 s
+    assert R.plan_steps(60.0, fixed, tps, k, ["softmax_muon", "converted"]) == 320
