@@ -1,19 +1,25 @@
 """LLA (and affine family) benchmark against SDPA softmax attention on one GPU.
 
-    python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, LLA-{4,8,16}, tile sweep
+    python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1 LLA-8, 2 tiles
     python scripts/bench_lla.py             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
     python scripts/bench_lla.py --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
 
 ``--variant v0,v1`` (default) times the first Triton kernels (``triton_v0.py``, fp32/TF32 tiles (32, 32)) and
-the current ones (``triton.py``: bf16 operands, autotuned tiles; rows "tiles (BR, BC)" pin a tile) in one run.
+the current ones (``triton.py``: bf16 operands, autotuned tiles; rows "tiles (BR, BC)" pin a tile; "precise"
+(``--precise``): ``triton.PRECISE``, fp32/TF32 statistics and Σ·p products) in one run. Each CG count and
+each PRECISE value compiles and autotunes its own kernels (3 configs × 3 kernels), so split long sweeps:
+    python scripts/bench_lla.py --quick --variant v1 --iters 16 --tiles none --precise
 
 Columns: ms forward, ms forward+backward, ratio of fwd+bwd to SDPA softmax (target: LLA-8 ≤ 10×), peak
 memory (GiB) of fwd+bwd, and for LLA the relative error of the output against the exact float64 solve
 (``naive_lla``: Σ_i explicit, ``torch.linalg.solve``) on the first 512 tokens of 2 heads, over all rows
 ("err") and over rows ≥ 2D ("err≥2D"): rows i < 2D have a nearly rank-deficient Σ_i (λ = 0.1 of ω),
-δ_i ≪ ω_i, and truncated CG errors there are amplified by ω/δ (expected, not a kernel bug). Inputs bf16, q/k RMS-normalised
-(as after the model's RMSNorm), λ = 0.1 per head. FLOPs (stated): LLA forward does (5 + 3·iters) tile
-GEMMs per key tile against softmax's 2, so LLA-8 ≈ 14.5× softmax's forward FLOPs.
+δ_i ≪ ω_i, and truncated CG errors there are amplified by ω/δ (expected, not a kernel bug; float64 CG on
+this data: 8 iterations 0.26 all rows / 0.086 rows ≥ 256, 16: 0.028 / 0.002, 32: 3e-4). Inputs bf16, q/k
+RMS-normalised (as after the model's RMSNorm), λ = 0.1 per head.
+FLOPs, in units of one causal Q·Kᵀ (softmax: fwd 2, fwd+bwd 7): v1 forward 2 + 3·iters + 3 (stats, CG,
+output), backward 3 + 3·iters + 5 (q kernel) + 8 (kv kernel): LLA-8 = 29 + 40 = 69 units ≈ 9.9× softmax
+fwd+bwd, so ≤ 10× softmax time needs v1 to run as efficiently as cuDNN/FA3 softmax does.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.ops.affine import affine_attention  # noqa: E402
 import attention.ops.lla as lla_ops  # noqa: E402
+from attention.ops.affine import affine_attention  # noqa: E402
 from attention.ops.lla import lla_attention, naive_lla  # noqa: E402
 from scripts.bench_common import timeit as timed  # noqa: E402
 
@@ -66,11 +72,14 @@ def sdpa(q, k, v):
     return o.transpose(1, 2)
 
 
-def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1"):
+def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise=False):
     lam = torch.full((16,), 0.1, device="cuda")
 
     def op(q, k, v):
+        import attention.ops.lla.triton as v1
+
         lla_ops.TRITON_VARIANT = variant
+        v1.PRECISE = precise
         return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block)
     return op
 
@@ -102,6 +111,7 @@ def main():
                     "else 4,8,16); every count compiles (and autotunes) its own kernels")
     ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x64,64x128 with "
                     "--quick, else also 64x32,128x64)")
+    ap.add_argument("--precise", action="store_true", help="also v1 with triton.PRECISE (fp32 Σ·p products)")
     args = ap.parse_args()
     variants = args.variant.split(",")
     iters = [int(i) for i in (args.iters or ("8" if args.quick else "4,8,16")).split(",")]
@@ -118,6 +128,8 @@ def main():
         cases = [(f"{var} LLA-{i}", lla_op(i, variant=var), True) for var in variants for i in iters]
         if "v1" in variants:
             cases += [(f"v1 LLA-8 tiles {b[0]}x{b[1]}", lla_op(8, block=b), False) for b in tiles]
+            if args.precise:
+                cases += [(f"v1 LLA-{i} precise", lla_op(i, precise=True), True) for i in iters]
         if not args.quick:
             cases += [("v1 LLA-8 jacobi", lla_op(8, jacobi=True), True),
                       ("LLA-8 chunked torch", lla_op(8, impl="chunked"), False)]

@@ -70,7 +70,8 @@ def _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK: tl.constexpr):
 
 @triton.jit
 def _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, a, b, qk_scale, T, D: tl.constexpr,
-                 JACOBI: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+                 JACOBI: tl.constexpr, PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr,
+                 BD: tl.constexpr):
     o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
@@ -82,47 +83,58 @@ def _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, a, b, qk_scale, T, D: tl
         m_new = tl.maximum(m2, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m2 - m_safe)
-        p = tl.exp2(s - m_safe[:, None]).to(k.dtype)
+        if PRECISE:  # fp32 weights (TF32 dots on GPU)
+            p = tl.exp2(s - m_safe[:, None])
+            kf = k.to(tl.float32)
+        else:
+            p = tl.exp2(s - m_safe[:, None]).to(k.dtype)
+            kf = k
         om = om * alpha + tl.sum(p.to(tl.float32), 1)
-        mut = mut * alpha[:, None] + tl.dot(p, k)
+        mut = mut * alpha[:, None] + tl.dot(p, kf)
         if JACOBI:
-            ksq = ksq * alpha[:, None] + tl.dot(p, k * k)
+            ksq = ksq * alpha[:, None] + tl.dot(p, kf * kf)
         m2 = m_new
     return m2, om, mut, ksq
 
 
 @triton.jit
 def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
-                 MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+                 PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """acc += Σ_j t_j k_j, rs += Σ_j t_j with t_j = w_j (k_j·p − q·p), over key tiles [a, b)."""
     o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
         k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        t = (w * (tl.dot(p, tl.trans(k)) - qp[:, None])).to(k.dtype)
-        acc += tl.dot(t, k)
-        rs += tl.sum(t.to(tl.float32), 1)
+        t = w * (tl.dot(p, tl.trans(k)) - qp[:, None])
+        if PRECISE:  # fp32 t (TF32 dot on GPU)
+            acc += tl.dot(t, k.to(tl.float32))
+            rs += tl.sum(t, 1)
+        else:
+            t = t.to(k.dtype)
+            acc += tl.dot(t, k)
+            rs += tl.sum(t.to(tl.float32), 1)
     return acc, rs
 
 
 @triton.jit
 def _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
-            BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+            PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Σ_i p_i (eq. 13, centred form) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
     pf = p.to(tl.float32)
     qp = tl.sum(q.to(tl.float32) * pf, 1)
     acc = tl.zeros([BR, BD], tl.float32)
     rs = tl.zeros([BR], tl.float32)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
     return acc - rs[:, None] * q.to(tl.float32) + rid[:, None] * pf
 
 
 @triton.jit
 def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D: tl.constexpr,
-        CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+        CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        BD: tl.constexpr):
     """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, active mask of Algorithm 2. The direction p is kept
     in the operand dtype; x and r are updated with that same (rounded) p and its exact product Σp.
     Solved for b/‖b‖ (CG is scale-equivariant) so p stays O(1) in bf16/fp16 whatever ω is."""
@@ -139,7 +151,7 @@ def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rto
     rz = tl.sum(r * z, 1)
     thresh = rtol2 * tl.sum(b * b, 1)
     for _ in range(CG_ITERS):
-        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, BR, BC, BD)
+        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
         pf = p.to(tl.float32)
         pap = tl.sum(pf * ap, 1)
         active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thresh)
@@ -194,7 +206,7 @@ def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
 def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                     T, HQ, qk_scale, rtol2,
-                    D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
+                    D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
@@ -210,9 +222,9 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     om = tl.zeros([BR], tl.float32)
     mut = tl.zeros([BR, BD], tl.float32)
     ksq = tl.zeros([BR, BD], tl.float32)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, True, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, False, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, True, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, PRECISE, False, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
     m2 = tl.where(m2 == float("-inf"), 0.0, m2)
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     qf = q.to(tl.float32)
@@ -222,7 +234,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     else:
         diag = mu
     # -- pass (ii): CG --
-    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI,
+    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI, PRECISE,
               BR, BC, BD)
     # -- pass (iii): output, eq. 16; δ = Σ_j of the very score numerators used (= ω − μ·ρ exactly) --
     rho_b = rho.to(q.dtype)
@@ -245,20 +257,27 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
 
 @triton.jit
 def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
-                 JACOBI: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+                 JACOBI: tl.constexpr, PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr,
+                 BD: tl.constexpr):
     o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
         k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
         v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        c = (tl.dot(g, tl.trans(v)) * w * inv_d[:, None]).to(k.dtype)
-        tau += tl.sum(c.to(tl.float32), 1)
-        ck += tl.dot(c, k)
-        if JACOBI:
+        c = tl.dot(g, tl.trans(v)) * w * inv_d[:, None]
+        if PRECISE:
+            kf = k.to(tl.float32)
+            wb = w
+        else:
+            c = c.to(k.dtype)
+            kf = k
             wb = w.to(k.dtype)
-            mut += tl.dot(wb, k)
-            ksq += tl.dot(wb, k * k)
+        tau += tl.sum(c.to(tl.float32), 1)
+        ck += tl.dot(c, kf)
+        if JACOBI:
+            mut += tl.dot(wb, kf)
+            ksq += tl.dot(wb, kf * kf)
     return tau, ck, mut, ksq
 
 
@@ -286,7 +305,7 @@ def _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, 
 def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA, DLAM,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                       T, HQ, scale, qk_scale, rtol2,
-                      D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr,
+                      D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
@@ -315,11 +334,11 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     mut = tl.zeros([BR, BD], tl.float32)
     ksq = tl.zeros([BR, BD], tl.float32)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
-                                     D, JACOBI, True, BC, BD)
+                                     D, JACOBI, PRECISE, True, BC, BD)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
-                                     T, D, JACOBI, False, BC, BD)
+                                     T, D, JACOBI, PRECISE, False, BC, BD)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
-                                     D, JACOBI, True, BC, BD)
+                                     D, JACOBI, PRECISE, True, BC, BD)
     rid = lam * om
     qf = q.to(tl.float32)
     y = ck - tau[:, None] * qf
@@ -327,7 +346,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
         diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
     else:
         diag = y
-    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI,
+    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI, PRECISE,
             BR, BC, BD)
     tl.store(U + p_o, u, mask=ok2)
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
@@ -417,6 +436,12 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
     tl.store(DV + p_k, dv, mask=ok2)
 
 
+PRECISE = False
+"""True: fp32 (TF32 on GPU) weights in the statistics GEMM and fp32 t in the Σ·p GEMM t@K (and c@K in the
+backward), the two roundings that dominate the error: ≈3× lower error (CPU fp16 measurement) for about
+half-rate on one of the three CG GEMMs. Read at call time; part of the autotune key."""
+
+
 # ----- tiles: autotuned per (D, G, CG_ITERS, JACOBI, dtypes), never per T -----
 
 def _cfg(br, bc, w, s=2):
@@ -427,7 +452,7 @@ def _cfg(br, bc, w, s=2):
 # Three configs per kernel keep the first call (compile + benchmark of 3 + 3 + 3 variants) near 15 s.
 FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 128, 8), _cfg(64, 64, 4)]
 KV_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 64, 4), _cfg(32, 64, 4)]  # BR = query tile, BC = key tile
-_KEY = ["D", "G", "CG_ITERS", "JACOBI"]
+_KEY = ["D", "G", "CG_ITERS", "JACOBI", "PRECISE"]
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_fwd_kernel)
 _bwd_q_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_bwd_q_kernel)
 _bwd_kv_tuned = triton.autotune(KV_CONFIGS, key=["D", "G"])(_lla_bwd_kv_kernel)
@@ -461,7 +486,7 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     block = None if block_r is None else (block_r, block_c)
     _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam), T, HQ, scale * LOG2E, rtol**2),
-            dict(D=D, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BD=BD))
+            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "BD": BD})
     return o, rho, delta, m, om
 
 
@@ -480,11 +505,11 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
              T, HQ, scale, scale * LOG2E, rtol**2),
-            dict(D=D, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BD=BD))
+            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "BD": BD})
     dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
     dv = torch.full_like(dk, float("nan"))
     _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
              T, HQ, HKV, scale, scale * LOG2E),
-            dict(D=D, G=HQ // HKV, BD=BD))
+            {"D": D, "G": HQ // HKV, "BD": BD})
     return dq, dk, dv, dlam
