@@ -3,8 +3,11 @@
 Paths: "fla" (fla-core 0.6.0 Triton kernels, where they import and are allowed: fla refuses the gated backward
 on Hopper with 3.4 <= Triton < 3.7.1, and this script reports that as "refused"), "fla_hopper" (fla's kernels
 with our dqkwg kernel in the backward, ``attention/ops/delta_rule/fla_hopper.py``), "chunk" (PyTorch WY/UT
-form under torch.compile), "chunk_eager" (same, not compiled; --eager), plus SDPA causal softmax as the
-reference row. Shape B4_T4096_H16_D128 in bf16 by default (the issue's target: GDN/KDA fwd+bwd <= 4 ms).
+form under torch.compile), "chunk_eager" (same, not compiled; --eager), "module" / "module-compiled" (the
+whole attention layer, ``attention/{deltanet,gdn,kda}.py`` with impl "auto", dim = H*D, projections and convs
+included; "module-compiled" is ``torch.compile(fullgraph=True)`` as torchtitan compiles blocks: with fla it runs
+the ``attnlab::delta_rule_*`` custom ops, no graph break; the note says which path "auto" took), plus SDPA causal
+softmax as the reference row. Shape B4_T4096_H16_D128 in bf16 by default (the issue's target: GDN/KDA fwd+bwd <= 4 ms).
 
 Rows are printed as soon as they are measured, fla rows first. The torch.compile'd "chunk" rows run in a child
 process killed after ``--budget`` seconds (compiling the unrolled chunk loop at T=4096 can take minutes);
@@ -13,6 +16,7 @@ such a row reads "timeout".
     python scripts/bench_linear.py --quick          # fewer repetitions
     python scripts/bench_linear.py --quick --mechs gdn kda --paths fla_hopper fla chunk --budget 30
     python scripts/bench_linear.py --device cpu --B 1 --T 256 --H 2 --D 32 --quick   # smoke test
+    python scripts/bench_linear.py --quick --mechs gdn --paths fla_hopper module module-compiled --no-sdpa
 
 TFLOP/s use the chunked-form FLOP count (per token and head: 4CK + C(K+V) + 6KV + 2CV forward,
 x3 for fwd+bwd), the same count as the modules' ``flops_per_token``.
@@ -68,7 +72,42 @@ def chunk_flops(B, T, H, K, V, C=64):
     return B * T * H * (4 * C * K + C * (K + V) + 6 * K * V + 2 * C * V)
 
 
+def bench_module(mech, path, a, dtype):
+    """The whole layer (impl "auto") eager or under torch.compile(fullgraph=True): (fwd ms, fwd+bwd ms, note)."""
+    import attention  # noqa: F401  (registers the mechanisms)
+    from attention.base import AttentionArgs, AttentionContext
+    from attention.ops.delta_rule import select_impl
+    from attention.registry import REGISTRY
+
+    dim = a.H * a.D
+    args = AttentionArgs(dim=dim, n_heads=a.H, n_kv_heads=a.H, head_dim=a.D, impl="auto")
+    spec = REGISTRY[mech]
+    m = spec.cls(args, spec.options()).to(a.device)
+    with torch.no_grad():
+        m.init_weights(0.02)
+    m = m.to(dtype)
+    x = torch.randn(a.B, a.T, dim, dtype=dtype, device=a.device, requires_grad=True)
+    ctx = AttentionContext(positions=torch.arange(a.T, device=a.device).expand(a.B, a.T))
+    note = "auto -> " + select_impl("auto", x, MECHS[mech] != "none", True)
+    fn = m
+    if path == "module-compiled":
+        torch._dynamo.utils.counters.clear()
+        fn = torch.compile(m, fullgraph=True)
+    dy = torch.randn(a.B, a.T, dim, dtype=dtype, device=a.device)
+
+    def run():
+        fn(x, ctx).backward(dy)
+
+    both = timeit(run, a.reps, a.warmup, a.device)  # first: compiles the training graph
+    with torch.no_grad():
+        fwd = timeit(lambda: fn(x, ctx), a.reps, a.warmup, a.device)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) if path == "module-compiled" else 0
+    return fwd, both, note + (f", {breaks} graph breaks" if breaks else "")
+
+
 def bench_mech(mech, path, a, dtype):
+    if path.startswith("module"):
+        return bench_module(mech, path, a, dtype)
     inputs = make_inputs(mech, a.B, a.T, a.H, a.D, dtype, a.device)
     gated = MECHS[mech] != "none"
     if path == "fla":
@@ -115,21 +154,22 @@ def bench_sdpa(a, dtype):
     return fwd, timeit(run, a.reps, a.warmup, a.device), ""
 
 
-PATH_ORDER = ["fla", "fla_hopper", "chunk", "chunk_eager"]
-HEADER = f"{'mechanism':<9} {'path':<11} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note"
+PATH_ORDER = ["fla", "fla_hopper", "chunk", "chunk_eager", "module", "module-compiled"]
+HEADER = f"{'mechanism':<9} {'path':<15} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note"
 
 
 def format_row(row, flops):
     mech, path, fwd, both, note = row
     fmt = lambda x: f"{x:9.2f}" if isinstance(x, float) else f"{x:>9}"  # noqa: E731
-    tf = f"{flops / fwd / 1e9:9.1f}" if isinstance(fwd, float) and mech != "softmax" else f"{'':>9}"
-    return f"{mech:<9} {path:<11} {fmt(fwd)} {fmt(both)} {tf}  {note}"
+    op_row = mech != "softmax" and not path.startswith("module")  # layer rows include the projections
+    tf = f"{flops / fwd / 1e9:9.1f}" if isinstance(fwd, float) and op_row else f"{'':>9}"
+    return f"{mech:<9} {path:<15} {fmt(fwd)} {fmt(both)} {tf}  {note}"
 
 
 def run_row(mech, path, a, dtype):
-    """One row; the compiled chunk path runs in a child process under the --budget time limit."""
+    """One row; compiled rows ("chunk", "module-compiled") run in a child process under the --budget limit."""
     try:
-        if path != "chunk" or a.budget <= 0:
+        if path not in ("chunk", "module-compiled") or a.budget <= 0:
             return (mech, path, *bench_mech(mech, path, a, dtype))
         cmd = [sys.executable, os.path.abspath(__file__), "--_row", mech, path] + a.argv
         # own process group, so the compile workers inductor forks are stopped with the child
