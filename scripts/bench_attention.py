@@ -1,7 +1,7 @@
 """Attention kernel benchmark: training fwd / fwd+bwd and decode (CUDA-graph replay) on one GPU.
 
     python scripts/bench_attention.py            # full tables (issue 8)
-    python scripts/bench_attention.py --quick    # T=4096 only, decode B∈{1,32} × L∈{4k,32k}
+    python scripts/bench_attention.py --quick    # T=4096 only, decode B∈{1,32} × L∈{1k,4k,32k}
     python scripts/bench_attention.py --json out.json
     python scripts/bench_attention.py --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
     python scripts/bench_attention.py --decode-only --quick   # decode table alone (fused vs two-launch merge)
@@ -466,7 +466,7 @@ def tune_report(workers: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="T=4096 only; decode B in {1, 32} x L in {4k, 32k}")
+    ap.add_argument("--quick", action="store_true", help="T=4096 only; decode B in {1, 32} x L in {1k, 4k, 32k}")
     ap.add_argument("--only", default="", help="comma-separated column names (default: all available)")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--json", default="", help="also write the raw numbers here")
@@ -478,6 +478,7 @@ def main() -> None:
                     help="compile processes for --tune-report (0: compile in the timing process)")
     ap.add_argument("--tune-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--decode-only", action="store_true", help="skip the training tables")
+    ap.add_argument("--decode-cells", default="", help="decode cells as BxL,BxL,... (e.g. 1x1024,1x4096)")
     args = ap.parse_args()
     if args.tune_worker:
         tune_worker(*map(int, args.tune_worker.split("/")))
@@ -507,10 +508,11 @@ def main() -> None:
     decode = {}
     if not args.no_decode:
         dnames = [n for n in DECODE if n != "fla-parallax" or "fla-parallax" in names]
-        Bs, Ls = ([1, 32], [4096, 32768]) if args.quick else ([1, 8, 32, 128], [1024, 4096, 16384, 32768])
-        for B in Bs:
-            for L in Ls:
-                decode[f"B{B}_L{L}"] = run_decode(B, L, dnames)
+        Bs, Ls = ([1, 32], [1024, 4096, 32768]) if args.quick else ([1, 8, 32, 128], [1024, 4096, 16384, 32768])
+        cells = [tuple(map(int, c.split("x"))) for c in args.decode_cells.split(",")] if args.decode_cells else [
+            (B, L) for B in Bs for L in Ls]
+        for B, L in cells:
+            decode[f"B{B}_L{L}"] = run_decode(B, L, dnames)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -9,6 +9,13 @@ Warm-up calls (autotuning, cuDNN plan selection) run before ``cudaProfilerStart`
 column runs inside the profiled region, so the report holds one launch per kernel and column. Shape: the issue's
 target cell B=4, 16 q / 8 kv heads, T=4096, D=128, bf16, causal (override with --T / --D).
 Without ncu the script still prints the per-kernel CUDA time from ``torch.profiler`` for the same region.
+
+    python scripts/profile_attention.py --spills --D 128 --kernels dq,dkv   # no GPU needed
+
+``--spills`` compiles every candidate config (short autotune list + ``common.TUNE_EXTRA_*``) for sm_90a offline
+and prints ptxas' registers, spill bytes and shared memory per config: a cheap first filter before timing with
+``scripts/bench_attention.py --tune-report`` (ptxas spill bytes are static; ncu's local-memory requests count
+the dynamic traffic).
 """
 
 from __future__ import annotations
@@ -23,6 +30,56 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.bench_attention import TRAIN  # noqa: E402
 
 
+def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
+    """Offline sm_90a compile of each candidate config; ptxas -v registers / spill stores / loads / smem."""
+    import re
+    import subprocess
+    import tempfile
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from attention.ops.parallax.kernels import bwd, common, fwd
+
+    kern = {"fwd": (fwd._parallax_fwd_kernel, common.FWD_SPECS + common.TUNE_EXTRA_FWD, ("BM", "BN")),
+            "dq": (bwd._parallax_bwd_dq_kernel, common.DQ_SPECS + common.TUNE_EXTRA_DQ, ("BM", "BN")),
+            "dkv": (bwd._parallax_bwd_dkv_kernel, common.DKV_SPECS + common.TUNE_EXTRA_DKV, ("BN", "BM"))}
+    ptxas = get_ptxas(90).path
+    base = dict(HQ=16, HKV=8, D=D, HAS_PROBE=probe, IS_VARLEN=False, WINDOW=False, DOT_PREC="tf32")
+    fp32 = {"LSE", "TBAR", "TAU", "BETA"}
+    lines = []
+    for name in kernels:
+        fn, specs, tiles = kern[name]
+        fn = fn.fn
+        for spec in dict.fromkeys(specs):
+            consts = dict(base, **{tiles[0]: spec[0], tiles[1]: spec[1]})
+            if name == "dkv":
+                consts["LONG_OFF"] = False
+            sig = {a: "constexpr" if a in consts else "fp32" if a in ("qk_scale", "scale") else
+                   "i32" if a in ("W", "T", "NT") else "*i32" if a == "CU" else
+                   "*fp32" if a in fp32 else f"*{dtype}" for a in fn.arg_names}
+            try:
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=spec[2], num_stages=spec[3]))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(k.asm["ptx"])
+                log = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                                     text=True).stderr
+                os.unlink(f.name)
+                regs, st, ld = (int(re.search(pat, log).group(1)) for pat in
+                                (r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
+                line = (f"{name:3s} D={D} {'parallax' if probe else 'softmax '} {spec}: regs {regs}  spill stores "
+                        f"{st} B  loads {ld} B  smem {k.metadata.shared // 1024} KB")
+            except Exception as e:  # noqa: BLE001 — report and go on (e.g. too much shared memory)
+                line = f"{name:3s} D={D} {spec}: {type(e).__name__}: {str(e)[:100]}"
+            print(line, flush=True)
+            lines.append(line)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=4096)
@@ -30,7 +87,13 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--columns", default="ours-parallax,ours-softmax,sdpa-cudnn")
     ap.add_argument("--torch-profiler", action="store_true", help="print torch.profiler kernel times instead")
+    ap.add_argument("--spills", action="store_true", help="offline ptxas register/spill report, no GPU needed")
+    ap.add_argument("--kernels", default="fwd,dq,dkv", help="for --spills")
+    ap.add_argument("--softmax", action="store_true", help="for --spills: no probe")
     a = ap.parse_args()
+    if a.spills:
+        spill_report(a.D, not a.softmax, a.kernels.split(","))
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(h):

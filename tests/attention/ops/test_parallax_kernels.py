@@ -155,12 +155,17 @@ MERGE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(MERGE_CASES), ids=list(MERGE_CASES))
-@pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_decode_merge_paths(case, merge):
+@pytest.mark.parametrize("merge", ["fused", "fused-chunk2", "kernel"])
+def test_decode_merge_paths(case, merge, monkeypatch):
     """Fused (last-arriver) and two-launch merges against float64; the counters are zero afterwards and a second
-    call gives the same output bit for bit (nothing left over from the first)."""
+    call gives the same output bit for bit (nothing left over from the first). fused-chunk2: the fused merge
+    loads 2 splits at a time (several online-merge chunks, the last one partly masked for odd split counts)."""
     HQ, HKV, TQ, splits, probe = MERGE_CASES[case]
     B, LMAX, D = 2, 90, 16
+    if merge == "fused-chunk2":
+        rows = max(2, 1 << ((HQ // HKV) * TQ - 1).bit_length())
+        monkeypatch.setattr(kops, "MERGE_TILE", 2 * rows * D)
+        merge = "fused"
     q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe)
     seqlens = torch.tensor([TQ + 4, 90], dtype=torch.int32)
     ref = decode_reference(q, k, v, seqlens, r)

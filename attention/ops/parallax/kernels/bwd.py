@@ -44,12 +44,11 @@ def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, lo,
                 vis = vis & (o_m[:, None] - o_n[None, :] < W)
             b_p = tl.where(vis, b_p, 0.0)
         b_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
-        if HAS_PROBE:
-            b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)
-            b_delta = b_a - beta[:, None]
-            b_g1 = b_p * (b_a - tau[:, None] + (tbar[:, None] - b_t) * b_delta)
-            b_g2 = -b_p * b_delta
+        if HAS_PROBE:  # g2 first, so δ and t die early; g1 = p (a − τ) + (t̄ − t) p δ = p (a − τ) − (t̄ − t) g2
+            b_g2 = b_p * (beta[:, None] - b_a)  # −p δ
             dr += tl.dot(b_g2.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+            b_dt = tbar[:, None] - tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)  # t̄_i − t_ij
+            b_g1 = b_p * (b_a - tau[:, None]) - b_dt * b_g2
         else:
             b_g1 = b_p * (b_a - tau[:, None])
         dq += tl.dot(b_g1.to(b_k.dtype), b_k, input_precision=DOT_PREC)
@@ -118,14 +117,18 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
 
 
 @triton.jit
-def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, lo, hi, L, W, NT, scale, qk_scale,
+def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L, W, scale, qk_scale,
                HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_PROBE: tl.constexpr,
-               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
+    """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
+    per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF."""
     o_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         o_m = start_m + tl.arange(0, BM)
-        off_q = (bos + o_m[:, None]) * (HQ * D) + i_h * D + o_d[None, :]  # [BM, D]
-        off_row = i_h.to(tl.int64) * NT + bos + o_m
+        if LONG_OFF:  # (longest document + BN)·HQ·D ≥ 2^31
+            o_m = o_m.to(tl.int64)
+        off_q = o_m[:, None] * (HQ * D) + o_d[None, :]  # [BM, D]
+        off_row = o_m
         if MASK:  # rows past the document end load as zeros and contribute nothing (dO = 0)
             row_ok = o_m < L
             b_q = tl.load(Q + off_q, mask=row_ok[:, None], other=0.0)
@@ -173,7 +176,7 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, 
 def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, scale, qk_scale, W, T, NT,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
     tl.static_assert(BN % BM == 0)
     i_n = tl.program_id(0)
     i_kh = tl.program_id(1)
@@ -199,11 +202,14 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
     G: tl.constexpr = HQ // HKV
     for g in range(G):  # the q heads of this kv head's group
         i_h = i_kh * G + g
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, start, a_hi, L, W, NT,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC)
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, b_lo, b_hi, L, W, NT,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, False, WINDOW, DOT_PREC)
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, bos, i_h, o_n, c_lo, end, L, W, NT,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC)
+        p_q, p_r, p_do = (Q + (bos * HQ + i_h) * D, R + (bos * HQ + i_h) * D, DO + (bos * HQ + i_h) * D)
+        off_row = i_h.to(tl.int64) * NT + bos
+        p_lse, p_tbar, p_tau, p_beta = LSE + off_row, TBAR + off_row, TAU + off_row, BETA + off_row
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, start, a_hi, L, W,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC, LONG_OFF)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, b_lo, b_hi, L, W,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, False, WINDOW, DOT_PREC, LONG_OFF)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, c_lo, end, L, W,
+                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC, LONG_OFF)
     tl.store(DK + off_kv, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + off_kv, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])

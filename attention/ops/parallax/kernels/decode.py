@@ -29,8 +29,10 @@ import triton.language as tl
 def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT, qk_scale, W, CHUNK,
                             B, LMAX, TQ: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                             BR: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr, WINDOW: tl.constexpr,
-                            SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Grid (S, B·HKV). CNT: int32 [≥ B·HKV] zeros, used only when SPLIT and FUSED_MERGE."""
+                            SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
+                            RR: tl.constexpr = 2, SC: tl.constexpr = 1):
+    """Grid (S, B·HKV). CNT: int32 [≥ B·HKV] zeros, used only when SPLIT and FUSED_MERGE (RR, SC: see
+    ``_merge_splits``)."""
     G: tl.constexpr = HQ // HKV
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -93,8 +95,7 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
             tl.debug_barrier()  # all threads' partial stores happen before the release below
             n_done = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel")  # old value: splits finished before this one
             if n_done == n_split - 1:  # last to finish: every other split's partials are visible
-                _merge_splits(O, PM, PD1, PD2, PO1, PO2, off_q, i_b, i_t, i_h, row_ok, n_split, B, TQ, HQ, D, BR,
-                              HAS_PROBE)
+                _merge_splits(O, PM, PD1, PD2, PO1, PO2, i_b, i_kh, n_split, B, TQ, HQ, HKV, D, RR, SC, HAS_PROBE)
                 tl.atomic_xchg(CNT + i_bh, 0)  # back to zero for the next call (graph replay)
     else:
         inv = 1.0 / tl.where(d1 > 0, d1, 1.0)
@@ -105,37 +106,49 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
 
 
 @triton.jit
-def _merge_splits(O, PM, PD1, PD2, PO1, PO2, off_q, i_b, i_t, i_h, row_ok, n_split, B, TQ: tl.constexpr,
-                  HQ: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, HAS_PROBE: tl.constexpr):
-    """Online merge of the n_split partials of BR query rows (fused path); writes o [BR, D] at off_q."""
+def _merge_splits(O, PM, PD1, PD2, PO1, PO2, i_b, i_kh, n_split, B, TQ: tl.constexpr, HQ: tl.constexpr,
+                  HKV: tl.constexpr, D: tl.constexpr, RR: tl.constexpr, SC: tl.constexpr, HAS_PROBE: tl.constexpr):
+    """Fused path: merge the n_split partials of the G·TQ query rows of (i_b, i_kh) and write o.
+
+    Loads SC splits at once ([SC, RR, D] tiles: one L2 round trip for up to SC splits, not one per split) and
+    merges chunks online with the main loop's rescaling. RR: G·TQ rounded up to a power of two.
+    """
+    G: tl.constexpr = HQ // HKV
+    o_r = tl.arange(0, RR)
+    row_ok = o_r < G * TQ
+    i_t = o_r % TQ
+    i_h = i_kh * G + o_r // TQ
     o_d = tl.arange(0, D)
-    m = tl.full([BR], float("-inf"), dtype=tl.float32)
-    d1 = tl.zeros([BR], dtype=tl.float32)
-    d2 = tl.zeros([BR], dtype=tl.float32)
-    o1 = tl.zeros([BR, D], dtype=tl.float32)
-    o2 = tl.zeros([BR, D], dtype=tl.float32)
-    for s in range(0, n_split):
-        off_p = ((s * B + i_b) * TQ + i_t).to(tl.int64) * HQ + i_h  # [BR]
-        off_o = off_p[:, None] * D + o_d[None, :]  # [BR, D]
-        # .cg: read at L2 (coherence point), never a stale L1 line
-        m_s = tl.load(PM + off_p, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # split with no visible key: weight 0, no NaN
-        alpha = tl.math.exp2(m - m_sub)
-        w = tl.math.exp2(m_s - m_sub)
-        d1 = d1 * alpha + w * tl.load(PD1 + off_p, mask=row_ok, other=0.0, cache_modifier=".cg")
-        o1 = o1 * alpha[:, None] + w[:, None] * tl.load(PO1 + off_o, mask=row_ok[:, None], other=0.0,
-                                                        cache_modifier=".cg")
+    o_c = tl.arange(0, SC)
+    m = tl.full([RR], float("-inf"), dtype=tl.float32)
+    d1 = tl.zeros([RR], dtype=tl.float32)
+    d2 = tl.zeros([RR], dtype=tl.float32)
+    o1 = tl.zeros([RR, D], dtype=tl.float32)
+    o2 = tl.zeros([RR, D], dtype=tl.float32)
+    for s0 in range(0, n_split, SC):
+        ok = ((s0 + o_c) < n_split)[:, None] & row_ok[None, :]  # [SC, RR]
+        off_p = (((s0 + o_c[:, None]) * B + i_b) * TQ + i_t[None, :]).to(tl.int64) * HQ + i_h[None, :]
+        off_o = off_p[:, :, None] * D + o_d[None, None, :]  # [SC, RR, D]
+        # .cg: read at L2 (the coherence point), never a stale L1 line
+        m_s = tl.load(PM + off_p, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(m_s, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: weights 0, no NaN
+        alpha = tl.math.exp2(m - m_sub)  # [RR]
+        w = tl.math.exp2(m_s - m_sub[None, :])  # [SC, RR]; 0 for masked / empty splits
+        d1 = d1 * alpha + tl.sum(w * tl.load(PD1 + off_p, mask=ok, other=0.0, cache_modifier=".cg"), 0)
+        p1 = tl.load(PO1 + off_o, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        o1 = o1 * alpha[:, None] + tl.sum(w[:, :, None] * p1, 0)
         if HAS_PROBE:
-            d2 = d2 * alpha + w * tl.load(PD2 + off_p, mask=row_ok, other=0.0, cache_modifier=".cg")
-            o2 = o2 * alpha[:, None] + w[:, None] * tl.load(PO2 + off_o, mask=row_ok[:, None], other=0.0,
-                                                            cache_modifier=".cg")
+            d2 = d2 * alpha + tl.sum(w * tl.load(PD2 + off_p, mask=ok, other=0.0, cache_modifier=".cg"), 0)
+            p2 = tl.load(PO2 + off_o, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            o2 = o2 * alpha[:, None] + tl.sum(w[:, :, None] * p2, 0)
         m = m_new
     inv = 1.0 / tl.where(d1 > 0, d1, 1.0)
     o = o1 * inv[:, None]
     if HAS_PROBE:
         o = o * (1.0 + d2 * inv)[:, None] - o2 * inv[:, None]
-    tl.store(O + off_q, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    off_out = ((i_b * TQ + i_t[:, None]).to(tl.int64) * HQ + i_h[:, None]) * D + o_d[None, :]  # [RR, D]
+    tl.store(O + off_out, o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

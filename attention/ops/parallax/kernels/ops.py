@@ -108,7 +108,8 @@ def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale,
     grid = lambda META: (triton.cdiv(Tmax, META["BN"]), HKV, NB)  # noqa: E731
     args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv,
             cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
-    _launch(_parallax_bwd_dkv_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+    long_off = (Tmax + 256) * q.shape[2] * q.shape[3] >= 2**31  # the column pass's per-document int32 offsets
+    _launch(_parallax_bwd_dkv_kernel, grid, args, dict(_meta(q, k, probe, varlen, W), LONG_OFF=long_off), config)
 
 
 @torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
@@ -185,6 +186,9 @@ DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "fused")
 """How decode merges its KV splits: "fused" (the last split program of a row merges, one launch) or "kernel"
 (a second merge launch). Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)`` overrides."""
 
+MERGE_TILE = 4096
+"""fp32 elements of one [splits, rows, D] partial tile the fused merge loads at once (64 KB per O tile)."""
+
 _COUNTERS: dict[tuple[str, int], Tensor] = {}
 
 
@@ -238,11 +242,14 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     else:
         pm = pd1 = pd2 = po1 = po2 = o
     fused = S > 1 and fused_merge
+    RR = max(2, triton.next_power_of_2((HQ // HKV) * TQ))  # rows of the fused merge
+    SC = min(triton.next_power_of_2(S), max(1, MERGE_TILE // (RR * D)))  # splits it loads at once
     cnt = decode_counters(q.device, B * HKV) if fused else cache_seqlens
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
-        FUSED_MERGE=fused, DOT_PREC=_dot_prec(q.dtype), num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        FUSED_MERGE=fused, RR=RR, SC=SC, DOT_PREC=_dot_prec(q.dtype),
+        num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1 and not fused:
         _parallax_decode_merge_kernel[(B * TQ * HQ,)](
