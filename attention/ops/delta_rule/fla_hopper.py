@@ -125,7 +125,7 @@ class _FlaHopperDeltaRule(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db.to(beta.dtype), dg, dh0, None, None, None, None
 
 
-@torch.compiler.disable  # like fla's own ops: a graph break under torch.compile (no custom_op wrapper yet)
+@torch.compiler.disable  # a graph break under torch.compile; delta_rule() goes through ops.py's custom ops instead
 def fla_hopper_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

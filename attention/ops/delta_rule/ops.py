@@ -12,7 +12,8 @@ dtypes for tracing. The forward saves only its inputs: the backward recomputes t
 
 Backends (``backend``), on CUDA:
 
-- "fla": fla-core 0.6.0's pipeline with fla's ``chunk_bwd_dqkwg`` (g None / [B, T, H]);
+- "fla": fla-core 0.6.0's pipeline with fla's ``chunk_bwd_dqkwg`` (g None / [B, T, H]; ours instead where fla
+  refuses its gated backward, so a backend picked for a no-grad trace cannot fail in the backward);
 - "fla_hopper": the same pipeline with our Hopper-safe ``dqkwg`` kernel (:mod:`fla_hopper`);
 - "chunk": the PyTorch chunk path (:func:`chunk.chunk_delta_rule`).
 
@@ -34,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from attention.linear_common import fla_gated_backward_ok
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 
 Tensor = torch.Tensor
@@ -122,7 +124,8 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
 
     q, k, v, beta, gf, h0f, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
     dqkwg = None
-    if backend == "fla":
+    if backend == "fla" and (gf is None or fla_gated_backward_ok(q.device)[0]):
+        # fla's own dqkwg; never where fla refuses it (gated, Hopper + Triton < 3.7.1): ours there
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg as dqkwg
     dht = None if dht is None else dht.float().contiguous()
     return _bwd(q, k, v, beta, gf, None, scale, h0f, do.contiguous(), dht, cu, ci, g_raw=gf, dqkwg=dqkwg)

@@ -131,9 +131,12 @@ def test_auto_under_compile_on_cpu_is_chunk():
 
 
 # ---------------------------------------------------------------- GPU
-def _gpu_backend(gated):
+def _gpu_backend(gated, impl="auto"):
     x = torch.empty(0, device="cuda")
-    path = select_impl("auto", x, gated, True)
+    try:
+        path = select_impl(impl, x, gated, True)
+    except RuntimeError as e:
+        pytest.skip(str(e))
     if path == "chunk":
         pytest.skip("fla-core cannot run here (auto -> chunk)")
     return path
@@ -142,25 +145,28 @@ def _gpu_backend(gated):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_op_matches_chunk_float32(gate, varlen):
-    backend = _gpu_backend(gate != "none")
+@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+def test_gpu_op_matches_chunk_float32(gate, varlen, impl):
+    backend = _gpu_backend(gate != "none", impl)
     B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 200, 4, 64, 64)
     cu = torch.tensor([0, 70, 229, 300], dtype=torch.int32, device="cuda") if varlen else None
     q, k, v, beta, g, h0 = _inputs(gate, B, T, H, K, V, dtype=torch.float32, device="cuda",
                                    n_state=3 if varlen else B)
-    leaves = lambda: [None if t is None else t.clone().requires_grad_(True) for t in (q, k, v, beta, g, h0)]  # noqa: E731
-    a, b = leaves(), leaves()
+    a = [None if t is None else t.clone().requires_grad_(True) for t in (q, k, v, beta, g, h0)]
+    b = [None if t is None else t.double().requires_grad_(True) for t in (q, k, v, beta, g, h0)]
     o, ht = delta_rule_op(*a[:5], None, a[5], True, cu, backend=backend)
-    o_ref, ht_ref = chunk_delta_rule(*b[:5], None, b[5], True, cu)
-    torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(ht, ht_ref, rtol=2e-3, atol=2e-3)
+    o_ref, ht_ref = chunk_delta_rule(*b[:5], None, b[5], True, cu)  # float64 on the GPU
+    assert o.dtype == torch.float32 and ht.dtype == torch.float32 and ht.shape == ht_ref.shape
+    rel = lambda x, y: ((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-6)).item()  # noqa: E731
+    assert rel(o, o_ref) < 5e-3, f"{backend} o: relative error {rel(o, o_ref):.2e}"
+    assert rel(ht, ht_ref) < 5e-3, f"{backend} final state: relative error {rel(ht, ht_ref):.2e}"
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     ((o * do).sum() + (ht * dht).sum()).backward()
-    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    ((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum()).backward()
     for name, x, y in zip("q k v beta g h0".split(), a, b):
         if x is not None:
-            err = (x.grad - y.grad).abs().max() / y.grad.abs().max().clamp_min(1e-6)
-            assert err < 5e-3, f"{backend} d{name}: relative error {err:.2e}"
+            assert x.grad.dtype == x.dtype
+            assert rel(x.grad, y.grad) < 1e-2, f"{backend} d{name}: relative error {rel(x.grad, y.grad):.2e}"
 
 
 @pytest.mark.gpu
