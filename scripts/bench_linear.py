@@ -16,7 +16,8 @@ such a row reads "timeout".
     python scripts/bench_linear.py --quick          # fewer repetitions
     python scripts/bench_linear.py --quick --mechs gdn kda --paths fla_hopper fla chunk --budget 30
     python scripts/bench_linear.py --device cpu --B 1 --T 256 --H 2 --D 32 --quick   # smoke test
-    python scripts/bench_linear.py --quick --mechs gdn --paths fla_hopper module module-compiled --no-sdpa
+    python scripts/bench_linear.py --quick --mechs gdn --paths fla fla_hopper module module-compiled --budget 0 --no-sdpa
+                                    # layer rows in-process (--budget 0): they reuse the fla rows' autotuning
 
 TFLOP/s use the chunked-form FLOP count (per token and head: 4CK + C(K+V) + 6KV + 2CV forward,
 x3 for fwd+bwd), the same count as the modules' ``flops_per_token``.

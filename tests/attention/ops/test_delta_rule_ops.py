@@ -130,6 +130,45 @@ def test_auto_under_compile_on_cpu_is_chunk():
     assert torch.equal(pick(x), x + 1)
 
 
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_module_compiled_through_op_matches_chunk(name, monkeypatch):
+    """The module path under torch.compile(fullgraph=True) when dispatch picks the op (as "auto" does on a GPU
+    with fla): forced here by making the resolver answer "fla" (the op's CPU kernel is the chunk path), packed
+    documents included; compared with the eager module on the chunk path."""
+    import attention  # noqa: F401
+    import attention.ops.delta_rule as dr
+    from attention.base import AttentionArgs, AttentionContext
+    from attention.registry import REGISTRY
+
+    torch._dynamo.reset()
+    spec = REGISTRY[name]
+    mods = []
+    for impl in ("auto", "chunk"):
+        torch.manual_seed(0)
+        m = spec.cls(AttentionArgs(dim=16, n_heads=2, n_kv_heads=2, head_dim=4, impl=impl),
+                     spec.options(chunk_size=8)).double()
+        with torch.no_grad():
+            m.init_weights(0.02)
+        mods.append(m)
+    calls = []
+    monkeypatch.setattr(dr, "_resolve", torch.compiler.assume_constant_result(
+        lambda *a: calls.append(a) or "fla"))
+    pos = torch.cat([torch.arange(7), torch.arange(12)]).expand(2, 19).contiguous()
+    ctx = AttentionContext.from_positions(pos, block_causal=True, rope_theta=1e6)
+    x = torch.randn(2, 19, 16, dtype=F64)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(mods[0], fullgraph=True, backend="aot_eager")
+    y = compiled(x, ctx)
+    y_ref = mods[1](x, ctx)
+    assert calls and not counters["graph_break"]
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    for (n, p), p_ref in zip(mods[0].named_parameters(), mods[1].parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-8, atol=1e-10, msg=n)
+
+
 # ---------------------------------------------------------------- GPU
 def _gpu_backend(gated, impl="auto"):
     x = torch.empty(0, device="cuda")
