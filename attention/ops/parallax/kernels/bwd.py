@@ -44,11 +44,12 @@ def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, lo,
                 vis = vis & (o_m[:, None] - o_n[None, :] < W)
             b_p = tl.where(vis, b_p, 0.0)
         b_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
-        if HAS_PROBE:  # g2 first, so δ and t die early; g1 = p (a − τ) + (t̄ − t) p δ = p (a − τ) − (t̄ − t) g2
-            b_g2 = b_p * (beta[:, None] - b_a)  # −p δ
+        if HAS_PROBE:
+            b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)
+            b_delta = b_a - beta[:, None]
+            b_g1 = b_p * (b_a - tau[:, None] + (tbar[:, None] - b_t) * b_delta)
+            b_g2 = -b_p * b_delta
             dr += tl.dot(b_g2.to(b_k.dtype), b_k, input_precision=DOT_PREC)
-            b_dt = tbar[:, None] - tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)  # t̄_i − t_ij
-            b_g1 = b_p * (b_a - tau[:, None]) - b_dt * b_g2
         else:
             b_g1 = b_p * (b_a - tau[:, None])
         dq += tl.dot(b_g1.to(b_k.dtype), b_k, input_precision=DOT_PREC)

@@ -248,7 +248,7 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
-        FUSED_MERGE=fused, RR=RR, SC=SC, DOT_PREC=_dot_prec(q.dtype),
+        FUSED_MERGE=fused, RR=RR, SC=SC, LONG_OFF=(LMAX + BN) * HKV * D >= 2**31, DOT_PREC=_dot_prec(q.dtype),
         num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1 and not fused:
