@@ -349,7 +349,7 @@ def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 40
 
 
 # ------------------------------------------------------------------ tune report
-TUNE_T, TUNE_DS, TUNE_B, TUNE_HQ, TUNE_HKV = 4096, (64, 128), 4, 16, 8
+TUNE_T, TUNE_DS, TUNE_B, TUNE_HQ, TUNE_HKV, TUNE_DEVICE, TUNE_DTYPE = 4096, (64, 128), 4, 16, 8, "cuda", torch.bfloat16
 
 
 def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
@@ -378,7 +378,7 @@ def _tune_tensors(D: int, probe: bool, real: bool = True) -> dict:
     """Inputs plus every buffer the three launches read or write. real: run the forward (and the row pass) at
     TUNE_FILL so lse, t̄, τ, β hold real values; the compile workers skip this (values don't matter there)."""
 
-    B, T, HQ, HKV, dev, dt = TUNE_B, TUNE_T, TUNE_HQ, TUNE_HKV, "cuda", torch.bfloat16
+    B, T, HQ, HKV, dev, dt = TUNE_B, TUNE_T, TUNE_HQ, TUNE_HKV, TUNE_DEVICE, TUNE_DTYPE
     g = torch.Generator(device=dev).manual_seed(0)
     q, do = (torch.randn(B, T, HQ, D, device=dev, dtype=dt, generator=g) for _ in range(2))
     k, v = (torch.randn(B, T, HKV, D, device=dev, dtype=dt, generator=g) for _ in range(2))
