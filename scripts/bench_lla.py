@@ -1,6 +1,7 @@
 """LLA (and affine family) benchmark against SDPA softmax attention on one GPU.
 
     python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1 LLA-8, 2 tiles
+    python scripts/bench_lla.py --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
     python scripts/bench_lla.py             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
     python scripts/bench_lla.py --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
 
@@ -72,7 +73,7 @@ def sdpa(q, k, v):
     return o.transpose(1, 2)
 
 
-def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise=False):
+def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise=False, scratch=False):
     lam = torch.full((16,), 0.1, device="cuda")
 
     def op(q, k, v):
@@ -80,6 +81,7 @@ def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise
 
         lla_ops.TRITON_VARIANT = variant
         v1.PRECISE = precise
+        v1.SCRATCH = scratch
         return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block)
     return op
 
@@ -109,13 +111,14 @@ def main():
     ap.add_argument("--variant", default="v0,v1", help="comma list of Triton kernel versions: v0 (first), v1")
     ap.add_argument("--iters", default=None, help="comma list of CG iteration counts (default 8 with --quick, "
                     "else 4,8,16); every count compiles (and autotunes) its own kernels")
-    ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x64,64x128 with "
-                    "--quick, else also 64x32,128x64)")
+    ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x32,64x64 with "
+                    "--quick (the autotune set: no extra compiles), else also 64x128,128x64)")
     ap.add_argument("--precise", action="store_true", help="also v1 with triton.PRECISE (fp32 Σ·p products)")
+    ap.add_argument("--scratch", action="store_true", help="also v1 with triton.SCRATCH (CG x, r in global memory)")
     args = ap.parse_args()
     variants = args.variant.split(",")
     iters = [int(i) for i in (args.iters or ("8" if args.quick else "4,8,16")).split(",")]
-    args.tiles = args.tiles or ("64x64,64x128" if args.quick else "64x32,64x64,64x128,128x64")
+    args.tiles = args.tiles or ("64x32,64x64" if args.quick else "64x32,64x64,64x128,128x64")
     tiles = [] if args.tiles == "none" else [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
     HQ, HKV, D, B = 16, 8, 128, 4
     rows = []
@@ -128,6 +131,8 @@ def main():
         cases = [(f"{var} LLA-{i}", lla_op(i, variant=var), True) for var in variants for i in iters]
         if "v1" in variants:
             cases += [(f"v1 LLA-8 tiles {b[0]}x{b[1]}", lla_op(8, block=b), False) for b in tiles]
+            if args.scratch:
+                cases += [(f"v1 LLA-{i} scratch", lla_op(i, scratch=True), True) for i in iters]
             if args.precise:
                 cases += [(f"v1 LLA-{i} precise", lla_op(i, precise=True), True) for i in iters]
         if not args.quick:

@@ -121,26 +121,41 @@ def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: 
 def _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
             PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Σ_i p_i (eq. 13, centred form) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
-    pf = p.to(tl.float32)
-    qp = tl.sum(q.to(tl.float32) * pf, 1)
+    qp = tl.sum(q.to(tl.float32) * p.to(tl.float32), 1)
     acc = tl.zeros([BR, BD], tl.float32)
     rs = tl.zeros([BR], tl.float32)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
-    return acc - rs[:, None] * q.to(tl.float32) + rid[:, None] * pf
+    return acc - rs[:, None] * q.to(tl.float32) + rid[:, None] * p.to(tl.float32)
 
 
 @triton.jit
-def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D: tl.constexpr,
-        CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-        BD: tl.constexpr):
+def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
+        D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+        SCRATCH: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, active mask of Algorithm 2. The direction p is kept
     in the operand dtype; x and r are updated with that same (rounded) p and its exact product Σp.
-    Solved for b/‖b‖ (CG is scale-equivariant) so p stays O(1) in bf16/fp16 whatever ω is."""
+    Solved for b/‖b‖ (CG is scale-equivariant) so p stays O(1) in bf16/fp16 whatever ω is.
+    SCRATCH: x and r live in global memory (X, RS at offsets p_o: this tile's own rows, L2-resident) between
+    iterations, so only p, q and the Σp accumulator are live during the key loop (no register spills)."""
     bn = tl.sqrt(tl.sum(b * b, 1))
     bn = tl.where(bn > 0, bn, 1.0)
     b = b / bn[:, None]
+    if SCRATCH:
+        x = _cg_scratch(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS,
+                        p_o, ok2, D, CG_ITERS, JACOBI, PRECISE, BR, BC, BD)
+    else:
+        x = _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
+                     D, CG_ITERS, JACOBI, PRECISE, BR, BC, BD)
+    return x * bn[:, None]
+
+
+@triton.jit
+def _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
+             D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+             BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """_cg with x and r in registers."""
     x = tl.zeros_like(b)
     r = b
     if JACOBI:
@@ -166,7 +181,46 @@ def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rto
         beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
         p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(q.dtype)
         rz = tl.where(active, rz_new, rz)
-    return x * bn[:, None]
+    return x
+
+
+@triton.jit
+def _cg_scratch(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
+                D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """_cg with x and r in global scratch (same iterates)."""
+    tl.store(X + p_o, tl.zeros_like(b), mask=ok2)
+    tl.store(RS + p_o, b, mask=ok2)
+    if JACOBI:
+        z0 = b / diag
+    else:
+        z0 = b
+    p = z0.to(q.dtype)
+    rz = tl.sum(b * z0, 1)
+    rr = tl.sum(b * b, 1)
+    thresh = rtol2 * rr
+    tl.debug_barrier()
+    for _ in range(CG_ITERS):
+        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
+        pf = p.to(tl.float32)
+        pap = tl.sum(pf * ap, 1)
+        active = (pap > 0) & (pap < float("inf")) & (rr > thresh)
+        alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
+        xi = tl.load(X + p_o, mask=ok2, other=0.0) + alpha[:, None] * pf
+        tl.store(X + p_o, xi, mask=ok2)
+        ri = tl.load(RS + p_o, mask=ok2, other=0.0) - alpha[:, None] * ap
+        tl.store(RS + p_o, ri, mask=ok2)
+        if JACOBI:
+            zi = ri / diag
+        else:
+            zi = ri
+        rz_new = tl.sum(ri * zi, 1)
+        rr = tl.sum(ri * ri, 1)
+        beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
+        p = tl.where(active[:, None], zi + beta[:, None] * pf, pf).to(q.dtype)
+        rz = tl.where(active, rz_new, rz)
+        tl.debug_barrier()  # scratch written above is read by other threads next iteration
+    return tl.load(X + p_o, mask=ok2, other=0.0)
 
 
 @triton.jit
@@ -207,6 +261,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                     T, HQ, qk_scale, rtol2,
                     D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                    SCRATCH: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
@@ -234,8 +289,10 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     else:
         diag = mu
     # -- pass (ii): CG --
-    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI, PRECISE,
-              BR, BC, BD)
+    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
+    ok2 = row_ok[:, None] & (o_d[None, :] < D)
+    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, RHO, O, p_o, ok2,
+              D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in RHO, r in O
     # -- pass (iii): output, eq. 16; δ = Σ_j of the very score numerators used (= ω − μ·ρ exactly) --
     rho_b = rho.to(q.dtype)
     rq = tl.sum(rho_b.to(tl.float32) * q.to(tl.float32), 1)
@@ -246,8 +303,6 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
     o = acc / den[:, None]
     st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics
-    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
-    ok2 = row_ok[:, None] & (o_d[None, :] < D)
     tl.store(O + p_o, o, mask=ok2)
     tl.store(RHO + p_o, rho, mask=ok2)
     tl.store(DELTA + st, den, mask=row_ok)
@@ -306,6 +361,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                       T, HQ, scale, qk_scale, rtol2,
                       D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                    SCRATCH: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     i_bh = tl.program_id(1)
     b, h = i_bh // HQ, i_bh % HQ
@@ -346,8 +402,9 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
         diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
     else:
         diag = y
-    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, D, CG_ITERS, JACOBI, PRECISE,
-            BR, BC, BD)
+    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, U, DQ, p_o, ok2,
+            D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in U, r in DQ
+    g = _rows(DO, o_r, o_d, s_qt, T, D, True).to(q.dtype)  # reloaded: not kept live through CG
     tl.store(U + p_o, u, mask=ok2)
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
     trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
@@ -442,6 +499,13 @@ backward), the two roundings that dominate the error: ≈3× lower error (CPU fp
 half-rate on one of the three CG GEMMs. Read at call time; part of the autotune key."""
 
 
+SCRATCH = False
+"""True: the CG vectors x and r of a query tile live in global memory (its own output rows, L2-resident)
+between iterations instead of registers. Off: an offline sm_90 compile (ptxas, no GPU) gave larger stack
+frames with it (forward (64, 64, 8 warps): 2360 vs 1224 bytes; bwd_q: 3536 vs 2376). Kept for A/B on a GPU.
+Read at call time; part of the autotune key."""
+
+
 # ----- tiles: autotuned per (D, G, CG_ITERS, JACOBI, dtypes), never per T -----
 
 def _cfg(br, bc, w, s=2):
@@ -449,10 +513,13 @@ def _cfg(br, bc, w, s=2):
 
 
 # BR = 64 rows keep the fp32 CG state (x, r, Σp: 3 × [64, 128] fp32) at 32 registers each with 8 warps.
-# Three configs per kernel keep the first call (compile + benchmark of 3 + 3 + 3 variants) near 15 s.
-FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 128, 8), _cfg(64, 64, 4)]
-KV_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 64, 4), _cfg(32, 64, 4)]  # BR = query tile, BC = key tile
-_KEY = ["D", "G", "CG_ITERS", "JACOBI", "PRECISE"]
+# Two configs per kernel (6 compiles on the first call). Offline sm_90 compiles (D = 128, 8 CG iterations;
+# registers / stack bytes): fwd (64, 64, 8w) 255 / 1224, (64, 32, 8w) 255 / 560, (64, 64, 4w) 255 / 3952,
+# (128, 64, 8w) 255 / 2064; bwd_q (64, 64, 8w) 255 / 2376; kv (64, 64, 8w) 255 / 1688, (64, 64, 4w) 255 / 3832.
+# v0 fwd (32, 32, 8w): 255 / 64 but mma.sync TF32 (no wgmma); every v1 config uses bf16 wgmma.
+FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 8)]
+KV_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 8)]  # BR = query tile, BC = key tile
+_KEY = ["D", "G", "CG_ITERS", "JACOBI", "PRECISE", "SCRATCH"]
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_fwd_kernel)
 _bwd_q_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_bwd_q_kernel)
 _bwd_kv_tuned = triton.autotune(KV_CONFIGS, key=["D", "G"])(_lla_bwd_kv_kernel)
@@ -486,7 +553,7 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     block = None if block_r is None else (block_r, block_c)
     _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam), T, HQ, scale * LOG2E, rtol**2),
-            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "BD": BD})
+            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
     return o, rho, delta, m, om
 
 
@@ -505,7 +572,7 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
              T, HQ, scale, scale * LOG2E, rtol**2),
-            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "BD": BD})
+            {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
     dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
     dv = torch.full_like(dk, float("nan"))
     _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,

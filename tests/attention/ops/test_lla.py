@@ -238,11 +238,15 @@ def test_triton_truncated_cg_matches_chunked():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_v1_split_key_loops_and_low_precision_operands(dtype):
+def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, monkeypatch):
     """v1 splits each query tile's key range into masked head / unmasked body / masked diagonal (and the kv
     kernel masks only where needed): T = 37 with 16-tiles and a document starting at 3 exercises all three.
     fp16 inputs run the low-precision-operand path (bf16 on GPU; the CPU interpreter mis-reads bf16 loads as
-    fp16, so bf16 itself can only be tested on a GPU) against float64 on the same rounded inputs."""
+    fp16, so bf16 itself can only be tested on a GPU) against float64 on the same rounded inputs.
+    The fp32 case runs CG with x, r in global scratch (triton.SCRATCH), the fp16 case in registers."""
+    import attention.ops.lla.triton as v1
+
+    monkeypatch.setattr(v1, "SCRATCH", dtype == torch.float32)
     B, T, HQ, HKV, D = 1, 37, 2, 1, 16
     cu = torch.tensor([0, 3, 37], dtype=torch.int32)
     q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
