@@ -342,7 +342,7 @@ def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, monkeypatch):
     ref = naive_lla(*xs, 1.0, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = lla_attention(*ys, 1.0, cu_seqlens=cu, impl="triton", cg_iters=24, block=(64, 64))
+    o = lla_attention(*ys, 1.0, cu_seqlens=cu, impl="triton", cg_iters=16, block=(64, 64))  # kernels shared
     o.backward(go.bfloat16())
     for s in (0, 7, 150):
         torch.testing.assert_close(o[0, s].float(), v[0, s].float().repeat_interleave(2, 0), rtol=2e-2, atol=2e-2)
@@ -364,7 +364,7 @@ def test_triton_gpu_memory_is_linear_in_T():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        lla_attention(q, k, v, 0.1, cg_iters=2, impl="triton", block=(64, 64)).sum().backward()
+        lla_attention(q, k, v, 0.1, cg_iters=16, impl="triton", block=(64, 64)).sum().backward()  # compiled above
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < 2.5 * peaks[0], peaks
