@@ -2,6 +2,7 @@
 
     python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1 LLA-8, 2 tiles
     python scripts/bench_lla.py --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
+    python scripts/bench_lla.py --ptxas 64x64x8,64x32x8 --variant v1   # no GPU: sm_90 registers / spills
     python scripts/bench_lla.py             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
     python scripts/bench_lla.py --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
 
@@ -28,6 +29,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +107,51 @@ def lla_error(op, q, k, v):
     return rel(out, ref), rel(out[:, 2 * D:], ref[:, 2 * D:])
 
 
+def ptxas_report(tiles, iters, variant):
+    """Compile the LLA kernels for sm_90 without a GPU (Triton's bundled ptxas) and print registers, stack
+    (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
+    import importlib
+    import inspect
+    import re
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod = importlib.import_module("attention.ops.lla.triton" + ("_v0" if variant == "v0" else ""))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False}
+    for name in os.environ.get("LLA_KERNELS", "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel").split(","):
+        fn = getattr(mod, name)
+        params = list(inspect.signature(fn.fn).parameters)
+        for br, bc, nw in tiles:
+            sig, cex = {}, {}
+            for i, n in enumerate(params):
+                if n in ("BR", "BC") or (n in const and not (variant == "v0" and n == "D")):
+                    sig[n] = "constexpr"
+                    cex[(i,)] = {"BR": br, "BC": bc}.get(n, const.get(n))
+                elif n in ("Q", "K", "V", "DO") and not (variant == "v0" and n == "DO"):
+                    sig[n] = "*bf16"
+                elif n in ("DS", "DE"):
+                    sig[n] = "*i32"
+                elif n.isupper() and n not in ("T", "HQ", "HKV", "D"):
+                    sig[n] = "*fp32"
+                else:
+                    sig[n] = "fp32" if n in ("scale", "qk_scale", "rtol2") else "i32"
+            t0 = time.time()
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cex), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": nw, "num_stages": 2})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            reg, stack = re.search(r"REG:(\d+) STACK:(\d+)", res).groups()
+            print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={reg} stack={stack}B "
+                  f"smem={k.metadata.shared}B wgmma={'wgmma.mma_async' in k.asm['ptx']}  compile {time.time() - t0:.1f}s",
+                  flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -115,7 +163,14 @@ def main():
                     "--quick (the autotune set: no extra compiles), else also 64x128,128x64)")
     ap.add_argument("--precise", action="store_true", help="also v1 with triton.PRECISE (fp32 Σ·p products)")
     ap.add_argument("--scratch", action="store_true", help="also v1 with triton.SCRATCH (CG x, r in global memory)")
+    ap.add_argument("--ptxas", default=None, help="no GPU needed: compile for sm_90 at tiles BRxBCxWARPS,... "
+                    "(e.g. 64x64x8,64x32x8) and print registers / spill stack / smem, then exit")
     args = ap.parse_args()
+    if args.ptxas:
+        for var in args.variant.split(","):
+            ptxas_report([tuple(int(x) for x in t.split("x")) for t in args.ptxas.split(",")],
+                         int((args.iters or "8").split(",")[0]), var)
+        return
     variants = args.variant.split(",")
     iters = [int(i) for i in (args.iters or ("8" if args.quick else "4,8,16")).split(",")]
     args.tiles = args.tiles or ("64x32,64x64" if args.quick else "64x32,64x64,64x128,128x64")

@@ -515,10 +515,12 @@ def _cfg(br, bc, w, s=2):
 # BR = 64 rows keep the fp32 CG state (x, r, Σp: 3 × [64, 128] fp32) at 32 registers each with 8 warps.
 # Two configs per kernel (6 compiles on the first call). Offline sm_90 compiles (D = 128, 8 CG iterations;
 # registers / stack bytes): fwd (64, 64, 8w) 255 / 1224, (64, 32, 8w) 255 / 560, (64, 64, 4w) 255 / 3952,
-# (128, 64, 8w) 255 / 2064; bwd_q (64, 64, 8w) 255 / 2376; kv (64, 64, 8w) 255 / 1688, (64, 64, 4w) 255 / 3832.
-# v0 fwd (32, 32, 8w): 255 / 64 but mma.sync TF32 (no wgmma); every v1 config uses bf16 wgmma.
+# (128, 64, 8w) 255 / 2064; bwd_q (64, 64, 8w) 255 / 2376, (64, 32, 8w) 255 / 1760; kv (64, 64, 8w) 255 / 1688,
+# (32, 64, 8w) 255 / 536, (64, 64, 4w) 255 / 3832, (64, 32, 8w) no wgmma (the key tile is the M dimension there).
+# v0 fwd (32, 32, 8w): 255 / 64 but mma.sync TF32 (no wgmma); the v1 configs below all use bf16 wgmma.
+# Re-check with `python scripts/bench_lla.py --ptxas 64x64x8,64x32x8` (no GPU needed).
 FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 8)]
-KV_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 8)]  # BR = query tile, BC = key tile
+KV_CONFIGS = [_cfg(64, 64, 8), _cfg(32, 64, 8)]  # BR = query tile, BC = key tile (BC >= 64 for wgmma)
 _KEY = ["D", "G", "CG_ITERS", "JACOBI", "PRECISE", "SCRATCH"]
 _fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_fwd_kernel)
 _bwd_q_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_bwd_q_kernel)
