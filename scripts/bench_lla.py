@@ -145,7 +145,7 @@ def ptxas_report(tiles, iters, variant):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(k.asm["cubin"])
                 f.flush()
-                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
             reg, stack = re.search(r"REG:(\d+) STACK:(\d+)", res).groups()
             print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={reg} stack={stack}B "
                   f"smem={k.metadata.shared}B wgmma={'wgmma.mma_async' in k.asm['ptx']}  compile {time.time() - t0:.1f}s",
