@@ -6,6 +6,7 @@ import torch
 
 import attention
 from attention.base import AttentionArgs, AttentionContext
+from attention.ops import parallax as parallax_ops
 from attention.ops.parallax.naive import naive_parallax
 
 
@@ -48,8 +49,8 @@ def test_naive_documents_and_window():
     torch.testing.assert_close(out[0, 6, 0], p @ v[0, 4:7, 0])
 
 
-def _module(name, **opts):
-    args = AttentionArgs(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, impl="reference")
+def _module(name, head_dim=8, **opts):
+    args = AttentionArgs(dim=32, n_heads=4, n_kv_heads=2, head_dim=head_dim, impl="reference")
     mech = attention.get_mechanism(name)
     m = mech.cls(args, mech.options(**opts)).double()
     with torch.no_grad():
@@ -116,12 +117,25 @@ def test_flops_parallax_twice_softmax():
     assert _module("softmax").flops_per_token(128) == 4 * 4 * 8 * 128
 
 
+def test_auto_falls_back_where_the_kernels_do_not_apply():
+    """impl="auto" takes the Triton kernels only on CUDA with a head dim/dtype they support (tiny test models
+    use head dim 8, below tl.dot's K >= 16); everything else runs the reference."""
+    from attention.ops.parallax import kernels
+
+    assert kernels.supports(torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16))
+    assert not kernels.supports(torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16))
+    assert not kernels.supports(torch.zeros(1, 1, 1, 64, dtype=torch.float64))
+    assert parallax_ops.resolve_impl("auto", torch.zeros(1, 1, 1, 64)) == "reference"  # CPU
+    with pytest.raises(ValueError, match="attention.impl"):
+        parallax_ops.resolve_impl("flash", torch.zeros(1, 1, 1, 64))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,window", [("softmax", 0), ("softmax", 5), ("parallax", 0)])
 def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
     """The CUDA fast paths (flash varlen / Triton) in bf16 are causal and document-masked like the float32
     oracle (the flash kernels take half precision only; bf16 budget as in the kernel tests)."""
-    m = _module(name, window_size=window).float().cuda()
+    m = _module(name, head_dim=16, window_size=window).float().cuda()  # the Triton kernels need D >= 16
     B, T = 2, 64
     x = torch.randn(B, T, 32, device="cuda")
     pos = torch.cat([torch.arange(20), torch.arange(44)]).expand(B, T).cuda()
@@ -131,5 +145,6 @@ def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
     expect = m.mix(q, k, v, r, ctx)  # impl "reference", float32
     m.args.impl = "auto"
     half = [t.bfloat16() if t is not None else None for t in (q, k, v, r)]
+    assert parallax_ops.resolve_impl("auto", half[0]) == "triton"
     got = m.mix(*half, ctx).float()
     torch.testing.assert_close(got, expect, rtol=4e-2, atol=4e-2)

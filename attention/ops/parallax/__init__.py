@@ -5,7 +5,8 @@ softmax attention when it is None. ``impl`` selects the implementation:
 
 - "reference": :func:`naive_parallax` (PyTorch, O(T²) memory, any device);
 - "triton":    the streaming Triton kernels (``attention/ops/parallax/kernels``) when present;
-- "auto":      Triton on CUDA when the kernels are available, else the reference.
+- "auto":      Triton on CUDA when the kernels are available and take the head dim and dtype, else the
+               reference (e.g. head dim 8 in tiny test models: ``tl.dot`` needs K ≥ 16).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ def _triton_impl():
     return None if k is None else k.parallax_triton
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, q: torch.Tensor) -> str:
+    """The implementation that runs for query ``q`` [B, T, HQ, D] (its device, head dim and dtype)."""
     if impl not in IMPLS:
         raise ValueError(f"attention.impl={impl!r} is not valid for softmax/parallax; choose from {list(IMPLS)}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and _triton_impl() is not None else "reference"
+        k = _kernels() if q.is_cuda else None
+        return "triton" if k is not None and k.supports(q) else "reference"
     if impl == "triton" and _triton_impl() is None:
         raise ValueError("attention.impl='triton' but the Triton kernels are not available in this build")
     return impl
@@ -54,7 +57,7 @@ def parallax_attention(
 ) -> torch.Tensor:
     """Causal softmax (r=None) or Parallax attention. Shapes as in :func:`naive_parallax`:
     q, r: [B, T, HQ, D]; k, v: [B, T, HKV, D]; returns [B, T, HQ, D]."""
-    if impl == "reference" or resolve_impl(impl, q.device) == "reference":
+    if resolve_impl(impl, q) == "reference":
         return naive_parallax(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size)
     return _triton_impl()(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                           window_size=window_size)
@@ -74,7 +77,7 @@ def parallax_decode(
     """Decode step against a KV cache that already holds the TQ new tokens (softmax when r is None).
     q, r: [B, TQ, HQ, D]; k_cache, v_cache: [B, LMAX, HKV, D]; cache_seqlens: [B] int32 valid tokens per row;
     returns [B, TQ, HQ, D]. The Triton path splits the cache length (CUDA-graph capturable)."""
-    if resolve_impl(impl, q.device) == "reference":
+    if resolve_impl(impl, q) == "reference":
         return naive_parallax_decode(q, k_cache, v_cache, cache_seqlens, r, scale=scale, window_size=window_size)
     return _kernels().parallax_decode_triton(q, k_cache, v_cache, cache_seqlens, r, scale=scale,
                                              window_size=window_size)

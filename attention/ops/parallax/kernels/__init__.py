@@ -25,6 +25,14 @@ __all__ = ["parallax_triton", "parallax_decode_triton", "parallax_fwd", "paralla
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether the kernels take this query's head dim and dtype (``impl="auto"`` falls back otherwise)."""
+    return q.shape[-1] in HEAD_DIMS and q.dtype in _DTYPES
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None) -> None:
     D = q.shape[-1]
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
@@ -32,7 +40,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | 
                          f"{tuple(v.shape)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
-    if D not in (16, 32, 64, 128, 256) or k.shape[-1] != D:
+    if D not in HEAD_DIMS or k.shape[-1] != D:
         raise ValueError(f"head dim {D} (k: {k.shape[-1]}) not supported by the Triton kernels; use 16, 32, 64, 128 "
                          f"or 256, or attention.impl='reference'")
     dtypes = {t.dtype for t in (q, k, v) + ((r,) if r is not None else ())}
@@ -90,9 +98,9 @@ def parallax_decode_triton(
 
     q, r: [B, TQ, HQ, D]; k_cache, v_cache: [B, LMAX, HKV, D]; cache_seqlens: [B] int32, valid tokens per
     row including the TQ new ones (query t sits at position cache_seqlens − TQ + t). num_splits: KV splits
-    (0: chosen from the static shapes, CUDA-graph safe). merge: how the splits are combined, "fused" (the
-    last split program merges, one launch) or "kernel" (a second launch); None: ``ops.DECODE_MERGE`` (env
-    ``PARALLAX_DECODE_MERGE``, default "fused"). Returns [B, TQ, HQ, D] in q's dtype.
+    (0: chosen from the static shapes, CUDA-graph safe). merge: how the splits are combined, "kernel" (a
+    second launch) or "fused" (the last split program merges, one launch); None: ``ops.DECODE_MERGE`` (env
+    ``PARALLAX_DECODE_MERGE``, default "kernel"). Returns [B, TQ, HQ, D] in q's dtype.
     """
     _check(q, k_cache, v_cache, r)
     merge = _ops.DECODE_MERGE if merge is None else merge

@@ -182,9 +182,11 @@ DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 MIN_KEYS_PER_SPLIT = 256
 WAVES = 1
 DECODE_MERGES = ("fused", "kernel")
-DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "fused")
-"""How decode merges its KV splits: "fused" (the last split program of a row merges, one launch) or "kernel"
-(a second merge launch). Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)`` overrides."""
+DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
+"""How decode merges its KV splits: "kernel" (a second merge launch; default) or "fused" (the last split program
+of a row merges, one launch). Measured on an H100 (2026-11-22, CUDA-graph replay, 16/8 heads, D=128): fused is
+1.06–1.24× *slower* at B ≤ 8 (B1 L1k 9.9 vs 8.6 µs; the last arriver's serial merge outlasts a launch) and equal
+at B ≥ 32, so it is not the default. Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)``."""
 
 MERGE_TILE = 4096
 """fp32 elements of one [splits, rows, D] partial tile the fused merge loads at once (64 KB per O tile)."""
