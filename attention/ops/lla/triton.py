@@ -250,8 +250,8 @@ def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
         k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
         v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        a_ = (w * (1 - (tl.dot(rho, tl.trans(k)) - rq[:, None]))).to(v.dtype)
-        acc += tl.dot(a_, v)
+        a_ = (w * (1 - (tl.dot(rho, tl.trans(k.to(rho.dtype))) - rq[:, None]))).to(rho.dtype)
+        acc += tl.dot(a_, v.to(rho.dtype))
         den += tl.sum(a_.to(tl.float32), 1)
     return acc, den
 
@@ -294,7 +294,10 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, RHO, O, p_o, ok2,
               D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in RHO, r in O
     # -- pass (iii): output, eq. 16; δ = Σ_j of the very score numerators used (= ω − μ·ρ exactly) --
-    rho_b = rho.to(q.dtype)
+    if PRECISE:  # fp32 ρ and scores: Σ_j a_j = δ ≪ Σ_j |a_j| on ill-conditioned rows, bf16 a_j lose o
+        rho_b = rho
+    else:
+        rho_b = rho.to(q.dtype)
     rq = tl.sum(rho_b.to(tl.float32) * q.to(tl.float32), 1)
     acc = tl.zeros([BR, BD], tl.float32)
     den = tl.zeros([BR], tl.float32)
@@ -494,9 +497,12 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
 
 
 PRECISE = False
-"""True: fp32 (TF32 on GPU) weights in the statistics GEMM and fp32 t in the Σ·p GEMM t@K (and c@K in the
-backward), the two roundings that dominate the error: ≈3× lower error (CPU fp16 measurement) for about
-half-rate on one of the three CG GEMMs. Read at call time; part of the autotune key."""
+"""True: fp32 (TF32 on GPU) weights in the statistics GEMM, fp32 t in the Σ·p GEMM t@K (and c@K in the
+backward), and fp32 ρ and scores a_j in the output pass (z·ρ and P@V). These roundings dominate the error:
+on ill-conditioned rows δ = Σ_j a_j ≪ Σ_j |a_j|, so bf16 a_j (relative 2⁻⁹) are amplified by Σ|a|/δ.
+CPU interpreter, bf16 (dots emulated exactly), T=200, D=64, λ=1, 16 CG, tiles (64, 64), o vs float64:
+default 9.5e-2, PRECISE 1.8e-3 (v0 fp32: 1.6e-3). The backward keeps bf16 operands (dv 1.5e-1 there).
+Read at call time; part of the autotune key."""
 
 
 SCRATCH = False
