@@ -6,6 +6,9 @@ import torch
 # Without a GPU, Triton kernels run on the CPU through the interpreter (at tiny shapes); with one, compiled.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Correctness needs one compiled tile per autotune key, not the fastest: without this the GPU tests spent minutes
+# autotuning on a cold machine (attention/ops/autotune.py). Benchmarks do not go through pytest.
+os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
 
 
 def pytest_collection_modifyitems(config, items):

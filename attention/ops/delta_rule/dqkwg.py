@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.ops.autotune import candidates
+
 __all__ = ["chunk_bwd_dqkwg", "chunk_indices_for"]
 
 
@@ -37,7 +39,7 @@ def _configs():
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter cannot benchmark configs
         return [triton.Config({}, num_warps=4, num_stages=2)]
     # fla keeps this kernel at 2 or 4 warps on Hopper; 4 configs keep the one-time autotune to a few seconds.
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3)]
+    return candidates([triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3)])
 
 
 @triton.heuristics({

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.ops.autotune import candidates
+
 LOG2E = 1.4426950408889634
 
 
@@ -528,9 +530,9 @@ def _cfg(br, bc, w, s=2):
 FWD_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 32, 8)]
 KV_CONFIGS = [_cfg(64, 64, 8), _cfg(32, 64, 8)]  # BR = query tile, BC = key tile (BC >= 64 for wgmma)
 _KEY = ["D", "G", "CG_ITERS", "JACOBI", "PRECISE", "SCRATCH"]
-_fwd_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_fwd_kernel)
-_bwd_q_tuned = triton.autotune(FWD_CONFIGS, key=_KEY)(_lla_bwd_q_kernel)
-_bwd_kv_tuned = triton.autotune(KV_CONFIGS, key=["D", "G"])(_lla_bwd_kv_kernel)
+_fwd_tuned = triton.autotune(candidates(FWD_CONFIGS), key=_KEY)(_lla_fwd_kernel)
+_bwd_q_tuned = triton.autotune(candidates(FWD_CONFIGS), key=_KEY)(_lla_bwd_q_kernel)
+_bwd_kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_lla_bwd_kv_kernel)
 
 
 def _launch(tuned, raw, grid_of, block, args, kwargs):

@@ -20,6 +20,8 @@ import os
 import triton
 import triton.language as tl
 
+from attention.ops.autotune import candidates
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -62,7 +64,7 @@ def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constex
 
 
 def _configs(spec, names):
-    return [triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in spec]
+    return candidates([triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in spec])
 
 
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
