@@ -102,14 +102,14 @@ def bench_train_step(args) -> float | None:
             model.init_weights()
         tok = torch.randint(0, margs.vocab_size, (args.batch, args.seq), device="cuda")
 
-        def step():
+        def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(tok)
             loss = out.float().logsumexp(-1).mean() if out.dim() == 3 else out
             loss.backward()
 
         ms = _time(step, max(3, args.iters // 2), warmup=2)
-        del model
+        del model, step
         torch.cuda.empty_cache()
         return ms
     except Exception as e:  # report and carry on: the optimizer numbers stand alone

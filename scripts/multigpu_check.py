@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"resume {a}->{b} procs at step {half} vs {b} procs", f"{half + 1}-{args.steps}",
                      max_delta(curves[b], got, resumed)))
 
-    print(f"\nloss curves (1 proc): " + " ".join(f"{ref[s]:.4f}" for s in sorted(ref)))
+    print("\nloss curves (1 proc): " + " ".join(f"{ref[s]:.4f}" for s in sorted(ref)))
     print(f"{'check':48s} {'steps':>7s} {'max|dloss|':>11s} {'tol':>8s}  result")
     failed = 0
     for what, steps, d in rows:
