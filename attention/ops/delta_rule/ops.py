@@ -100,8 +100,7 @@ def _fla_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
     from attention.ops.delta_rule.fla_hopper import _fwd
 
     q, k, v, beta, g, h0, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
-    o, ht, _, _ = _fwd(q, k, v, beta, g, scale, h0, output_final_state, cu, ci)
-    return o, ht
+    return _fwd(q, k, v, beta, g, scale, h0, output_final_state, cu, ci)
 
 
 def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
@@ -128,7 +127,7 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
         # fla's own dqkwg; never where fla refuses it (gated, Hopper + Triton < 3.7.1): ours there
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg as dqkwg
     dht = None if dht is None else dht.float().contiguous()
-    return _bwd(q, k, v, beta, gf, None, scale, h0f, do.contiguous(), dht, cu, ci, g_raw=gf, dqkwg=dqkwg)
+    return _bwd(q, k, v, beta, gf, scale, h0f, do.contiguous(), dht, cu, ci, dqkwg=dqkwg)
 
 
 # ---------------------------------------------------------------- forward op
