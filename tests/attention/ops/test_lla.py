@@ -394,15 +394,16 @@ def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkey
 @pytest.mark.parametrize("variant", ["v1", "v0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128])
-def test_triton_gpu_matches_chunked(D, dtype, variant, monkeypatch):
+def test_triton_gpu_matches_chunked(D, dtype, variant, monkeypatch, request):
     """GQA + varlen at T = 1000 against the float64 chunked path on the same (rounded) inputs, with the same
     16 CG iterations, in the well-conditioned regime λ = 1 (converged solve; see
     test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged: at λ = 0.1, D = 128 the chunked
     path itself moves by 0.3 (o) / 2 (dλ) under TF32 rounding, so that comparison is ill-posed).
     Tolerances: 5x the CPU-emulated TF32 sensitivity at these shapes (o/dq/dk/dv ≤ 4e-3, dλ ≤ 1.2e-2)."""
-    if variant == "v1" and dtype == torch.bfloat16:
-        pytest.xfail("v1 (experimental, not the default) in bf16: bf16 operands amplified by sum|a|/delta; "
-                     "o rel. error 1.1e-1 at λ = 1, T = 300 on an H100 (see TRITON_VARIANT)")
+    if variant == "v1" and dtype == torch.bfloat16:  # runs, reported as xfail / xpass
+        request.applymarker(pytest.mark.xfail(
+            reason="v1 (experimental, not the default) in bf16: bf16 operands amplified by sum|a|/delta; "
+                   "o rel. error 1.1e-1 at λ = 1, T = 300 on an H100 (see TRITON_VARIANT)", strict=False))
     import attention.ops.lla as lla_ops
 
     monkeypatch.setattr(lla_ops, "TRITON_VARIANT", variant)
