@@ -40,3 +40,15 @@ def median_ms(fn, rep: int = 20, warmup: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
+    """torch.profiler table of the GPU kernels run by ``calls`` calls of ``fn`` (already warm), by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)

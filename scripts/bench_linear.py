@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm  # noqa: E402
 from attention.ops.delta_rule import chunk_delta_rule  # noqa: E402
-from scripts.bench_common import timeit  # noqa: E402
+from scripts.bench_common import kernel_table, timeit  # noqa: E402
 
 MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel"}
 
@@ -140,6 +140,8 @@ def bench_mech(mech, path, a, dtype):
             both, note = "refused", str(e).splitlines()[0][:60]
     else:
         both, note = "refused", bwd_why[:60]
+    if a.profile and isinstance(both, float):
+        print(f"# kernels of 3 fwd+bwd calls, {mech} {path}\n{kernel_table(fwd_bwd(op, inputs, do))}", flush=True)
     return fwd, both, note
 
 
@@ -204,6 +206,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="3 warmup + 5 timed repetitions (default 5 + 20)")
     p.add_argument("--budget", type=float, default=40.0,
                    help="seconds allowed per compiled 'chunk' row (compile + timing, child process); 0 = in-process")
+    p.add_argument("--profile", action="store_true",
+                   help="after each timed op row (in-process rows only), print its torch.profiler kernel table")
     p.add_argument("--no-sdpa", action="store_true", help="skip the softmax (SDPA) reference row")
     p.add_argument("--_row", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -118,13 +118,9 @@ def main() -> None:
         calls[name] = step
     torch.cuda.synchronize()
     if a.torch_profiler:
-        from torch.profiler import ProfilerActivity, profile
+        from scripts.bench_common import kernel_table
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for step in calls.values():
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        print(kernel_table(lambda: [step() for step in calls.values()], calls=1, rows=25))
         return
     torch.cuda.cudart().cudaProfilerStart()
     for name, step in calls.items():
