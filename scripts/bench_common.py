@@ -52,3 +52,23 @@ def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
             fn()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def python_profile(fn, calls: int = 3, rows: int = 15) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (no device sync inside): the Python-side cost of launching them,
+    by own time — shows where a CPU-bound (launch-bound) op spends its time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # CUDA backward on this thread, where cProfile looks
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()

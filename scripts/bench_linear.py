@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm  # noqa: E402
 from attention.ops.delta_rule import chunk_delta_rule  # noqa: E402
-from scripts.bench_common import kernel_table, timeit  # noqa: E402
+from scripts.bench_common import kernel_table, python_profile, timeit  # noqa: E402
 
 MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel"}
 
@@ -141,7 +141,9 @@ def bench_mech(mech, path, a, dtype):
     else:
         both, note = "refused", bwd_why[:60]
     if a.profile and isinstance(both, float):
-        print(f"# kernels of 3 fwd+bwd calls, {mech} {path}\n{kernel_table(fwd_bwd(op, inputs, do))}", flush=True)
+        run = fwd_bwd(op, inputs, do)
+        print(f"# kernels of 3 fwd+bwd calls, {mech} {path}\n{kernel_table(run)}", flush=True)
+        print(f"# Python side of 3 fwd+bwd calls, {mech} {path}\n{python_profile(run)}", flush=True)
     return fwd, both, note
 
 

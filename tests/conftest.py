@@ -9,6 +9,10 @@ if not torch.cuda.is_available():
 # Correctness needs one compiled tile per autotune key, not the fastest: without this the GPU tests spent minutes
 # autotuning on a cold machine (attention/ops/autotune.py). Benchmarks do not go through pytest.
 os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
+if torch.cuda.is_available():  # the same for fla-core's kernels (imported later, inside the tests)
+    from attention.ops.autotune import first_config_for_fla
+
+    first_config_for_fla()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,3 +19,33 @@ def candidates(configs: list) -> list:
     if mode not in MODES:
         raise ValueError(f"ATTNLAB_AUTOTUNE={mode!r}; choose from {list(MODES)}")
     return list(configs[:1]) if mode == "first" else list(configs)
+
+
+def first_config_for_fla() -> None:
+    """Under ``ATTNLAB_AUTOTUNE=first``, fla-core kernels decorated after this call keep only their first config.
+
+    fla autotunes every kernel over its full list at every new key (a cold GDN fwd+bwd spent ~100 s on an H100;
+    the delta-rule GPU tests, with several head dims and varlen, ran out of a 300 s limit). Call before fla is
+    imported (``tests/conftest.py`` does). Our own kernels go through :func:`candidates` instead.
+    """
+    import functools
+    import sys
+
+    import triton
+
+    if os.environ.get("ATTNLAB_AUTOTUNE", "all") != "first" or getattr(triton.autotune, "_attnlab_first", False):
+        return
+    original = triton.autotune
+
+    @functools.wraps(original)  # keeps the signature fla inspects (cache_results support)
+    def autotune(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.split(".")[0] == "fla":
+            if args:
+                args = (list(args[0])[:1], *args[1:])
+            elif "configs" in kwargs:
+                kwargs["configs"] = list(kwargs["configs"])[:1]
+        return original(*args, **kwargs)
+
+    autotune._attnlab_first = True
+    triton.autotune = autotune
