@@ -79,6 +79,9 @@ FLAVORS: dict[str, ModelArgs] = {
     # ~45M parameters, 8k vocabulary: the small-scale replication model (scripts/replicate.py).
     "repl-45M": _flavor(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536,
                         vocab_size=8192, max_seq_len=512),
+    # ~68M parameters (softmax; Parallax adds W_R, +4.9M): inside the 50-150M range, same vocabulary.
+    "repl-68M": _flavor(dim=640, n_layers=12, n_heads=10, n_kv_heads=5, head_dim=64, hidden_dim=2048,
+                        vocab_size=8192, max_seq_len=512),
     "0.6B": _flavor(**_06),
     "0.6B-T24": _flavor(**{**_06, "n_heads": 24}),  # Transformer†: param-matched through more q heads
     "0.6B-P64": _flavor(**{**_06, "head_dim": 64, "hidden_dim": 4480}),  # Parallax†: compute-matched

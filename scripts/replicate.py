@@ -1,7 +1,7 @@
-"""Small-scale replication of the Parallax paper's direction (issue 7): equal-token runs of a ~45M model.
+"""Small-scale replication of the Parallax paper's direction (issue 7): equal-token runs of a ~68M model.
 
     python scripts/replicate.py --corpus DIR --out DIR [--budget-s 520] [--runs all]
-        [--steps 300 --batch 64 --seq-len 1024 --flavor repl-45M] [--val-tokens 262144] [--no-analyze]
+        [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
 
 Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
 
@@ -9,7 +9,7 @@ Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
 |-------------------|----------|----------------------------------------------------------|
 | softmax_muon      | softmax  | Muon lr 5e-3 wd 0.1, WSD (decay last 20 %)               |
 | parallax_muon     | parallax | same                                                     |
-| softmax_adamw     | softmax  | AdamW lr 3e-3 wd 0.1 β (0.9, 0.95), WSD                   |
+| softmax_adamw     | softmax  | AdamW lr 1e-3 wd 0.1 β (0.9, 0.95), WSD                   |
 | parallax_adamw    | parallax | same                                                     |
 | parallax_muon_wd2 | parallax | Muon + weight-decay annealing γ = 2 (eq. 42)              |
 | converted         | parallax | softmax_muon's checkpoint → Parallax with W_R = 0 (scripts/convert_to_parallax.py), fine-tuned steps/4 more |
@@ -17,7 +17,7 @@ Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
 
 Pipeline: a BPE tokenizer (``--vocab`` tokens) is trained on the first ``--tokenizer-docs`` documents of
 ``train-00.jsonl.gz`` (cached in ``<out>/tokenizer``; ``--tokenizer DIR`` reuses one); every run trains through
-``train.py`` in its own process (base config ``configs/replication/repl45m_base.toml``, bf16 autocast, compiled
+``train.py`` in its own process (base config ``configs/replication/repl_base.toml``, bf16 autocast, compiled
 on CUDA, one data-loader worker) on all ``train-*.jsonl.gz`` of ``--corpus`` and validates on the first
 ``--val-tokens`` tokens of ``val.jsonl.gz`` (full batches only) at its last step. Softmax/Parallax runs are
 analysed with ``scripts/analyze.py`` in the background while the next run trains; checkpoints are deleted
@@ -34,8 +34,9 @@ calibrated once more (warm cache) and every fixed cost is scaled by its warm/col
 value for which 2 softmax runs, 3 Parallax runs, the converted fine-tune (steps/4) and one more Parallax-sized
 slot for GDN fit in the time left. GDN runs last and gets ``min(steps, what fits in the remaining time)``: equal
 tokens if it is fast enough or the fixed costs were overestimated,
-fewer otherwise (the table says so). AdamW lr: the paper's 3e-4 is for 0.6B/20k steps; a short run of a 45M
-model needs a larger one.
+fewer otherwise (the table says so). AdamW lr: the paper's 3e-4 is for 0.6B/20k steps; a short run of a ~68M
+model needs a larger one (3e-3 with no warmup was unstable in the 2026-11-22 runs: softmax val ppl 483 vs 91
+under Muon; benchmarks/RESULTS.md), hence 1e-3.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-BASE = os.path.join(REPO, "configs", "replication", "repl45m_base.toml")
+BASE = os.path.join(REPO, "configs", "replication", "repl_base.toml")
 
-ADAMW = ["--optimizer.name", "adamw", "--optimizer.lr", "3e-3", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
+ADAMW = ["--optimizer.name", "adamw", "--optimizer.lr", "1e-3", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
          "--optimizer.eps", "1e-8"]
 RUNS: dict[str, list[str]] = {  # in run order: converted needs softmax_muon; gdn_muon takes what time is left
     "softmax_muon": ["--model.attention", "softmax"],
@@ -204,11 +205,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=100000, help="cap on the budgeted steps")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--flavor", default="repl-45M")
+    ap.add_argument("--flavor", default="repl-68M")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokenizer", default="", help="reuse this tokenizer folder instead of training one")
     ap.add_argument("--tokenizer-docs", type=int, default=5000)
-    ap.add_argument("--val-tokens", type=int, default=262144,
+    ap.add_argument("--val-tokens", type=int, default=0,
                     help="validation tokens, rounded down to full batches (0 = the whole val file)")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto = on CUDA)")
     ap.add_argument("--workers", type=int, default=1, help="data-loader worker processes (tokenization)")

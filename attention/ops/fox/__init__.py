@@ -62,8 +62,12 @@ def flex_forgetting_attn(q, k, v, g, scale=None, cu_seqlens=None):
         def mask_mod(b, h, qi, ki):
             return qi >= ki
 
+    # two tensors, each indexed once: inductor's flex backward cannot lower a gradient for a captured tensor
+    # indexed twice in score_mod (torch 2.11: "multiple indexing operations on the same tensor")
+    cq, ck = c, c.clone()
+
     def score_mod(s, b, h, qi, ki):
-        return s + c[b, h, qi] - c[b, h, ki]
+        return s + cq[b, h, qi] - ck[b, h, ki]
 
     bm = create_block_mask(mask_mod, B, None, T, T, device=q.device)
     o = _flex_compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
