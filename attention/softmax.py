@@ -4,7 +4,8 @@ Parameter names follow torchtitan's Qwen3 (``wq wk wv wo q_norm k_norm``) so its
 adapter applies unchanged. Kernels (``[attention] impl``):
 
 - "auto": SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA torch's
-  ``varlen_attn``; on CPU a boolean-masked SDPA (exact, O(T²) memory);
+  ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``scripts/analyze.py``), a boolean-masked SDPA
+  (exact, O(T²) memory);
 - "sdpa": always SDPA with an explicit mask when documents or a window are present;
 - "triton": the project's streaming kernel (``attention/ops/parallax``, probe off);
 - "reference": the float32 PyTorch oracle ``naive_parallax``.
@@ -46,6 +47,9 @@ def _sdpa(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> t
         mask = visibility_mask(B, T, q.device, ctx.cu_seqlens, window)
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # varlen_attn's flash kernel; float32 takes the masked SDPA
 
 
 @functools.cache
@@ -105,7 +109,7 @@ class SoftmaxAttention(QKVAttentionBase):
         window = self.opts.window_size or None
         impl = self.args.impl
         if r is None and impl in ("auto", "sdpa"):
-            if impl == "auto" and q.is_cuda and ctx.cu_seqlens is not None:
+            if impl == "auto" and q.is_cuda and ctx.cu_seqlens is not None and q.dtype in _FLASH_DTYPES:
                 if not window or "window_size" in _varlen_params():
                     return _varlen(q, k, v, ctx, window, self.scale)
             else:

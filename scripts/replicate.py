@@ -20,7 +20,7 @@ Pipeline: a BPE tokenizer (``--vocab`` tokens) is trained on the first ``--token
 ``train.py`` in its own process (base config ``configs/replication/repl_base.toml``, bf16 autocast, compiled
 on CUDA, one data-loader worker) on all ``train-*.jsonl.gz`` of ``--corpus`` and validates on the first
 ``--val-tokens`` tokens of ``val.jsonl.gz`` (full batches only) at its last step. Softmax/Parallax runs are
-analysed with ``scripts/analyze.py`` in the background while the next run trains; checkpoints are deleted
+analysed with ``scripts/analyze.py`` (on the CPU) in the background while the next run trains; checkpoints are deleted
 afterwards (``--keep-checkpoints`` keeps them) so ``<out>`` stays small. A failed run is reported in the table and
 does not stop the others. Outputs, all under ``<out>``: ``summary.json``, ``table.txt`` (also printed last),
 ``ppl.png`` (perplexity curves of all runs), ``diagnostics_by_layer.png`` (COR/CPA/entropy/sink per layer of
@@ -377,7 +377,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f.write(str(e))
         if row["ok"] and not args.no_analyze and any(m in name for m in ANALYZED):
             proc = _spawn([sys.executable, os.path.join(REPO, "scripts", "analyze.py"), dump, "--data", val_file,
-                           "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024))],
+                           "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024)),
+                           # CPU: the per-head float64 eigh/SVD diagnostics ran > 4 min on the H100 next to a
+                           # training run (cusolver, small matrices), ~1 min on 2 CPU cores
+                           "--device", "cpu"],
                           os.path.join(dump, "analyze.log"))
             background.append((row, dump, proc))
         print(json.dumps(row), flush=True)

@@ -148,3 +148,5 @@ def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
     assert parallax_ops.resolve_impl("auto", half[0]) == "triton"
     got = m.mix(*half, ctx).float()
     torch.testing.assert_close(got, expect, rtol=4e-2, atol=4e-2)
+    if name == "softmax":  # float32 on CUDA (scripts/analyze.py) must not reach the half-only flash varlen kernel
+        torch.testing.assert_close(m.mix(q, k, v, r, ctx), expect, rtol=2e-3, atol=2e-3)
