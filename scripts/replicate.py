@@ -166,8 +166,11 @@ def _run(cmd: list[str], log: str, timeout: float) -> tuple[bool, float]:
 
 
 def _spawn(cmd: list[str], log: str) -> subprocess.Popen:
-    """A background job (analysis, conversion) writing to ``log``."""
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    """A background job (analysis, conversion) writing to ``log``, on at most 4 CPU threads: with one OpenMP
+    thread per core it starved the training run beside it (H100 node, 16 cores: 365k -> 160k tokens/s) and
+    itself (no analysis finished in 450 s; 45 s alone on 2 cores)."""
+    env = {**_env(), "OMP_NUM_THREADS": "4"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def _wait(proc: subprocess.Popen | None, timeout: float) -> bool:
