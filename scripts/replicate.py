@@ -450,8 +450,12 @@ def plot_diagnostics(out: str, names: list[str]) -> str | None:
         ax.set_title(key)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    labelled = {}  # one legend for all panels: softmax runs have no COR/CPA, so axes[0] alone can miss them
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.legend(list(labelled.values()), list(labelled), loc="center right", fontsize=7)
     path = os.path.join(out, "diagnostics_by_layer.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
