@@ -261,62 +261,36 @@ class Muon(torch.optim.Optimizer):
 
     def _owner_orthogonalize(self, jobs, pg) -> list[tuple[Tensor, float]]:
         """Row-sharded (Shard(0)) matrices: each is assembled on one owner rank, orthogonalised there (batched
-        with the owner's other matrices of its shape) and its rows sent back — two all-to-alls per NS dtype.
+        with the owner's other matrices of its shape) and its rows sent back.
 
         Owners go round-robin within each shape (largest shapes first), so every rank gets an equal share of
-        every shape and the batched NS calls stay balanced.
+        every shape and the batched NS calls stay balanced. The exchange is pipelined per (NS dtype, shape)
+        bucket: the rows of bucket k+1 travel to their owners (async all-to-all) while bucket k is
+        orthogonalised, and bucket k's rows travel back while bucket k+1 is — on NCCL the all-to-alls run on
+        the communication stream, overlapped with the Newton–Schulz GEMMs.
         """
         ws = dist.get_world_size(pg)
         by_shape: dict[tuple, list[int]] = {}
         for i, (p, _, _) in enumerate(jobs):
             by_shape.setdefault(tuple(p.shape), []).append(i)
         owner, k = {}, 0
+        buckets: dict[tuple, list[int]] = {}  # (NS dtype, shape) -> job indices, the same order on every rank
         for shape in sorted(by_shape, key=lambda s: (-s[0] * s[1], s)):
             for i in by_shape[shape]:
                 owner[i], k = k % ws, k + 1
+                buckets.setdefault((NS_DTYPES[jobs[i][1]["ns_dtype"]], shape), []).append(i)
+        exchanges = [_Exchange([jobs[i] for i in idx], [owner[i] for i in idx], dtype, pg)
+                     for (dtype, _), idx in buckets.items()]
+        if exchanges:
+            exchanges[0].start_gather()
+        for n, ex in enumerate(exchanges):
+            if n + 1 < len(exchanges):
+                exchanges[n + 1].start_gather()  # in flight while this bucket is orthogonalised
+            ex.start_scatter(self._orthogonalize_many(ex.assembled()))
         results: list = [None] * len(jobs)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, (_, g, _) in enumerate(jobs):
-            by_dtype.setdefault(NS_DTYPES[g["ns_dtype"]], []).append(i)
-        for dtype, idx in by_dtype.items():
-            for i, r in zip(idx, self._exchange([jobs[i] for i in idx], [owner[i] for i in idx], dtype, pg)):
-                results[i] = r
-        return results
-
-    def _exchange(self, jobs, owners, dtype, pg) -> list[tuple[Tensor, float]]:
-        ws, me = dist.get_world_size(pg), dist.get_rank(pg)
-        chunks = [-(-p.shape[0] // ws) for p, _, _ in jobs]  # FSDP2/DTensor Shard(0) = torch.chunk rows
-        owned = [[i for i in range(len(jobs)) if owners[i] == r] for r in range(ws)]
-        sizes = [sum(chunks[i] * jobs[i][0].shape[1] for i in owned[r]) for r in range(ws)]
-        device = jobs[0][2].device
-        # gather: rank -> owner, the (padded) local rows of every matrix that owner assembles
-        send = torch.cat([_pad_rows(jobs[i][2].to(dtype), chunks[i]).flatten() for r in range(ws) for i in owned[r]]
-                         or [torch.empty(0, dtype=dtype, device=device)])
-        recv = torch.empty(ws * sizes[me], dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, [sizes[me]] * ws, sizes, group=pg)
-        recv = recv.view(ws, sizes[me]) if sizes[me] else recv.view(ws, 0)
-        fulls, off = [], 0
-        for i in owned[me]:
-            p, group, _ = jobs[i]
-            n = chunks[i] * p.shape[1]
-            full = recv[:, off : off + n].reshape(ws * chunks[i], p.shape[1])[: p.shape[0]]
-            fulls.append((full, p, group))
-            off += n
-        outs = self._orthogonalize_many(fulls)
-        # scatter: owner -> rank, that rank's rows of every orthogonalised matrix
-        back = [[_pad_rows(c, chunks[i]).flatten() for c in _chunk_rows(o.to(dtype), chunks[i], ws)]
-                for i, (o, _) in zip(owned[me], outs)]
-        send = torch.cat([b[r] for r in range(ws) for b in back] or [torch.empty(0, dtype=dtype, device=device)])
-        recv = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, sizes, [sizes[me]] * ws, group=pg)
-        results: list = [None] * len(jobs)
-        off = 0
-        for r in range(ws):
-            for i in owned[r]:
-                p, group, u = jobs[i]
-                n = chunks[i] * p.shape[1]
-                results[i] = (recv[off : off + n].view(chunks[i], p.shape[1])[: u.shape[0]], self._scale_of(p, group))
-                off += n
+        for idx, ex in zip(buckets.values(), exchanges):
+            for i, (o, (p, group, _)) in zip(idx, zip(ex.returned(), ex.jobs)):
+                results[i] = (o, self._scale_of(p, group))
         return results
 
     def _scale_of(self, p: Tensor, group: dict) -> float:
@@ -337,3 +311,66 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 def _chunk_rows(t: Tensor, chunk: int, ws: int) -> list[Tensor]:
     return [t[min(r * chunk, t.shape[0]) : min((r + 1) * chunk, t.shape[0])] for r in range(ws)]
+
+
+class _Exchange:
+    """The two all-to-alls of one bucket of row-sharded matrices (async; NS dtype ``dtype``).
+
+    ``start_gather``: every rank sends each matrix's (padded) local rows to the matrix's owner;
+    ``assembled``: waits, returns the owner's full matrices as ``(U, param, group)``; ``start_scatter``: the
+    owner sends each orthogonalised matrix's rows back; ``returned``: waits, returns this rank's rows of every
+    matrix of the bucket (in ``jobs`` order). FSDP2/DTensor Shard(0) splits rows like ``torch.chunk``.
+    """
+
+    def __init__(self, jobs, owners, dtype, pg):
+        self.jobs, self.dtype, self.pg = jobs, dtype, pg
+        self.ws, self.me = dist.get_world_size(pg), dist.get_rank(pg)
+        self.chunks = [-(-p.shape[0] // self.ws) for p, _, _ in jobs]
+        self.owned = [[i for i in range(len(jobs)) if owners[i] == r] for r in range(self.ws)]
+        self.sizes = [sum(self.chunks[i] * jobs[i][0].shape[1] for i in self.owned[r]) for r in range(self.ws)]
+        self.device = jobs[0][2].device
+
+    def _cat(self, pieces: list[Tensor]) -> Tensor:
+        return torch.cat(pieces or [torch.empty(0, dtype=self.dtype, device=self.device)])
+
+    def start_gather(self) -> None:
+        ws, me, sizes = self.ws, self.me, self.sizes
+        send = self._cat([_pad_rows(self.jobs[i][2].to(self.dtype), self.chunks[i]).flatten()
+                          for r in range(ws) for i in self.owned[r]])
+        self._recv = torch.empty(ws * sizes[me], dtype=self.dtype, device=self.device)
+        self._send = send  # alive until the collective finished
+        self._work = dist.all_to_all_single(self._recv, send, [sizes[me]] * ws, sizes, group=self.pg, async_op=True)
+
+    def assembled(self) -> list[tuple[Tensor, Tensor, dict]]:
+        self._work.wait()
+        ws, me, n_me = self.ws, self.me, self.sizes[self.me]
+        recv = self._recv.view(ws, n_me)
+        fulls, off = [], 0
+        for i in self.owned[me]:
+            p, group, _ = self.jobs[i]
+            n = self.chunks[i] * p.shape[1]
+            fulls.append((recv[:, off : off + n].reshape(ws * self.chunks[i], p.shape[1])[: p.shape[0]], p, group))
+            off += n
+        return fulls
+
+    def start_scatter(self, outs: list[tuple[Tensor, float]]) -> None:
+        ws, me, sizes = self.ws, self.me, self.sizes
+        back = [[_pad_rows(c, self.chunks[i]).flatten() for c in _chunk_rows(o.to(self.dtype), self.chunks[i], ws)]
+                for i, (o, _) in zip(self.owned[me], outs)]
+        send = self._cat([b[r] for r in range(ws) for b in back])
+        self._recv = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+        self._send = send
+        self._work = dist.all_to_all_single(self._recv, send, sizes, [sizes[me]] * ws, group=self.pg, async_op=True)
+
+    def returned(self) -> list[Tensor]:
+        self._work.wait()
+        self._send = None
+        out: list = [None] * len(self.jobs)
+        off = 0
+        for r in range(self.ws):
+            for i in self.owned[r]:
+                p, _, u = self.jobs[i]
+                n = self.chunks[i] * p.shape[1]
+                out[i] = self._recv[off : off + n].view(self.chunks[i], p.shape[1])[: u.shape[0]]
+                off += n
+        return out
