@@ -61,24 +61,23 @@ def python_profile(fn, calls: int = 3, rows: int = 15) -> str:
     import io
     import pstats
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     prof = cProfile.Profile()
     with torch.autograd.set_multithreading_enabled(False):  # CUDA backward on this thread, where cProfile looks
         prof.enable()
         for _ in range(calls):
             fn()
         prof.disable()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(rows)
     # host time to enqueue the calls without profiling: ~ the GPU time per call if a call synchronises inside
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     t2 = time.perf_counter()
     buf.write(f"host enqueue {1e3 * (t1 - t0) / calls:.3f} ms/call, enqueue + drain {1e3 * (t2 - t0) / calls:.3f} ms/call\n")
     return buf.getvalue()

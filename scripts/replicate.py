@@ -166,9 +166,10 @@ def _run(cmd: list[str], log: str, timeout: float) -> tuple[bool, float]:
 
 
 def _spawn(cmd: list[str], log: str) -> subprocess.Popen:
-    """A background job (analysis, conversion) writing to ``log``, on at most 4 CPU threads: with one OpenMP
-    thread per core it starved the training run beside it (H100 node, 16 cores: 365k -> 160k tokens/s) and
-    itself (no analysis finished in 450 s; 45 s alone on 2 cores)."""
+    """A background job (analysis, conversion) writing to ``log``, on at most 4 CPU threads. With the default
+    (one OpenMP thread per core, 16-core H100 node) no analysis finished within 450 s beside the training runs,
+    which slowed from 378k tokens/s (no analysis running) to 160k-279k; with 4 threads all four finished.
+    One analysis alone takes ~45 s on 2 cores."""
     env = {**_env(), "OMP_NUM_THREADS": "4"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 

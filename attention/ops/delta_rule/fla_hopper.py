@@ -90,23 +90,10 @@ def _bwd(q, k, v, beta, g, scale, h0, do, dht, cu, ci, dqkwg=None):
     return dq, dk, dv, db, dg, dh0
 
 
-def fla_hopper_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g: None | [B, T, H] | [B, T, H, K] (log, fp32).
-
-    initial_state: [N, H, K, V] (float32); cu_seqlens: [N + 1] with B == 1. scale: default K**-0.5.
-    Returns (o [B, T, H, V], final state [N, H, K, V] float32 or None). CUDA only; runs through the custom op
-    ``attnlab::delta_rule_fwd`` with backend "fla_hopper" (:mod:`ops`), which also holds the autograd wiring.
-    """
+def fla_hopper_delta_rule(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``delta_rule_op(..., backend="fla_hopper")``: the contract (arguments, shapes, returns) of
+    :func:`attention.ops.delta_rule.fla.fla_delta_rule`. CUDA only; runs through the custom op
+    ``attnlab::delta_rule_fwd`` (:mod:`ops`), which also holds the autograd wiring."""
     from attention.ops.delta_rule.ops import delta_rule_op
 
-    return delta_rule_op(q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens, backend="fla_hopper")
+    return delta_rule_op(*args, backend="fla_hopper", **kwargs)

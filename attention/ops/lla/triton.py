@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from attention.ops.autotune import candidates
+from attention.ops.lla.triton_v0 import _strides
 
 LOG2E = 1.4426950408889634
 
@@ -545,11 +546,6 @@ def _launch(tuned, raw, grid_of, block, args, kwargs):
     br, bc = block
     nw = 8 if max(br, bc) * kwargs["BD"] >= 64 * 128 else 4
     raw[grid_of(br, bc)](*args, **kwargs, BR=br, BC=bc, num_warps=nw, num_stages=2)
-
-
-def _strides(q, k, lam):
-    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            lam.stride(0), lam.stride(1), lam.stride(2))
 
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
