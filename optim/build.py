@@ -1,7 +1,7 @@
 """TrainSpec builders: ``build_optimizers`` and ``build_lr_schedulers`` (torchtitan 0.2.2 call shapes).
 
 ``[optimizer] name = "muon"``: per model part one :class:`optim.muon.Muon` for the "matrix" group and one
-``torch.optim.AdamW`` (betas adam_beta1/2, eps adam_eps, decoupled wd) for embed/head/norm/vector with the
+AdamW (``torch.optim.AdamW`` stepping DTensor shards locally; betas adam_beta1/2, eps adam_eps, decoupled wd) for embed/head/norm/vector with the
 paper's lr multipliers. ``name = "adamw"`` (or "adam"): one AdamW with the same groups, lr for all, weight decay
 off for norm/vector (and embed/head unless ``embed_weight_decay``).
 
@@ -33,8 +33,31 @@ from torchtitan.tools.logging import logger
 
 from optim.config import OPTIMIZER_NAMES
 from optim.groups import Route, format_routing_table, route_parameters
-from optim.muon import Muon
+from optim.muon import Muon, _local
 from optim.schedules import Schedule, build_schedule, lr_group_warmup
+
+
+class _ShardLocalStep:
+    """Adam/AdamW that step FSDP2 (DTensor) parameters through their local shards.
+
+    The update is elementwise, so it is the same arithmetic on the same shards, minus DTensor's dispatch of every
+    fused/foreach call: at 0.6B on 4×H200 FSDP2 stock AdamW ran 1.34 ms of GPU kernels under 9.2 ms of host time.
+    Parameters and state stay DTensors, so state dicts and DCP checkpoints are unchanged.
+    """
+
+    def _init_group(self, group, *lists):
+        has_complex = super()._init_group(group, *lists)
+        for lst in lists:
+            lst[:] = [_local(t) for t in lst]
+        return has_complex
+
+
+class Adam(_ShardLocalStep, torch.optim.Adam):
+    pass
+
+
+class AdamW(_ShardLocalStep, torch.optim.AdamW):
+    pass
 
 
 def _group_settings(cfg, name: str) -> dict[str, dict[str, Any]]:
@@ -117,7 +140,7 @@ class MultiOptimizersContainer(OptimizersContainer):
         adam_groups = _param_groups(routes, self.settings, cfg, "adam")
         if adam_groups:
             params = [p for g in adam_groups for p in g["params"]]
-            cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+            cls = Adam if name == "adam" else AdamW
             opts.append(cls(adam_groups, lr=cfg.lr, **_adamw_kwargs(cfg, name == "muon", params)))
         return opts
 

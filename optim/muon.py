@@ -223,11 +223,16 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(bufs, grads, 1 - mu)
             updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
             jobs.extend((p, group, u) for p, u in zip(params, updates))
+        # W <- W(1 - lr·wd) - lr·s·O, as foreach calls per (group, s): one launch per list, not two per matrix
+        lists: dict[tuple[int, float], tuple[dict, list, list]] = {}
         for (p, group, _), (o, s) in zip(jobs, self._orthogonalize_all(jobs)):
+            _, ws, os_ = lists.setdefault((id(group), s), (group, [], []))
+            ws.append(_local(p))
+            os_.append(o)
+        for (_, s), (group, ws, os_) in lists.items():
             lr = group["lr"]
-            w = _local(p)
-            w.mul_(1 - lr * group["weight_decay"])
-            w.add_(o, alpha=-(lr * s))
+            torch._foreach_mul_(ws, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(ws, os_, alpha=-(lr * s))
         return loss
 
     def _orthogonalize_all(self, jobs) -> list[tuple[Tensor, float]]:
@@ -298,7 +303,9 @@ class Muon(torch.optim.Optimizer):
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The local shard, without ``to_local()``'s autograd Function: this optimizer calls it ~3× per matrix per
+    step, and at 0.6B (~200 matrices) ``to_local`` made the 4-GPU step host-bound (measured 29 ms host)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:
@@ -335,8 +342,9 @@ class _Exchange:
 
     def start_gather(self) -> None:
         ws, me, sizes = self.ws, self.me, self.sizes
-        send = self._cat([_pad_rows(self.jobs[i][2].to(self.dtype), self.chunks[i]).flatten()
-                          for r in range(ws) for i in self.owned[r]])
+        # one cast per bucket (not per matrix): the exchange is launch-bound at 0.6B's ~200 matrices
+        send = self._cat([_pad_rows(self.jobs[i][2], self.chunks[i]).flatten()
+                          for r in range(ws) for i in self.owned[r]]).to(self.dtype)
         self._recv = torch.empty(ws * sizes[me], dtype=self.dtype, device=self.device)
         self._send = send  # alive until the collective finished
         self._work = dist.all_to_all_single(self._recv, send, [sizes[me]] * ws, sizes, group=self.pg, async_op=True)

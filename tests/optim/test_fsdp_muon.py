@@ -1,4 +1,4 @@
-"""Distributed Muon on CPU: 2 gloo ranks with FSDP2 (and a Shard(1) DTensor) equal the 1-process run.
+"""Distributed Muon and AdamW on CPU: 2 gloo ranks with FSDP2 (and a Shard(1) DTensor) equal the 1-process run.
 
 Both ranks see the same batch, so FSDP's averaged gradient is bitwise the single-process gradient and any
 difference comes from the optimizer (a shard-local Newton–Schulz would be far off).
@@ -67,8 +67,8 @@ CFG = Optimizer(name="muon", lr=0.02, weight_decay=0.1, muon_per_head=True)
 SCHED = LRScheduler(schedule="wsd", warmup_steps=0, decay_start=0.4, wd_anneal_gamma=1.0)
 
 
-def _run(model, batches):
-    opt = build_optimizers([model], CFG)
+def _run(model, batches, cfg=CFG):
+    opt = build_optimizers([model], cfg)
     sched = build_lr_schedulers(opt, SCHED, STEPS)
     for tok in batches:
         opt.zero_grad()
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
         from optim.muon import Muon
 
@@ -108,6 +108,24 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             worst = max(worst, (a.detach() - b.full_tensor().detach()).abs().max().item())
         sd = opt.state_dict()  # DCP-style flattened state with DTensor buffers
         assert any(k.endswith("momentum_buffer") for k in sd)
+        assert all(isinstance(v, DTensor) for k, v in sd.items() if k.endswith("exp_avg"))
+
+        # AdamW alone (stepping the DTensor shards locally) equals the 1-process AdamW
+        torch.manual_seed(0)
+        ref, model = Net(), Net()
+        model.load_state_dict(ref.state_dict())
+        for blk in model.layers.values():
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+        adamw = Optimizer(name="adamw", lr=0.02, weight_decay=0.1)
+        _run(ref, batches, adamw)
+        sd = _run(model, batches, adamw).state_dict()
+        assert any(isinstance(v, DTensor) for k, v in sd.items() if k.endswith("exp_avg_sq"))
+        for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+            worst = max(worst, (a.detach() - b.full_tensor().detach()).abs().max().item())
 
         # general placement (Shard(1)): every rank assembles the full matrix
         torch.manual_seed(1)
