@@ -95,7 +95,7 @@ def _profile(name, opt, iters) -> None:
     timed alone, the host time to enqueue one step, and the step's GPU kernels."""
     import time
 
-    from scripts.bench_common import kernel_table
+    from scripts.bench_common import kernel_table, python_profile
 
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     parts = [(type(o).__name__, _time(o.step, iters)) for o in opt.optimizers]
@@ -104,9 +104,11 @@ def _profile(name, opt, iters) -> None:
     opt.step()
     host = (time.perf_counter() - t0) * 1e3
     table = kernel_table(opt.step, calls=1, rows=12)
+    py = python_profile(opt.step, calls=2, rows=25)
     if rank0:
         print(f"# {name}: parts " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts) + f"; host enqueue {host:.2f} ms")
         print(table, flush=True)
+        print(py, flush=True)
 
 
 def bench_train_step(args) -> float | None:
