@@ -24,6 +24,9 @@ Chunk size 64 (fla's). Same contract as :func:`attention.ops.delta_rule.fla.fla_
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 
 from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg
@@ -31,30 +34,48 @@ from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg
 BT = 64
 
 
-def _wy(k, v, beta, g, kw):
-    """WY form of the chunk: (w, u, A, gc) with gc the log2 chunk-local cumsum of g (None without a gate)."""
-    if g is None:
-        from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
-
-        return (*prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=BT, **kw), None)
+@functools.cache
+def _fla() -> types.SimpleNamespace:
+    """fla's entry points without their decorators, with :mod:`attention.ops.fla_launch`'s launch proxies
+    installed (host time: see that module). Callers run inside ``torch.cuda.device(q.device)`` with contiguous
+    inputs (:func:`attention.ops.delta_rule.ops._fla_prep`)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
+    from fla.ops.delta_rule import wy_fast as dr_wy
+    from fla.ops.gated_delta_rule import wy_fast as gdr_wy
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    gc = chunk_local_cumsum(g, chunk_size=BT, scale=RCP_LN2, **kw)
-    return (*chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=BT, **kw), gc)
+    from attention.ops.fla_launch import install, raw
+
+    install()
+    return types.SimpleNamespace(
+        fwd_h=raw(chunk_gated_delta_rule_fwd_h), bwd_dhu=raw(chunk_gated_delta_rule_bwd_dhu),
+        fwd_o=raw(chunk_fwd_o), dv_local=raw(chunk_bwd_dv_local), cumsum=raw(chunk_local_cumsum),
+        gated_intra=raw(chunk_gated_delta_rule_fwd_intra), gated_wy_bwd=raw(gdr_wy.prepare_wy_repr_bwd),
+        wy_fwd=raw(dr_wy.prepare_wy_repr_fwd), wy_bwd=raw(dr_wy.prepare_wy_repr_bwd), RCP_LN2=RCP_LN2,
+    )
+
+
+def _wy(k, v, beta, g, kw):
+    """WY form of the chunk: (w, u, A, gc) with gc the log2 chunk-local cumsum of g (None without a gate)."""
+    F = _fla()
+    if g is None:
+        return (*F.wy_fwd(k=k, v=v, beta=beta, chunk_size=BT, **kw), None)
+    gc = F.cumsum(g, chunk_size=BT, scale=F.RCP_LN2, **kw)
+    return (*F.gated_intra(k=k, v=v, g=gc, beta=beta, chunk_size=BT, **kw), gc)
 
 
 def _fwd(q, k, v, beta, g, scale, h0, output_final_state, cu, ci):
     """fla forward pieces; returns (o, final state or None)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
-
+    F = _fla()
     kw = dict(cu_seqlens=cu, chunk_indices=ci)
-    w, u, _, gc = _wy(k, v, beta, g, kw)
-    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0,
-                                                output_final_state=output_final_state, chunk_size=BT, **kw)
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, chunk_size=BT, **kw), ht
+    with torch.cuda.device(q.device):
+        w, u, _, gc = _wy(k, v, beta, g, kw)
+        h, v_new, ht = F.fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, output_final_state=output_final_state,
+                               chunk_size=BT, **kw)
+        return F.fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, chunk_size=BT, **kw), ht
 
 
 def _bwd(q, k, v, beta, g, scale, h0, do, dht, cu, ci, dqkwg=None):
@@ -64,29 +85,22 @@ def _bwd(q, k, v, beta, g, scale, h0, do, dht, cu, ci, dqkwg=None):
     forward's intra-chunk kernel. ``dqkwg``: the dqkwg implementation (default ours; the custom op's "fla"
     backend passes fla's).
     """
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local
-
+    F = _fla()
     dqkwg = chunk_bwd_dqkwg if dqkwg is None else dqkwg
     kw = dict(cu_seqlens=cu, chunk_indices=ci)
-    w, u, A, gc = _wy(k, v, beta, g, kw)
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, output_final_state=False,
-                                               chunk_size=BT, **kw)
-    dv = chunk_bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, chunk_size=BT, **kw)
-    dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
-                                                 chunk_size=BT, **kw)
-    dq, dk, dw, dg = dqkwg(q=q, k=k, v=v_new, do=do, h=h, dh=dh, w=w, g=gc, dv=dv, scale=scale, chunk_size=BT, **kw)
-    if gc is None:
-        from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd
-
-        dk2, dv, db = prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, **kw)
-    else:
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-        from fla.ops.utils import chunk_local_cumsum
-
-        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv, **kw)
-        dg = chunk_local_cumsum(dg.add_(dg2), chunk_size=BT, reverse=True, **kw)
-    dk.add_(dk2)
+    with torch.cuda.device(q.device):
+        w, u, A, gc = _wy(k, v, beta, g, kw)
+        h, v_new, _ = F.fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, output_final_state=False, chunk_size=BT, **kw)
+        dv = F.dv_local(q=q, k=k, g=gc, do=do, scale=scale, chunk_size=BT, **kw)
+        dh, dh0, dv = F.bwd_dhu(q=q, k=k, w=w, g=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, chunk_size=BT, **kw)
+        dq, dk, dw, dg = dqkwg(q=q, k=k, v=v_new, do=do, h=h, dh=dh, w=w, g=gc, dv=dv, scale=scale, chunk_size=BT,
+                               **kw)
+        if gc is None:
+            dk2, dv, db = F.wy_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, **kw)
+        else:
+            dk2, dv, db, dg2 = F.gated_wy_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv, **kw)
+            dg = F.cumsum(dg.add_(dg2), chunk_size=BT, reverse=True, **kw)
+        dk.add_(dk2)
     return dq, dk, dv, db, dg, dh0
 
 

@@ -1,0 +1,97 @@
+"""attention.ops.fla_launch: the FastLaunch proxy launches the same kernel with the same config, skipping the
+autotuner after the first launch per key; install() swaps kernel objects in fla.ops modules (CPU, interpreter)."""
+
+import sys
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from attention.ops import fla_launch
+from attention.ops.fla_launch import FastLaunch
+
+
+def _make_kernel():
+    @triton.heuristics({"HAS_B": lambda a: a["b"] is not None})
+    @triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=1)], key=["N"])
+    @triton.heuristics({"SCALE": lambda a: 2.0 if a["BLOCK"] == 16 else -1.0})  # sees the autotuned BLOCK
+    @triton.jit
+    def kernel(a, b, out, N, HAS_B: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(a + offs, mask=m) * SCALE
+        if HAS_B:
+            x += tl.load(b + offs, mask=m)
+        tl.store(out + offs, x, mask=m)
+
+    return kernel
+
+
+def _autotuner_calls(kernel):
+    at = kernel.fn
+    calls = []
+    run = at.run
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    at.run = counting
+    return calls
+
+
+@pytest.mark.parametrize("with_b", [False, True])
+def test_fast_launch_equals_normal_path_and_skips_autotuner(with_b):
+    kernel = _make_kernel()
+    fast = FastLaunch(kernel)
+    calls = _autotuner_calls(kernel)
+    N = 37
+    a, b = torch.randn(N), torch.randn(N)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK"]),)  # noqa: E731
+    want = a * 2.0 + (b if with_b else 0.0)
+    for i in range(3):
+        out = torch.full((N,), float("nan"))
+        fast[grid](a, b if with_b else None, out, N)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert len(calls) == 1, f"launch {i}: the autotuner ran {len(calls)} times (only the first launch should)"
+    # a new autotune key takes the normal path once more
+    N2 = 20
+    out = torch.full((N2,), float("nan"))
+    fast[(2,)](a[:N2], None, out, N2)
+    torch.testing.assert_close(out, a[:N2] * 2.0, rtol=0, atol=0)
+    assert len(calls) == 2
+    assert fast.configs and all(c.kwargs == {"BLOCK": 16} for c in fast.configs.values())
+    assert fast.arg_names == kernel.arg_names  # other attributes come from the wrapped kernel
+
+
+def test_install_swaps_fla_kernel_objects_and_only_for_fla_060(monkeypatch):
+    kernel = _make_kernel()
+    mod_a, mod_b = types.ModuleType("fla.ops.fake_a"), types.ModuleType("fla.ops.fake_b")
+    mod_a.kernel = mod_b.kern = kernel
+    other = types.ModuleType("somewhere.else")
+    other.kernel = kernel
+    for m in (mod_a, mod_b, other):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    monkeypatch.setattr(fla_launch, "_INSTALLED", False)
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.5.0"))
+    assert not fla_launch.install()
+    assert mod_a.kernel is kernel
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
+    assert fla_launch.install()
+    assert isinstance(mod_a.kernel, FastLaunch) and mod_a.kernel is mod_b.kern  # one proxy per kernel object
+    assert other.kernel is kernel  # outside fla.ops: untouched
+
+
+def test_raw_strips_decorators():
+    import functools
+
+    def f(x):
+        return x + 1
+
+    @functools.wraps(f)
+    def guarded(*a):
+        return f(*a)
+
+    assert fla_launch.raw(torch.compiler.disable(guarded)) is f
