@@ -36,6 +36,8 @@ ROWS = {  # name -> (config, extra args)
     "gdn": ("qwen3_0.6b_gdn", []),
     "softmax_adamw": ("qwen3_0.6b_softmax_adamw_wsd", []),
     "parallax_adamw": ("qwen3_0.6b_parallax_adamw_wsd", []),
+    # like stock torchtitan's qwen3 (plain causal mask, no document masking), for the ours-vs-stock ratio
+    "softmax_adamw_causal": ("qwen3_0.6b_softmax_adamw_wsd", ["--model.attn_mask_type", "causal"]),
 }
 ADAMW = ["--optimizer.name", "AdamW", "--optimizer.lr", "3e-4"]
 
@@ -156,6 +158,10 @@ def main() -> None:
         for prec in args.precisions.split(","):
             print(f"[{prec}] softmax_adamw/stock {ratio(('softmax_adamw', prec), ('stock', prec))} (same optimizer)  "
                   f"parallax_adamw/softmax_adamw {ratio(('parallax_adamw', prec), ('softmax_adamw', prec))}")
+    if "softmax_adamw_causal" in args.rows.split(","):
+        for prec in args.precisions.split(","):
+            print(f"[{prec}] softmax_adamw_causal/stock {ratio(('softmax_adamw_causal', prec), ('stock', prec))} "
+                  "(same optimizer, same mask)")
     if scaled:
         print(f"\nscaling 1 -> {args.nproc} GPUs (local batch {args.batch} each)")
         print(f"{'row':14s} {'prec':5s} {'tok/s/GPU x1':>12s} {f'x{args.nproc}':>12s} {'efficiency':>10s} {'GiB':>6s}")
