@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable
+from attention.ops.delta_rule.ops import cached_cu_seqlens
 
 
 def fla_unavailable_reason(x: torch.Tensor, gated: bool, needs_grad: bool) -> str:
@@ -47,7 +48,7 @@ def fla_delta_rule(
     initial_state: [N, H, K, V] (cast to float32); cu_seqlens: [N + 1] with B == 1 (cast to int64).
     Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] float32 or None).
     """
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int64)
+    cu = None if cu_seqlens is None else cached_cu_seqlens(cu_seqlens)[0]  # fla's per-batch caches hit
     h0 = None if initial_state is None else initial_state.float()
     kw = dict(scale=scale, initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu)
     beta = beta.to(q.dtype)

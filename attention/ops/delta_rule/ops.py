@@ -31,6 +31,7 @@ Gradients come back in their inputs' dtypes; dg / dh0 are empty tensors when g /
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -77,14 +78,38 @@ def _autograd_inside_op():
 
 
 # ---------------------------------------------------------------- fla pieces (CUDA)
+_CU_CACHE: list = []  # [weakref to the caller's cu_seqlens, its _version, int64 copy, chunk indices], newest first
+
+
+def cached_cu_seqlens(cu_seqlens: Tensor, make_indices=None) -> tuple[Tensor, Tensor | None]:
+    """(int64 copy of ``cu_seqlens``, ``make_indices(copy)`` or None), computed once per tensor object.
+
+    Every layer of a packed batch (forward and backward) gets the same ``cu_seqlens`` tensor. fla caches its
+    per-batch helpers (``prepare_chunk_indices``: the lengths read back to the host, a device sync, and one
+    ``arange`` per document; chunk offsets) by the identity of the int64 tensor it is given, so a fresh
+    ``.to(torch.int64)`` per call recomputed them 2 × layers times per step. Keyed by identity (a weak reference)
+    and the version counter, never by address, so a later batch's tensor cannot hit a stale entry.
+    """
+    for entry in _CU_CACHE:
+        ref, version, cu, ci = entry
+        if ref() is cu_seqlens and version == cu_seqlens._version:
+            if ci is None and make_indices is not None:
+                entry[3] = ci = make_indices(cu)
+            return cu, ci
+    cu = cu_seqlens.to(torch.int64)
+    ci = None if make_indices is None else make_indices(cu)
+    _CU_CACHE.insert(0, [weakref.ref(cu_seqlens), cu_seqlens._version, cu, ci])
+    del _CU_CACHE[4:]
+    return cu, ci
+
+
 def _fla_prep(q, k, v, beta, g, h0, cu_seqlens):
     """Contiguous, fla-typed inputs and chunk indices."""
     cu = ci = None
     if cu_seqlens is not None:
         from fla.ops.utils.index import prepare_chunk_indices
 
-        cu = cu_seqlens.to(torch.int64)
-        ci = prepare_chunk_indices(cu, BT)
+        cu, ci = cached_cu_seqlens(cu_seqlens, lambda c: prepare_chunk_indices(c, BT))
     q, k, v = (t.contiguous() for t in (q, k, v))
     beta = beta.to(q.dtype).contiguous()
     g = None if g is None else g.float().contiguous()

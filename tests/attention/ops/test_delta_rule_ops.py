@@ -238,3 +238,29 @@ def test_gpu_compiled_gdn_module_matches_eager():
     for a, b in zip(gc, ge):
         err = (a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)
         assert err < 5e-2, f"relative gradient error {err:.2e}"
+
+
+def test_cached_cu_seqlens_per_tensor_object():
+    """One int64 copy and one chunk-index computation per packed batch's cu_seqlens, shared by every layer's
+    forward and backward; a new tensor or an in-place change recomputes (no stale entry by value or address)."""
+    from attention.ops.delta_rule.dqkwg import chunk_indices_for
+    from attention.ops.delta_rule.ops import cached_cu_seqlens
+
+    calls = []
+
+    def make(cu):
+        calls.append(1)
+        return chunk_indices_for(cu, 4)
+
+    cu32 = torch.tensor([0, 5, 13, 20], dtype=torch.int32)
+    cu, ci = cached_cu_seqlens(cu32)  # KDA-style call first: no indices
+    assert ci is None and cu.dtype == torch.int64 and cu.tolist() == cu32.tolist()
+    cu_a, ci_a = cached_cu_seqlens(cu32, make)
+    cu_b, ci_b = cached_cu_seqlens(cu32, make)
+    assert cu_a is cu and cu_b is cu and ci_a is ci_b and len(calls) == 1  # the same objects: fla's caches hit
+    assert ci_a.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]
+    same_values = cu32.clone()
+    assert cached_cu_seqlens(same_values, make)[0] is not cu and len(calls) == 2  # identity, not value
+    cu32[1] = 8  # in place: the version counter changes
+    cu_c, ci_c = cached_cu_seqlens(cu32, make)
+    assert len(calls) == 3 and cu_c.tolist() == [0, 8, 13, 20] and ci_c.tolist()[:2] == [[0, 0], [0, 1]]
