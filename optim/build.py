@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger
 
 from optim.config import OPTIMIZER_NAMES
 from optim.groups import Route, format_routing_table, route_parameters
-from optim.muon import Muon, _local
+from optim.muon import Muon, local_shard
 from optim.schedules import Schedule, build_schedule, lr_group_warmup
 
 
@@ -48,7 +48,7 @@ class _ShardLocalStep:
     def _init_group(self, group, *lists):
         has_complex = super()._init_group(group, *lists)
         for lst in lists:
-            lst[:] = [_local(t) for t in lst]
+            lst[:] = [local_shard(t) for t in lst]
         return has_complex
 
 
