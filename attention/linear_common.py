@@ -122,11 +122,16 @@ def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
 
 
 def fla_importable() -> tuple[bool, str]:
-    """Whether ``fla`` (fla-core) imports; (ok, reason)."""
+    """Whether ``fla`` (fla-core) imports; (ok, reason). Every fla path asks this first, so this is also where
+    fla's kernels get their low-host-cost launchers (:func:`attention.ops.fla_launch.install`, idempotent):
+    every fla op in the process launches the same way, whichever mechanism ran first."""
     try:
-        import fla  # noqa: F401
+        import fla.ops  # noqa: F401  (imports all of fla's ops, so install() sees every kernel)
     except Exception as e:  # ImportError, or a Triton/driver error at import time
         return False, f"fla-core not importable ({type(e).__name__}: {e})"
+    from attention.ops.fla_launch import install
+
+    install()
     return True, ""
 
 

@@ -7,8 +7,9 @@ the rest is fla's ``@dispatch`` (a ``torch.compiler.disable`` wrapper and a back
 (``.contiguous()`` on every argument, a device context), fla's autotune-key builder, Triton's ``Autotuner.run``
 and ``Heuristics.run``. In a GDN model that host time is per layer and independent of the batch size.
 
-- :func:`install` replaces every ``@triton.heuristics`` / ``@triton.autotune`` kernel object in the loaded
-  ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first launch per autotune key takes the normal path
+- :func:`install` (called by :func:`attention.linear_common.fla_importable`, the gate of every fla path, after
+  importing ``fla.ops``, which loads all of fla's ops) replaces every ``@triton.heuristics`` /
+  ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first launch per autotune key takes the normal path
   (autotuning included), later launches call the ``JITFunction`` directly with the config that was chosen and the
   heuristics computed here — the same kernel, config and arguments, so results are bitwise those of the normal path.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
@@ -77,8 +78,8 @@ class FastLaunch:
 def install() -> bool:
     """Put :class:`FastLaunch` proxies in place of fla-core 0.6.0's kernel objects (idempotent).
 
-    Returns whether the proxies are installed. Call after the fla modules in use are imported: every loaded
-    ``fla.ops`` module's references to a kernel object are replaced by one shared proxy.
+    Returns whether the proxies are installed. Every loaded ``fla.ops`` module's references to a kernel object
+    are replaced by one shared proxy; modules imported later keep fla's own objects.
     """
     global _INSTALLED
     if _INSTALLED:

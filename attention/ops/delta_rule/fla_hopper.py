@@ -36,8 +36,8 @@ BT = 64
 
 @functools.cache
 def _fla() -> types.SimpleNamespace:
-    """fla's entry points without their decorators, with :mod:`attention.ops.fla_launch`'s launch proxies
-    installed (host time: see that module). Callers run inside ``torch.cuda.device(q.device)`` with contiguous
+    """fla's entry points without their decorators (host time: :mod:`attention.ops.fla_launch`, whose launch
+    proxies ``fla_importable`` installs). Callers run inside ``torch.cuda.device(q.device)`` with contiguous
     inputs (:func:`attention.ops.delta_rule.ops._fla_prep`)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
@@ -47,9 +47,10 @@ def _fla() -> types.SimpleNamespace:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from attention.ops.fla_launch import install, raw
+    from attention.linear_common import fla_importable
+    from attention.ops.fla_launch import raw
 
-    install()
+    fla_importable()
     return types.SimpleNamespace(
         fwd_h=raw(chunk_gated_delta_rule_fwd_h), bwd_dhu=raw(chunk_gated_delta_rule_bwd_dhu),
         fwd_o=raw(chunk_fwd_o), dv_local=raw(chunk_bwd_dv_local), cumsum=raw(chunk_local_cumsum),
