@@ -115,3 +115,26 @@ def test_scheduler_state_with_two_optimizer_types():
         assert a.last_epoch == b.last_epoch == 3
         assert a.get_last_lr() == b.get_last_lr()
     assert fresh.lr_wd() == sched.lr_wd()
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_shard_local_adam_equals_torch(name, impl):
+    """optim.build's Adam/AdamW (stepping DTensor shards locally) are torch's on plain tensors, bit for bit; the
+    FSDP2 side is tests/optim/test_fsdp_muon.py (distributed == 1 process)."""
+    import optim.build as ob
+
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    kw = dict(lr=0.05, weight_decay=0.1, foreach=impl == "foreach")
+    ours, ref = getattr(ob, name)(ps, **kw), getattr(torch.optim, name)(qs, **kw)
+    for step in range(4):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)) + p.detach()
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert not torch.equal(p, torch.zeros_like(p))
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
