@@ -58,7 +58,12 @@ def test_shape_causality_and_grads(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_documents_equal_separate_sequences(name):
-    m = make(name, **({"lambda_mode": "token"} if name in ("lla", "mesa", "affine_mesa") else {}))
+    # No early CG stop: with cg_rtol > 0 a row whose residual lands next to the threshold stops one step earlier
+    # or later depending on BLAS rounding (packed and separate calls multiply matrices of different shapes); on
+    # these ill-conditioned rows (weights 0.3, λ near its floor) that moved float64 outputs by 8e-5 on one machine
+    # and not on another. 16 full steps converge (chunked == reference to 7e-13 at D = 8).
+    kw = {"lambda_mode": "token", "cg_rtol": 0.0} if name in ("lla", "mesa", "affine_mesa") else {}
+    m = make(name, **kw)
     T = 13
     cu = torch.tensor([0, 4, 13], dtype=torch.int32)
     x = torch.randn(1, T, 32, dtype=torch.float64)
