@@ -4,6 +4,8 @@ supported (``validate_config`` rejects them). Over gloo (CPU) FSDP must use sum 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -17,11 +19,30 @@ from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
 
+def sac_save_list() -> set:
+    """Ops whose outputs selective activation checkpointing ("op" mode) keeps instead of recomputing: torchtitan's
+    Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus the project's attention forward custom ops.
+
+    Without them the backward re-ran every layer's Triton attention forward: a profiled 0.6B Parallax step
+    (B2 x T4096, H100) spent 24.0 ms in ``_parallax_fwd_kernel`` against 13.6 ms in its dq pass, i.e. two forwards
+    per step, while softmax's ``_varlen_attn`` is on torchtitan's list (benchmarks/RESULTS.md, session 5)."""
+    ops = set(_op_sac_save_list)
+    for module, op in (("attention.ops.parallax.kernels.ops", "parallax_kernels.fwd"),
+                       ("attention.ops.delta_rule.ops", "attnlab.delta_rule_fwd")):
+        try:
+            importlib.import_module(module)  # registers the op (needs triton, absent on some platforms)
+        except ImportError:
+            continue
+        namespace, name = op.split(".")
+        ops.add(getattr(getattr(torch.ops, namespace), name).default)
+    return ops
+
+
 def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
-                 op_sac_save_list=_op_sac_save_list, base_folder=job_config.job.dump_folder)
+                 op_sac_save_list=sac_save_list(), base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:

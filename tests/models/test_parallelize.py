@@ -1,0 +1,53 @@
+"""Selective activation checkpointing keeps the project's attention forward outputs (no second forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+from attention.ops.parallax.kernels import ops as kops
+from attention.ops.parallax.kernels import parallax_triton
+from models.parallelize import sac_save_list
+
+
+def test_save_list_adds_the_attention_ops():
+    ops = sac_save_list()
+    assert torch.ops.parallax_kernels.fwd.default in ops
+    assert torch.ops.attnlab.delta_rule_fwd.default in ops
+    assert _op_sac_save_list <= ops  # torchtitan's list (matmuls, SDPA, varlen, flex) stays
+
+
+class _Block(nn.Module):
+    """A layer whose whole forward is the Parallax custom op (Triton interpreter on a CPU)."""
+
+    def forward(self, q, k, v, r):
+        return parallax_triton(q, k, v, r)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": _Block()})
+
+
+@pytest.mark.parametrize("save_list, forwards", [(sac_save_list, 1), (lambda: _op_sac_save_list, 2)],
+                         ids=["project-list", "torchtitan-list"])
+def test_selective_ac_runs_the_parallax_forward_once(monkeypatch, save_list, forwards):
+    """torchtitan's op-mode SAC with our list saves the op's outputs; with torchtitan's alone the backward
+    recomputes the forward (the second case shows the count can fail)."""
+    calls = []
+    launch = kops.launch_fwd
+    monkeypatch.setattr(kops, "launch_fwd", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
+    model = _Model()
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), op_sac_save_list=save_list())
+    q, r = torch.randn(1, 20, 2, 16, requires_grad=True), torch.randn(1, 20, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 20, 1, 16, requires_grad=True), torch.randn(1, 20, 1, 16, requires_grad=True)
+    out = model.layers["0"](q, k, v, r)
+    out.square().sum().backward()
+    assert len(calls) == forwards
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v, r))
