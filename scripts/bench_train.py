@@ -13,6 +13,9 @@ Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs)
 ``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
 prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
+``--profile`` also traces one step of each of our rows (torchtitan's profiler, step ``--steps`` − 1) and prints
+the GPU time of that step by kernel class and the top kernels (``trace_summary``): where the step goes.
+
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
 
@@ -79,9 +82,81 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
         cmd += ADAMW
     if not fp8:
         cmd += ["--model.converters", ""]
+    if args.profile:  # one active step just before the last (3 profiler warm-up steps before it)
+        cmd += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 1),
+                "--profiling.save_traces_folder", "traces"]
     run(cmd, out / f"{dump.name}.log")
     path = dump / "metrics.jsonl"
-    return summarize([json.loads(x) for x in open(path)], args.warmup) if path.exists() else {}
+    records = [json.loads(x) for x in open(path)] if path.exists() else []
+    if args.profile:  # the profiler's warm-up and active steps (the last 4 before the last) run slower
+        records = [r for r in records if r["step"] < args.steps - 4]
+    res = summarize(records, args.warmup)
+    traces = sorted(dump.glob("traces/iteration_*/rank0_trace.json"))
+    if args.profile and traces:
+        print(f"--- {dump.name}: one step's GPU kernels ({traces[-1]})\n{trace_summary(traces[-1])}", flush=True)
+    return res
+
+
+KERNEL_CLASSES = (  # (class, substrings of the kernel name, lower case); first match wins
+    ("attention", ("parallax", "flash", "fmha", "cudnn", "attn", "_fwd_kernel", "_bwd_")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "cublas")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "newton", "muon")),
+    ("nccl", ("nccl",)),
+    ("inductor (fused elementwise/norm/rope)", ("triton_",)),
+    ("copy/fill", ("copy", "fill", "memset", "memcpy", "cat", "elementwise")),
+)
+
+
+def trace_summary(path: Path, top: int = 12) -> str:
+    """GPU time of the traced step(s) by kernel class and the ``top`` kernels, from a chrome trace; then how
+    much of the step the GPU sat idle, the largest idle gaps and the host ops running in them."""
+    trace = json.load(open(path))["traceEvents"]
+    events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e.get("dur", 0.0) / 1e3
+    total = sum(by_name.values())
+    by_class: dict[str, float] = {}
+    for name, ms in by_name.items():
+        low = name.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+    lines = [f"GPU kernel time {total:.1f} ms"]
+    lines += [f"  {c:40s} {ms:8.1f} ms {100 * ms / total:5.1f} %" for c, ms in
+              sorted(by_class.items(), key=lambda x: -x[1])]
+    lines.append("  top kernels:")
+    lines += [f"  {ms:8.2f} ms  {name[:110]}" for name, ms in sorted(by_name.items(), key=lambda x: -x[1])[:top]]
+    return "\n".join(lines + idle_summary(trace, events))
+
+
+def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> list[str]:
+    """Step wall time (the ProfilerStep span), GPU-busy time (union of kernel intervals), the ``gaps`` longest
+    idle stretches and the longest host ops (cpu_op / cuda_runtime / python) overlapping each."""
+    steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
+    if not steps or not kernels:
+        return []
+    t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
+    busy, idle, cur_s, cur_e = 0.0, [], None, None
+    for a, b in spans:
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                idle.append((a - cur_e, cur_e, a))
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    host = [e for e in trace if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function") and "dur" in e]
+    syncs = sum(e["dur"] for e in host if "Synchronize" in e["name"] or e["name"] in ("aten::item",
+                                                                                       "aten::_local_scalar_dense"))
+    lines = [f"  step wall {(t1 - t0) / 1e3:.1f} ms (ProfilerStep), GPU busy {busy / 1e3:.1f} ms "
+             f"({100 * busy / max(t1 - t0, 1):.0f} %), host in syncs/item {syncs / 1e3:.1f} ms", "  longest GPU idle gaps:"]
+    for dur, a, b in sorted(idle, reverse=True)[:gaps]:
+        inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
+        lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
+                     + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
+    return lines
 
 
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
@@ -122,6 +197,7 @@ def main() -> None:
                     help="config: each config's optimizer (Muon); adamw: AdamW on every row (stock uses AdamW)")
     ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")
     ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
+    ap.add_argument("--profile", action="store_true", help="trace one step of our rows; print its kernel classes")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
