@@ -4,6 +4,7 @@ supported (``validate_config`` rejects them). Over gloo (CPU) FSDP must use sum 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -25,7 +26,9 @@ def sac_save_list() -> set:
 
     Without them the backward re-ran every layer's Triton attention forward: a profiled 0.6B Parallax step
     (B2 x T4096, H100) spent 24.0 ms in ``_parallax_fwd_kernel`` against 13.6 ms in its dq pass, i.e. two forwards
-    per step, while softmax's ``_varlen_attn`` is on torchtitan's list (benchmarks/RESULTS.md, session 5)."""
+    per step, while softmax's ``_varlen_attn`` is on torchtitan's list (benchmarks/RESULTS.md, session 5). The
+    opaque ops (``attention.ops.opaque``) recompute their forward in their own backward; saving their output spares
+    a third run."""
     ops = set(_op_sac_save_list)
     for module, op in (("attention.ops.parallax.kernels.ops", "parallax_kernels.fwd"),
                        ("attention.ops.delta_rule.ops", "attnlab.delta_rule_fwd")):
@@ -35,6 +38,12 @@ def sac_save_list() -> set:
             continue
         namespace, name = op.split(".")
         ops.add(getattr(getattr(torch.ops, namespace), name).default)
+    import attention  # noqa: F401  (the mechanisms' modules register their opaque ops on import ...)
+    from attention.ops.opaque import REGISTERED
+
+    with contextlib.suppress(ImportError):
+        importlib.import_module("attention.ops.hla.triton_gla")  # (... but this one is imported lazily)
+    ops.update(getattr(torch.ops.attnlab, name).default for name in REGISTERED)
     return ops
 
 

@@ -7,16 +7,40 @@ chunked PyTorch, any device) or "reference" (:func:`naive_affine`, explicit d×d
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attention.ops.affine.chunked import affine_chunked, causal_linear, segment_mean  # noqa: F401
 from attention.ops.affine.naive import MECHANISMS, naive_affine
 from attention.ops.lla import doc_bounds
+from attention.ops.opaque import opaque_op
+
+Tensor = torch.Tensor
 
 IMPLS = ("auto", "chunked", "reference")
 
 
-@torch.compiler.disable  # data-dependent tile ranges and Python loops: run eagerly inside compiled models
+def _affine_eager(q: Tensor, k: Tensor, v: Tensor, lam: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                  mechanism: str, cg_iters: int, jacobi: bool, rtol: float, chunk: int) -> Tensor:
+    B, T, HQ, D = q.shape
+    G = HQ // k.shape[2]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
+    qh = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
+    kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+    vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
+    lh = None
+    if lam is not None:
+        lh = (lam.view(1, 1, HQ) if lam.dim() == 1 else lam).expand(B, T, HQ).permute(0, 2, 1).to(ct)  # [B, HQ, T]
+    o = affine_chunked(mechanism, qh, kh, vh, lh, ds, cg_iters, jacobi, rtol, chunk)
+    return o.transpose(1, 2).to(q.dtype).contiguous()
+
+
+# data-dependent tile ranges and Python loops: an opaque op inside compiled models (backward recomputes the forward)
+_affine_op = opaque_op("affine", _affine_eager, lambda q, k, v, *rest: q.new_empty(q.shape))
+
+
 def affine_attention(
     mechanism: str,
     q: torch.Tensor,
@@ -46,19 +70,9 @@ def affine_attention(
         raise ValueError(f"{mechanism} needs a ridge lam")
     if impl == "reference":
         return naive_affine(mechanism, q, k, v, lam, cu_seqlens)
-    B, T, HQ, D = q.shape
-    G = HQ // k.shape[2]
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
-    qh = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
-    kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-    vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-    lh = None
-    if lam is not None:
-        lh = torch.as_tensor(lam, dtype=ct, device=q.device)
-        lh = (lh.view(1, 1, HQ) if lh.dim() == 1 else lh).expand(B, T, HQ).permute(0, 2, 1).to(ct)  # [B, HQ, T]
-    o = affine_chunked(mechanism, qh, kh, vh, lh, ds, cg_iters, jacobi, rtol, chunk)
-    return o.transpose(1, 2).to(q.dtype)
+    if lam is not None and not isinstance(lam, Tensor):
+        lam = torch.tensor(float(lam), device=q.device)  # a float λ: a 0-d tensor, one value for every head
+    return _affine_op(q, k, v, lam, cu_seqlens, mechanism, int(cg_iters), bool(jacobi), float(rtol), int(chunk))
 
 
 from attention.ops.affine.decode import AffineState, affine_step  # noqa: E402,F401

@@ -13,15 +13,20 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attention.linear_common import fla_importable, log_once
+from attention.ops.opaque import opaque_op
 from attention.ops.fox.chunk import chunk_forgetting_attn
 from attention.ops.fox.naive import doc_cumsum, naive_forgetting_attn
 
 IMPLS = ("auto", "reference", "recurrent", "chunk", "flex", "fla")
 
 __all__ = ["forgetting_attention", "naive_forgetting_attn", "chunk_forgetting_attn", "fox_decode", "IMPLS"]
+
+Tensor = torch.Tensor
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -100,13 +105,22 @@ def forgetting_attention(
         return chunk_forgetting_attn(q, k, v, g, scale, cu_seqlens, block_size)
     if path == "flex":
         return flex_forgetting_attn(q, k, v, g, scale, cu_seqlens)
-    from fla.ops.forgetting_attn import parallel_forgetting_attn
-
+    scale = D**-0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-        o = parallel_forgetting_attn(flat(q), flat(k), flat(v), flat(g).float(), scale=scale, cu_seqlens=cu_seqlens.long())
-        return o.view(B, T, *o.shape[2:])
-    return parallel_forgetting_attn(q, k, v, g.float(), scale=scale)
+        return _fla_fox_op(flat(q), flat(k), flat(v), flat(g), scale, cu_seqlens).view(B, T, HQ, v.shape[-1])
+    return _fla_fox_op(q, k, v, g, scale, None)
+
+
+def _fla_fox_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Optional[Tensor]) -> Tensor:
+    from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+    cu = None if cu_seqlens is None else cu_seqlens.long()
+    return parallel_forgetting_attn(q, k, v, g.float(), scale=scale, cu_seqlens=cu).contiguous()
+
+
+# fla's entry point cannot be traced: an opaque op inside compiled models (backward recomputes the forward)
+_fla_fox_op = opaque_op("fla_fox", _fla_fox_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
 
 
 def fox_decode(q, k_cache, v_cache, c_cache, n_prev: int, scale: float | None = None) -> torch.Tensor:

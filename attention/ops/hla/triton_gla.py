@@ -19,9 +19,15 @@ Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (the decode 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from attention.ops.opaque import opaque_op
+
+Tensor = torch.Tensor
 
 POISON_OUTPUTS = False
 """Tests set this: every kernel output buffer is filled with NaN before the launch, so an unwritten element shows."""
@@ -278,7 +284,14 @@ class _GLAFunction(torch.autograd.Function):
         return dq, dk, dv, (dg.to(ctx.g_dtype) if ctx.has_g else None), None, None
 
 
-@torch.compiler.disable  # launched eagerly inside compiled models (the autograd.Function holds Triton launches)
+def _gla_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], doc: Optional[Tensor], chunk_size: int) -> Tensor:
+    return _GLAFunction.apply(q, k, v, g, doc, chunk_size).contiguous()
+
+
+# Triton launches inside an autograd.Function: an opaque op inside compiled models (backward recomputes the forward)
+_gla_op = opaque_op("gla_triton", _gla_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+
+
 def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, output_final_state=False):
     """Triton chunked gated linear attention; same contract as :func:`attention.ops.hla.chunk.gla_chunk` but
     without initial/final state. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; doc: [B, T] or None."""
@@ -289,4 +302,4 @@ def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, 
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()  # one dtype for tl.dot
     if doc is not None:
         doc = doc.to(torch.int32).contiguous()
-    return _GLAFunction.apply(q, k, v, g, doc, chunk_size)
+    return _gla_op(q, k, v, g, doc, int(chunk_size))

@@ -17,15 +17,20 @@ chunk backward there); the fallback logs one line.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, log_once
+from attention.ops.opaque import opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
 IMPLS = ("auto", "recurrent", "reference", "chunk", "fla")
 
 __all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
+
+Tensor = torch.Tensor
 
 
 def fla_usable(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
@@ -56,8 +61,24 @@ def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: s
     return impl
 
 
+def _fla_gla_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor], scale: float,
+                   cu_seqlens: Optional[Tensor]) -> Tensor:
+    return _fla_gla_calls(q, k, v, g, gk, scale, None, False, cu_seqlens)[0].contiguous()
+
+
+# fla's entry points are torch.compiler.disable'd: the stateless (training) call is an opaque op in compiled models
+_fla_gla_op = opaque_op("fla_gla", _fla_gla_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+
+
 def fla_gla(q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """fla-core 0.6.0 kernels with our contract (fla scales q by ``scale`` too; states are [N, H, K, V])."""
+    if initial_state is None and not output_final_state:
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _fla_gla_op(q, k, v, g, gk, scale, cu_seqlens), None
+    return _fla_gla_calls(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _fla_gla_calls(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens):
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
     if gk is not None:
@@ -109,4 +130,17 @@ def gated_linear_attention(
         return naive_recurrent_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
     if path == "fla":
         return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
+    if cu_seqlens is not None and initial_state is None and not output_final_state:
+        scale = K**-0.5 if scale is None else float(scale)
+        return _chunk_gla_varlen_op(q, k, v, g, gk, scale, cu_seqlens, chunk_size), None
     return chunk_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+def _chunk_gla_varlen_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor], scale: float,
+                            cu_seqlens: Tensor, chunk_size: int) -> Tensor:
+    return chunk_gla(q, k, v, g, gk, scale, None, False, cu_seqlens, chunk_size)[0].contiguous()
+
+
+# the packed-document layout is built from cu_seqlens' values in Python: an opaque op inside compiled models
+_chunk_gla_varlen_op = opaque_op("chunk_gla_varlen", _chunk_gla_varlen_eager,
+                                 lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))

@@ -15,12 +15,17 @@ the function once CG has converged (``cg_iters`` ≥ D in exact arithmetic).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attention.base import document_ids
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
+from attention.ops.opaque import opaque_op
+
+Tensor = torch.Tensor
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 TRITON_VARIANT = "v0"
@@ -121,7 +126,16 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-@torch.compiler.disable  # data-dependent tile ranges and Python loops: run eagerly inside compiled models
+def _lla_eager(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float,
+               cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: int, block_c: int) -> Tensor:
+    block = (None if block_r < 0 else block_r, None if block_c < 0 else block_c)
+    return _LLAFunction.apply(q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block).contiguous()
+
+
+# data-dependent tile ranges and Python loops: an opaque op inside compiled models (backward recomputes the forward)
+_lla_op = opaque_op("lla", _lla_eager, lambda q, k, v, *rest: q.new_empty(q.shape))
+
+
 def lla_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,4 +182,6 @@ def lla_attention(
             block = (32, 32) if D > 64 else (64, 64)
         else:
             block = (None, None)  # autotuned
-    return _LLAFunction.apply(q, k, v, lam_full, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block)
+    br, bc = (-1 if b is None else int(b) for b in block)
+    return _lla_op(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
+                   br, bc)

@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attention.linear_common import fla_importable, log_once
+from attention.ops.opaque import opaque_op
 from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn
 
@@ -20,6 +23,8 @@ IMPLS = ("auto", "reference", "recurrent", "chunk", "fla")
 FLA_DIMS = (16, 32, 64, 128)
 
 __all__ = ["path_attention", "naive_path_attn", "chunk_path_attn", "householder_update_", "IMPLS"]
+
+Tensor = torch.Tensor
 
 
 def resolve_impl(impl: str, device: torch.device, head_dim: int) -> str:
@@ -66,16 +71,26 @@ def path_attention(
         return naive_path_attn(q, k, v, w, beta, g, scale, cu_seqlens)
     if path == "chunk":
         return chunk_path_attn(q, k, v, w, beta, g, scale, cu_seqlens, block_size)
-    from fla.ops.path_attn import parallel_path_attn
-
-    gf = None if g is None else g.float()
+    scale = D**-0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-        o, _ = parallel_path_attn(flat(q), flat(k), flat(v), flat(w).float(), flat(beta).float(), g=flat(gf),
-                                  scale=scale, cu_seqlens=cu_seqlens.long())
-        return o.view(B, T, *o.shape[2:])
-    o, _ = parallel_path_attn(q, k, v, w.float(), beta.float(), g=gf, scale=scale)
-    return o
+        o = _fla_path_op(flat(q), flat(k), flat(v), flat(w), flat(beta), flat(g), scale, cu_seqlens)
+        return o.view(B, T, HQ, v.shape[-1])
+    return _fla_path_op(q, k, v, w, beta, g, scale, None)
+
+
+def _fla_path_eager(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, g: Optional[Tensor], scale: float,
+                    cu_seqlens: Optional[Tensor]) -> Tensor:
+    from fla.ops.path_attn import parallel_path_attn
+
+    cu = None if cu_seqlens is None else cu_seqlens.long()
+    o, _ = parallel_path_attn(q, k, v, w.float(), beta.float(), g=None if g is None else g.float(), scale=scale,
+                              cu_seqlens=cu)
+    return o.contiguous()
+
+
+# fla's entry point is torch.compiler.disable'd: an opaque op inside compiled models (backward recomputes the forward)
+_fla_path_op = opaque_op("fla_path", _fla_path_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
 
 
 @torch.no_grad()
