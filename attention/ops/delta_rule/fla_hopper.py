@@ -14,7 +14,8 @@ MMA result) instead of fla's:
 - g None (DeltaNet): fla's ``delta_rule`` WY kernels (fla 0.6.0 already restricts their Hopper-miscompiled
   ``prepare_wy_repr_bwd_kernel`` to num_warps=2, fla #984) with our dqkwg (same transposed-MMA pattern);
 - g [B, T, H] (GDN): fla's ``gated_delta_rule`` kernels with our dqkwg;
-- g [B, T, H, K] (KDA): fla's own ``chunk_kda``. Its 0.6.0 backward never calls ``chunk_bwd_dqkwg`` (it has
+- g [B, T, H, K] (KDA): fla's own KDA forward and backward (``chunk_kda_fwd`` / ``chunk_kda_bwd``, called by
+  :mod:`ops` as fla's ``ChunkKDAFunction`` does). Its 0.6.0 backward never calls ``chunk_bwd_dqkwg`` (it has
   its own fused ``chunk_kda_bwd_kernel_wy_dqkg_fused``, whose Hopper autotune list already drops BK=32 at
   4 warps), is not refused by fla, and contains no dot on a transposed dot result; its correctness on
   Hopper + Triton 3.6 is checked by the GPU tests, not assumed.

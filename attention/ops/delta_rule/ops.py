@@ -1,14 +1,16 @@
 """torch.library custom ops around the fla / fla_hopper delta-rule paths (opaque to torch.compile: no graph break).
 
 - ``attnlab::delta_rule_fwd`` (q, k, v, beta, g?, initial_state?, cu_seqlens?, scale, output_final_state,
-  backend, chunk_size) -> (o, final_state)
+  backend, chunk_size) -> (o, final_state, gk, Aqk, Akk)
 - ``attnlab::delta_rule_bwd`` (do, dht?, q, k, v, beta, g?, initial_state?, cu_seqlens?, scale, backend,
-  chunk_size) -> (dq, dk, dv, dbeta, dg, dh0)
+  chunk_size, gk?, Aqk?, Akk?) -> (dq, dk, dv, dbeta, dg, dh0)
 
 Autograd is registered on ``delta_rule_fwd`` (``register_autograd``); ``register_fake`` gives exact shapes and
-dtypes for tracing. The forward saves only its inputs: the backward recomputes the chunk-local gate cumsum
-(``[B, T, H]``) and the WY form (w, u, A: one fused intra-chunk kernel, which fla's own backward also runs as
-``recompute_w_u_fwd``), so nothing of size ``[B, T, H, *]`` beyond the inputs is kept between the passes.
+dtypes for tracing. gk, Aqk, Akk are non-differentiable outputs, non-empty only for KDA on fla (below); every
+other path returns them as empty tensors. For DeltaNet / GDN the forward saves only its inputs: the backward
+recomputes the chunk-local gate cumsum (``[B, T, H]``) and the WY form (w, u, A: one fused intra-chunk kernel,
+which fla's own backward also runs as ``recompute_w_u_fwd``), so nothing of size ``[B, T, H, *]`` beyond the
+inputs is kept between the passes.
 
 Backends (``backend``), on CUDA:
 
@@ -17,8 +19,10 @@ Backends (``backend``), on CUDA:
 - "fla_hopper": the same pipeline with our Hopper-safe ``dqkwg`` kernel (:mod:`fla_hopper`);
 - "chunk": the PyTorch chunk path (:func:`chunk.chunk_delta_rule`).
 
-Per-channel gates (g [B, T, H, K], KDA) take fla's ``chunk_kda`` under "fla" and "fla_hopper" alike; its
-backward reruns ``chunk_kda`` under autograd (one extra forward) rather than calling fla's private KDA backward.
+Per-channel gates (g [B, T, H, K], KDA) run what fla's own ``ChunkKDAFunction`` (``chunk_kda``) runs, under "fla"
+and "fla_hopper" alike: the forward is ``chunk_kda_fwd`` and returns, as gk, Aqk, Akk, what that Function saves
+besides its inputs (gk: g's chunk-local log2 cumsum, [B, T, H, K] float32; Aqk, Akk: [B, T, H, 64] in k's dtype);
+the backward is ``chunk_kda_bwd`` on them, which recomputes w, u, h, v_new as fla's does. No forward is rerun.
 On any non-CUDA device every backend runs the chunk path (forward; backward by autograd through it), so the ops
 are testable on the CPU (``torch.library.opcheck``, float64 gradients, ``torch.compile`` without a GPU).
 
@@ -38,6 +42,7 @@ import torch
 
 from attention.linear_common import fla_gated_backward_ok
 from attention.ops.delta_rule.chunk import chunk_delta_rule
+from attention.ops.opaque import autograd_inside_op
 
 Tensor = torch.Tensor
 
@@ -62,19 +67,6 @@ def _check(backend: str, q: Tensor, cu_seqlens: Optional[Tensor]) -> None:
 
 def _uses_chunk(backend: str, q: Tensor) -> bool:
     return backend == "chunk" or not q.is_cuda
-
-
-@contextlib.contextmanager
-def _autograd_inside_op():
-    """Re-enable autograd inside a custom op's kernel (the dispatcher excludes the autograd keys there)."""
-    DK = torch._C.DispatchKey
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    with contextlib.ExitStack() as stack:
-        for key in (DK.AutogradFunctionality, DK.ADInplaceOrView):
-            if excluded.has(key):
-                stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
-        with torch.enable_grad():
-            yield
 
 
 # ---------------------------------------------------------------- fla pieces (CUDA)
@@ -117,11 +109,55 @@ def _fla_prep(q, k, v, beta, g, h0, cu_seqlens):
     return q, k, v, beta, g, h0, cu, ci
 
 
-def _fla_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
-    if g is not None and g.dim() == 4:
-        from attention.ops.delta_rule.fla import fla_delta_rule
+def _is_kda(g: Optional[Tensor]) -> bool:
+    return g is not None and g.dim() == 4
 
-        return fla_delta_rule(q, k, v, beta, g, scale, h0, output_final_state, cu_seqlens)
+
+def _device(q: Tensor):
+    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+
+
+def _no_saved(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(0), q.new_empty(0), q.new_empty(0)
+
+
+def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
+    """fla-core 0.6.0's ``ChunkKDAFunction.forward`` at ``chunk_kda``'s defaults (no in-kernel l2norm, gate or beta
+    sigmoid; ``disable_recompute=False``): (o, final state or None, gk, Aqk, Akk).
+
+    gk (g's chunk-local log2 cumsum, [B, T, H, K] float32), Aqk and Akk ([B, T, H, 64] in k's dtype) are what that
+    Function saves for its backward besides its inputs (w, u, h, v_new are None at these settings).
+    """
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+    if q.shape[-1] > 256:  # chunk_kda's own limit, asserted before its Function runs
+        raise ValueError(f"fla's KDA supports key head dim <= 256, got {q.shape[-1]}")
+    q, k, v, beta, g, h0, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
+    with _device(q):
+        o, ht, gk, Aqk, Akk, *_ = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                                output_final_state=output_final_state, cu_seqlens=cu,
+                                                chunk_indices=ci, chunk_size=BT)
+    return o.type_as(q), ht, gk, Aqk, Akk
+
+
+def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk):
+    """fla-core 0.6.0's ``ChunkKDAFunction.backward``: ``chunk_kda_bwd`` on the forward's saved (gk, Aqk, Akk); it
+    recomputes w, u, h, v_new itself (fla's default ``disable_recompute=False``). (dq, dk, dv, dbeta, dg, dh0)."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+
+    if gk is None or Aqk is None or Akk is None or 0 in (gk.numel(), Aqk.numel(), Akk.numel()):
+        raise ValueError("attnlab::delta_rule_bwd: KDA on fla needs delta_rule_fwd's saved (gk, Aqk, Akk)")
+    q, k, v, beta, _, h0, cu, ci = _fla_prep(q, k, v, beta, None, h0, cu_seqlens)
+    do = do.to(q.dtype).contiguous()  # fla's Function returns o in q's dtype
+    dht = None if dht is None else dht.float().contiguous()
+    with _device(q):
+        dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale,
+                                                      initial_state=h0, do=do, dht=dht, g=gk, cu_seqlens=cu,
+                                                      chunk_indices=ci, chunk_size=BT)
+    return dq, dk, dv, db, dg, dh0
+
+
+def _fla_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
     from attention.ops.delta_rule.fla_hopper import _fwd
 
     q, k, v, beta, g, h0, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
@@ -129,21 +165,7 @@ def _fla_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
 
 
 def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
-    """(dq, dk, dv, dbeta, dg or None, dh0 or None) in fla's dtypes (cast by the caller)."""
-    if g is not None and g.dim() == 4:  # KDA: rerun fla's chunk_kda under autograd
-        from attention.ops.delta_rule.fla import fla_delta_rule
-
-        with _autograd_inside_op():
-            leaves = [None if t is None else t.detach().requires_grad_(True) for t in (q, k, v, beta, g, h0)]
-            o, ht = fla_delta_rule(*leaves[:5], scale, leaves[5], dht is not None, cu_seqlens)
-            outs, grads = [o], [do]
-            if dht is not None:
-                outs.append(ht)
-                grads.append(dht)
-            need = [t for t in leaves if t is not None]
-            got = iter(torch.autograd.grad(outs, need, grads, allow_unused=True))
-            res = [None if t is None else next(got) for t in leaves]
-        return tuple(r if r is not None or t is None else torch.zeros_like(t) for r, t in zip(res, leaves))
+    """DeltaNet / GDN: (dq, dk, dv, dbeta, dg or None, dh0 or None) in fla's dtypes (cast by the caller)."""
     from attention.ops.delta_rule.fla_hopper import _bwd
 
     q, k, v, beta, gf, h0f, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
@@ -159,17 +181,20 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
 @torch.library.custom_op("attnlab::delta_rule_fwd", mutates_args=())
 def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
                    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-                   output_final_state: bool, backend: str, chunk_size: int) -> tuple[Tensor, Tensor]:
+                   output_final_state: bool, backend: str,
+                   chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check(backend, q, cu_seqlens)
+    saved = _no_saved(q)
     if _uses_chunk(backend, q):
         o, ht = chunk_delta_rule(q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens,
                                  chunk_size=chunk_size)
+    elif _is_kda(g):
+        o, ht, *saved = _kda_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state)
     else:
         o, ht = _fla_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state)
     o = o.to(v.dtype).contiguous()
-    if ht is None:
-        return o, q.new_empty(0, dtype=_state_dtype(q))
-    return o, ht.to(_state_dtype(q)).contiguous()
+    ht = q.new_empty(0, dtype=_state_dtype(q)) if ht is None else ht.to(_state_dtype(q)).contiguous()
+    return o, ht, *saved
 
 
 @delta_rule_fwd.register_fake
@@ -177,18 +202,23 @@ def _(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, ba
     B, T, H, K = q.shape
     o = v.new_empty(B, T, H, v.shape[-1])
     if not output_final_state:
-        return o, q.new_empty(0, dtype=_state_dtype(q))
-    return o, q.new_empty(_n_states(q, cu_seqlens), H, K, v.shape[-1], dtype=_state_dtype(q))
+        ht = q.new_empty(0, dtype=_state_dtype(q))
+    else:
+        ht = q.new_empty(_n_states(q, cu_seqlens), H, K, v.shape[-1], dtype=_state_dtype(q))
+    if _uses_chunk(backend, q) or not _is_kda(g):
+        return o, ht, *_no_saved(q)
+    return o, ht, g.new_empty(g.shape, dtype=torch.float32), k.new_empty(B, T, H, BT), k.new_empty(B, T, H, BT)
 
 
 # ---------------------------------------------------------------- backward op
 @torch.library.custom_op("attnlab::delta_rule_bwd", mutates_args=())
 def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
                    g: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-                   backend: str, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   backend: str, chunk_size: int, gk: Optional[Tensor] = None, Aqk: Optional[Tensor] = None,
+                   Akk: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check(backend, q, cu_seqlens)
     if _uses_chunk(backend, q):
-        with _autograd_inside_op():
+        with autograd_inside_op():
             leaves = [None if t is None else t.detach().requires_grad_(True)
                       for t in (q, k, v, beta, g, initial_state)]
             o, ht = chunk_delta_rule(*leaves[:5], scale, leaves[5], dht is not None, cu_seqlens,
@@ -201,6 +231,8 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
             got = iter(torch.autograd.grad(outs, need, grads, allow_unused=True))
             res = [None if t is None else next(got) for t in leaves]
         res = [r if r is not None or t is None else torch.zeros_like(t) for r, t in zip(res, leaves)]
+    elif _is_kda(g):
+        res = list(_kda_bwd(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, gk, Aqk, Akk))
     else:
         res = list(_fla_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend))
     ins = (q, k, v, beta, g, initial_state)
@@ -208,23 +240,25 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 
 @delta_rule_bwd.register_fake
-def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size):
+def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size, gk=None, Aqk=None, Akk=None):
     like = lambda t: q.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return tuple(like(t) for t in (q, k, v, beta, g, initial_state))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size = inputs
-    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens)
+    _, _, gk, Aqk, Akk = output
+    ctx.mark_non_differentiable(gk, Aqk, Akk)
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, gk, Aqk, Akk)
     ctx.args = (scale, output_final_state, backend, chunk_size)
 
 
-def _backward(ctx, do, dht):
-    q, k, v, beta, g, initial_state, cu_seqlens = ctx.saved_tensors
+def _backward(ctx, do, dht, *_):  # no gradient flows into the saved intermediates (non-differentiable)
+    q, k, v, beta, g, initial_state, cu_seqlens, gk, Aqk, Akk = ctx.saved_tensors
     scale, output_final_state, backend, chunk_size = ctx.args
     dht = dht if output_final_state and dht is not None else None
     dq, dk, dv, db, dg, dh0 = delta_rule_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend,
-                                             chunk_size)
+                                             chunk_size, gk, Aqk, Akk)
     return (dq, dk, dv, db, None if g is None else dg, None if initial_state is None else dh0,
             None, None, None, None, None)
 
@@ -251,6 +285,6 @@ def delta_rule_op(
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, ht = delta_rule_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend,
-                           chunk_size)
+    o, ht, *_ = delta_rule_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend,
+                               chunk_size)
     return o, (ht if output_final_state else None)

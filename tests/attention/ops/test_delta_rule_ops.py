@@ -5,10 +5,18 @@ without fla or a GPU: ``torch.library.opcheck`` (schema, fake shapes/dtypes, aut
 dispatch) with optional tensors absent and present; outputs against the recurrent float64 oracle; float64
 gradients through the op (q, k, v, beta, g, initial state, through o and the final state) against autograd
 through the chunk path; ``torch.compile(fullgraph=True)`` of a function calling the op (aot_eager) against
-eager, forward and backward. GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper +
-Triton < 3.7.1, fla elsewhere) against the chunk path in float32, and a compiled GDN module (impl "auto")
-forward + backward against eager.
+eager, forward and backward; the fake outputs for CUDA inputs (KDA's saved gk, Aqk, Akk; empty elsewhere).
+
+KDA on fla, CPU (needs fla-core installed; Triton interpreter, tiny shapes, with the op's device check bypassed):
+the op's backward calls fla's ``chunk_kda_bwd`` on the forward's saved (gk, Aqk, Akk) without rerunning the
+forward, o / final state / every gradient match the float64 recurrent oracle, fake outputs match real ones.
+
+GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper + Triton < 3.7.1, fla elsewhere)
+against the chunk path in float32; KDA's saved-intermediate backward (no rerun) against the recurrent oracle;
+compiled GDN and KDA modules (impl "auto", inductor) forward + backward against eager.
 """
+
+import os
 
 import pytest
 import torch
@@ -169,6 +177,172 @@ def test_module_compiled_through_op_matches_chunk(name, monkeypatch):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-8, atol=1e-10, msg=n)
 
 
+# ---------------------------------------------------------------- KDA on fla (saved intermediates, no rerun)
+def test_kda_fake_saved_shapes_for_cuda_inputs():
+    """Fake (trace-time) outputs for CUDA inputs, where the op takes fla: KDA returns gk [B, T, H, K] float32 and
+    Aqk, Akk [B, T, H, 64] in k's dtype; GDN / DeltaNet (and the chunk backend) return them empty. Fake CUDA
+    tensors need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, T, H, K, V = 2, 100, 3, 32, 16
+    with FakeTensorMode():
+        q, k = torch.empty(B, T, H, K, device="cuda", dtype=torch.bfloat16), torch.empty(B, T, H, K, device="cuda",
+                                                                                          dtype=torch.bfloat16)
+        v, beta = torch.empty(B, T, H, V, device="cuda", dtype=torch.bfloat16), torch.empty(B, T, H, device="cuda")
+        gates = {"channel": torch.empty(B, T, H, K, device="cuda"), "scalar": torch.empty(B, T, H, device="cuda"),
+                 "none": None}
+        for gate, g in gates.items():
+            for backend in ("fla", "fla_hopper", "chunk"):
+                o, ht, gk, Aqk, Akk = delta_rule_fwd(q, k, v, beta, g, None, None, 0.5, True, backend, 64)
+                assert o.shape == (B, T, H, V) and o.dtype == torch.bfloat16 and ht.shape == (B, H, K, V)
+                if gate == "channel" and backend != "chunk":
+                    assert gk.shape == (B, T, H, K) and gk.dtype == torch.float32
+                    assert Aqk.shape == Akk.shape == (B, T, H, 64) and Aqk.dtype == Akk.dtype == torch.bfloat16
+                else:
+                    assert gk.numel() == Aqk.numel() == Akk.numel() == 0
+                grads = delta_rule_bwd(o, ht, q, k, v, beta, g, None, None, 0.5, backend, 64, gk, Aqk, Akk)
+                for d, t in zip(grads, (q, k, v, beta, g)):
+                    assert d.shape == (0,) if t is None else (d.shape == t.shape and d.dtype == t.dtype)
+
+
+@pytest.fixture
+def fla_kda_interpreted(monkeypatch):
+    """The ops' fla KDA branch on the CPU: fla-core's Triton kernels under the interpreter (TRITON_INTERPRET=1,
+    set by conftest without CUDA), at tiny shapes. Two interpreter shims, test-only, fla's code unchanged:
+
+    - one autotune config per kernel (benchmarking needs a GPU driver): the last of fla's list, whose larger
+      tiles mean fewer interpreted programs (the token-parallel intra kernel: BH=8, all heads in one program);
+    - ``range`` in fla's kernels yields interpreter tensors when its bound is one (the interpreter gives plain
+      ints, on which fla's ``i_t.to(tl.int64)`` fails; compiled Triton's loop variables are tensors).
+
+    The op's device check (``_uses_chunk``: fla only on CUDA) is bypassed so "fla" / "fla_hopper" run fla here.
+    Returns the record of fla's ``chunk_kda_fwd`` / ``chunk_kda_bwd`` calls (:func:`_spy_fla_kda`)."""
+    pytest.importorskip("fla")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU-interpreter test (on a GPU: test_gpu_kda_saved_backward_matches_recurrent)")
+    import builtins
+    import operator
+    import sys
+
+    import fla.ops  # noqa: F401  (every fla op module)
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.interpreter import _implicit_cvt
+
+    from attention.ops.delta_rule import ops
+    from attention.ops.fla_launch import FastLaunch
+
+    def interp_range(*args):
+        if not any(isinstance(a, tl.tensor) for a in args):
+            return builtins.range(*args)
+        return (_implicit_cvt(i) for i in builtins.range(*map(operator.index, args)))
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.ops") or mod is None:
+            continue
+        monkeypatch.setattr(mod, "range", interp_range, raising=False)
+        for obj in list(vars(mod).values()):
+            obj = obj.kernel if isinstance(obj, FastLaunch) else obj
+            while isinstance(obj, (Heuristics, Autotuner)):
+                if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+                    monkeypatch.setattr(obj, "configs", obj.configs[-1:])
+                obj = obj.fn
+    monkeypatch.setattr(ops, "_uses_chunk", lambda backend, q: backend == "chunk")
+    return _spy_fla_kda(monkeypatch)
+
+
+def _spy_fla_kda(monkeypatch):
+    """Record every call of fla's ``chunk_kda_fwd`` / ``chunk_kda_bwd`` (keyword arguments, result)."""
+    from fla.ops.kda import chunk_bwd, chunk_fwd
+
+    calls = {"fwd": [], "bwd": []}
+
+    def spy(key, fn):
+        def wrapped(**kw):
+            out = fn(**kw)
+            calls[key].append((kw, out))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd", spy("fwd", chunk_fwd.chunk_kda_fwd))
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd", spy("bwd", chunk_bwd.chunk_kda_bwd))
+    return calls
+
+
+def _check_no_rerun(calls):
+    """One fla forward, one fla backward, and the backward got the forward's gk (its ``g``), Aqk and Akk."""
+    assert len(calls["fwd"]) == 1 and len(calls["bwd"]) == 1, "the backward reran fla's forward"
+    (_, fout), (bkw, _) = calls["fwd"][0], calls["bwd"][0]
+    saved = dict(g=fout[2], Aqk=fout[3], Akk=fout[4])
+    for name, t in saved.items():
+        assert bkw[name] is t, f"fla's backward did not get the forward's {name}"
+    return bkw, saved
+
+
+KDA_CPU_CASES = [  # (B, T, H, K, V, cu_seqlens, with initial state and final-state gradient)
+    pytest.param((1, 70, 2, 16, 16, None, True), id="dense_state"),  # 2 chunks: 64 + 6
+    pytest.param((1, 80, 2, 16, 16, [0, 11, 80], True), id="varlen_state"),  # documents of 11 and 64 + 5 tokens
+    pytest.param((2, 70, 2, 16, 16, None, False), id="dense_plain", marks=pytest.mark.slow),  # no h0, no dht
+]
+
+
+def _same_meta(real, fake, name):
+    assert (real.shape, real.dtype, real.stride()) == (fake.shape, fake.dtype, fake.stride()), (
+        f"{name}: real {tuple(real.shape)} {real.dtype} {real.stride()} != fake {tuple(fake.shape)} {fake.dtype} "
+        f"{fake.stride()}")
+
+
+@pytest.mark.parametrize("case", KDA_CPU_CASES)
+def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpreted):
+    """KDA through ``delta_rule_op`` on fla's kernels (interpreted, float32), forward and backward, against the
+    float64 recurrent oracle: o, final state, dq, dk, dv, dbeta, dg, dh0, none NaN. fla's forward runs once (no
+    rerun in the backward), its backward gets exactly the (gk, Aqk, Akk) the forward produced, and the fake
+    (trace-time) outputs of both ops match the real ones in shape, dtype and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, T, H, K, V, cu, with_state = case
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    N = B if cu is None else cu.numel() - 1
+    ins = _inputs("channel", B, T, H, K, V, n_state=N if with_state else None, seed=3)
+    a = [None if t is None else t.float().requires_grad_(True) for t in ins]
+    b = [None if t is None else t.clone().requires_grad_(True) for t in ins]  # float64
+    o, ht = delta_rule_op(*a[:5], 0.7, a[5], with_state, cu, backend="fla")
+    o_ref, ht_ref = naive_recurrent_delta_rule(*b[:5], 0.7, b[5], with_state, cu)
+    calls = fla_kda_interpreted
+    assert len(calls["fwd"]) == 1 and not calls["bwd"]
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=F64)
+    loss, loss_ref = (o.double() * do).sum(), (o_ref * do).sum()
+    if with_state:
+        dht = torch.randn(ht.shape, generator=gen, dtype=F64)
+        loss, loss_ref = loss + (ht.double() * dht).sum(), loss_ref + (ht_ref * dht).sum()
+    else:
+        assert ht is None
+    loss.backward()
+    loss_ref.backward()
+    bkw, saved = _check_no_rerun(calls)
+    assert (bkw["dht"] is None) != with_state and (bkw["initial_state"] is None) != with_state
+
+    outs = [("o", o, o_ref)] + ([("ht", ht, ht_ref)] if with_state else [])
+    outs += [(f"d{n}", x.grad, y.grad) for n, x, y in zip(["q", "k", "v", "beta", "g", "h0"], a, b) if x is not None]
+    for name, x, y in outs:
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        assert not torch.isnan(x).any(), f"{name} has NaN"
+        torch.testing.assert_close(x.double(), y.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+    mode = FakeTensorMode()  # the fake kernels on the same (patched: fla on the CPU) dispatch
+    fk = lambda t: None if t is None else mode.from_tensor(t.detach())  # noqa: E731
+    f_ins, f_cu, f_do, f_dht = [fk(t) for t in a], fk(cu), fk(o), (fk(ht) if with_state else None)
+    with mode:
+        f_out = delta_rule_fwd(*f_ins[:5], f_ins[5], f_cu, 0.7, with_state, "fla", 64)
+        f_grads = delta_rule_bwd(f_do, f_dht, *f_ins, f_cu, 0.7, "fla", 64, *f_out[2:])
+    real_ht = ht if with_state else torch.empty(0)
+    for name, x, y in zip(["o", "ht", "gk", "Aqk", "Akk"], [o, real_ht, *saved.values()], f_out):
+        _same_meta(x, y, name)
+    for name, x, y in zip(["q", "k", "v", "beta", "g", "h0"], a, f_grads):
+        _same_meta(x.grad if x is not None else torch.empty(0), y, f"d{name}")
+
+
 # ---------------------------------------------------------------- GPU
 def _gpu_backend(gated, impl="auto"):
     x = torch.empty(0, device="cuda")
@@ -209,7 +383,36 @@ def test_gpu_op_matches_chunk_float32(gate, varlen, impl):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_gdn_module_matches_eager():
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+def test_gpu_kda_saved_backward_matches_recurrent(varlen, impl, monkeypatch):
+    """KDA on fla (compiled kernels): fla's forward runs once, its backward gets the forward's (gk, Aqk, Akk), and
+    o, final state and every gradient (dh0 included) match the float64 recurrent oracle (TF32 dots: 1e-2)."""
+    backend = _gpu_backend(True, impl)
+    calls = _spy_fla_kda(monkeypatch)
+    B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 150, 4, 64, 64)
+    cu = torch.tensor([0, 70, 229, 300], dtype=torch.int32, device="cuda") if varlen else None
+    ins = _inputs("channel", B, T, H, K, V, device="cuda", n_state=3 if varlen else B)
+    a = [t.float().requires_grad_(True) for t in ins]
+    b = [t.clone().requires_grad_(True) for t in ins]
+    o, ht = delta_rule_op(*a[:5], None, a[5], True, cu, backend=backend)
+    o_ref, ht_ref = naive_recurrent_delta_rule(*b[:5], None, b[5], True, cu)
+    do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    _check_no_rerun(calls)
+    rel = lambda x, y: ((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-6)).item()  # noqa: E731
+    for name, x, y in [("o", o, o_ref), ("ht", ht, ht_ref)] + [
+            (f"d{n}", p.grad, r.grad) for n, p, r in zip(["q", "k", "v", "beta", "g", "h0"], a, b)]:
+        assert x.dtype == torch.float32 and torch.isfinite(x).all(), name
+        assert rel(x, y.detach()) < 1e-2, f"{backend} {name}: relative error {rel(x, y.detach()):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_gpu_compiled_module_matches_eager(name):
+    """The module under torch.compile(fullgraph=True) (inductor) with impl "auto" (the custom ops; KDA's saved
+    intermediates are graph outputs of the forward op fed to the backward op) against eager, bf16."""
     import attention  # noqa: F401
     from attention.base import AttentionArgs, AttentionContext
     from attention.registry import REGISTRY
@@ -217,7 +420,7 @@ def test_gpu_compiled_gdn_module_matches_eager():
     _gpu_backend(True)
     torch._dynamo.reset()
     args = AttentionArgs(dim=128, n_heads=2, n_kv_heads=2, head_dim=64, impl="auto")
-    mech = REGISTRY["gdn"]
+    mech = REGISTRY[name]
     m = mech.cls(args, mech.options()).to("cuda")
     with torch.no_grad():
         m.init_weights(0.02)
