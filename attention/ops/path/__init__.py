@@ -4,7 +4,7 @@
 
 - "reference": :func:`naive_path_attn` (token loop with the transformed-key cache, float64-capable);
 - "chunk":     :func:`chunk_path_attn` (blockwise, one triangular solve per block, online softmax);
-- "fla":       fla-core 0.6.0 ``parallel_path_attn`` (head dims 16/32/64/128, float32 w/beta/g);
+- "fla":       fla-core 0.6.0 ``parallel_path_attn`` (head dims 32/64/128, float32 w/beta/g; 16 crashed on an H100);
 - "auto":      fla on CUDA when importable and the head dim fits, else "chunk".
 """
 
@@ -20,7 +20,9 @@ from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn
 
 IMPLS = ("auto", "reference", "recurrent", "chunk", "fla")
-FLA_DIMS = (16, 32, 64, 128)
+FLA_DIMS = (32, 64, 128)
+"""Head dims given to fla's PaTH kernels. 16 is left out: fla 0.6.0's ``parallel_path_attn`` hit an illegal memory
+access at D=16 (T=40, packed or not, eager) on an H100 with Triton 3.6, while D=64 ran (session 5, .gpu/diag.py)."""
 
 __all__ = ["path_attention", "naive_path_attn", "chunk_path_attn", "householder_update_", "IMPLS"]
 
