@@ -22,7 +22,7 @@ from attention.ops.path.naive import naive_path_attn
 IMPLS = ("auto", "reference", "recurrent", "chunk", "fla")
 FLA_DIMS = (32, 64, 128)
 """Head dims given to fla's PaTH kernels. 16 is left out: fla 0.6.0's ``parallel_path_attn`` hit an illegal memory
-access at D=16 (T=40, packed or not, eager) on an H100 with Triton 3.6, while D=64 ran (session 5, .gpu/diag.py)."""
+access at D=16 (T=40, packed or not, eager) on an H100 with Triton 3.6, while D=64 ran (session 5)."""
 
 __all__ = ["path_attention", "naive_path_attn", "chunk_path_attn", "householder_update_", "IMPLS"]
 
