@@ -20,6 +20,12 @@ from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
 
+SAC_OP_MODULES = ("attention", "attention.ops.parallax.kernels.ops", "attention.ops.delta_rule.ops",
+                  "attention.ops.hla.triton_gla")
+"""Modules that register attention custom ops: the package (mechanism modules import their ops) and those imported
+lazily, at a module's first forward, which is after this list is built."""
+
+
 def sac_save_list() -> set:
     """Ops whose outputs selective activation checkpointing ("op" mode) keeps instead of recomputing: torchtitan's
     Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus the project's attention forward custom ops.
@@ -29,21 +35,14 @@ def sac_save_list() -> set:
     per step, while softmax's ``_varlen_attn`` is on torchtitan's list (benchmarks/RESULTS.md, session 5). The
     opaque ops (``attention.ops.opaque``) recompute their forward in their own backward; saving their output spares
     a third run."""
-    ops = set(_op_sac_save_list)
-    for module, op in (("attention.ops.parallax.kernels.ops", "parallax_kernels.fwd"),
-                       ("attention.ops.delta_rule.ops", "attnlab.delta_rule_fwd")):
-        try:
-            importlib.import_module(module)  # registers the op (needs triton, absent on some platforms)
-        except ImportError:
-            continue
-        namespace, name = op.split(".")
-        ops.add(getattr(getattr(torch.ops, namespace), name).default)
-    import attention  # noqa: F401  (the mechanisms' modules register their opaque ops on import ...)
+    for module in SAC_OP_MODULES:  # registers the ops (the Triton ones need triton, absent on some platforms)
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
     from attention.ops.opaque import REGISTERED
 
-    with contextlib.suppress(ImportError):
-        importlib.import_module("attention.ops.hla.triton_gla")  # (... but this one is imported lazily)
-    ops.update(getattr(torch.ops.attnlab, name).default for name in REGISTERED)
+    named = [("parallax_kernels", "fwd"), ("attnlab", "delta_rule_fwd")] + [("attnlab", n) for n in REGISTERED]
+    ops = set(_op_sac_save_list)
+    ops.update(getattr(getattr(torch.ops, ns), n).default for ns, n in named if hasattr(getattr(torch.ops, ns), n))
     return ops
 
 

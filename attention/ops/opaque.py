@@ -52,6 +52,11 @@ def _tensor_slots(fn: Callable) -> list[bool]:
     return [p.annotation is Tensor or p.annotation == (Tensor | None) for p in params]
 
 
+def fake_attention_out(q: Tensor, k: Tensor, v: Tensor, *rest) -> Tensor:
+    """The usual ``fake`` of an attention op: [B, T, H, V] from q [B, T, H, K] and v [..., V], in q's dtype."""
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
 def _differentiable(t) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
 
@@ -97,9 +102,12 @@ def opaque_op(name: str, fn: Callable[..., Tensor], fake: Callable[..., Tensor])
     def backward(ctx, grad):
         saved = iter(ctx.saved_tensors)
         args = [next(saved) if is_tensor else a for a, is_tensor in zip(ctx.others, slots)]
-        grads = iter(bwd(grad.contiguous(), *args))
-        return tuple((g if _differentiable(a) else None) if is_tensor else None
-                     for a, is_tensor, g in zip(args, slots, (next(grads) if s else None for s in slots)))
+        grads = iter(bwd(grad.contiguous(), *args))  # one per tensor slot
+        out = []
+        for a, is_tensor in zip(args, slots):
+            g = next(grads) if is_tensor else None
+            out.append(g if _differentiable(a) else None)
+        return tuple(out)
 
     fwd.register_autograd(backward, setup_context=setup_context)
     REGISTERED[name] = fwd

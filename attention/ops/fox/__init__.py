@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from attention.linear_common import fla_importable, log_once
-from attention.ops.opaque import opaque_op
+from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.fox.chunk import chunk_forgetting_attn
 from attention.ops.fox.naive import doc_cumsum, naive_forgetting_attn
 
@@ -120,7 +120,7 @@ def _fla_fox_eager(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_
 
 
 # fla's entry point cannot be traced: an opaque op inside compiled models (backward recomputes the forward)
-_fla_fox_op = opaque_op("fla_fox", _fla_fox_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+_fla_fox_op = opaque_op("fla_fox", _fla_fox_eager, fake_attention_out)
 
 
 def fox_decode(q, k_cache, v_cache, c_cache, n_prev: int, scale: float | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, log_once
-from attention.ops.opaque import opaque_op
+from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
@@ -67,7 +67,7 @@ def _fla_gla_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Opt
 
 
 # fla's entry points are torch.compiler.disable'd: the stateless (training) call is an opaque op in compiled models
-_fla_gla_op = opaque_op("fla_gla", _fla_gla_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+_fla_gla_op = opaque_op("fla_gla", _fla_gla_eager, fake_attention_out)
 
 
 def fla_gla(q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -142,5 +142,4 @@ def _chunk_gla_varlen_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]
 
 
 # the packed-document layout is built from cu_seqlens' values in Python: an opaque op inside compiled models
-_chunk_gla_varlen_op = opaque_op("chunk_gla_varlen", _chunk_gla_varlen_eager,
-                                 lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+_chunk_gla_varlen_op = opaque_op("chunk_gla_varlen", _chunk_gla_varlen_eager, fake_attention_out)

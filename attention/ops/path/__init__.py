@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from attention.linear_common import fla_importable, log_once
-from attention.ops.opaque import opaque_op
+from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn
 
@@ -92,7 +92,7 @@ def _fla_path_eager(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, g:
 
 
 # fla's entry point is torch.compiler.disable'd: an opaque op inside compiled models (backward recomputes the forward)
-_fla_path_op = opaque_op("fla_path", _fla_path_eager, lambda q, k, v, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+_fla_path_op = opaque_op("fla_path", _fla_path_eager, fake_attention_out)
 
 
 @torch.no_grad()
