@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.lla.naive import cg_solve, relmm, sigma_matvec
+from attention.ops.lla.naive import cg_solve, from_centred, relmm, sigma_matvec, solve_via_centred
 
 
 def block_stats(qb, kb, ok, scale):
@@ -42,11 +42,13 @@ def _block_mask(doc_start, r0, r1, lo, device):
     return ((j <= i)[None] & (j[None] >= doc_start[:, r0:r1, None]))[:, None]
 
 
-def _solve(qb, kb, w, omega, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
+def _solve(kb, w, omega, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
+    """CG against Σ_c (keys centred at their weighted mean k̄ = μ̃/ω, :func:`naive.from_centred`): Σ_c⁻¹ rhs."""
+    kbar = mu_t / omega[..., None]
     diag = None
-    if jacobi:  # diag Σ_i = Σ_j w k² − 2 μ̃⊙q + ω q² + ridge  (spec §5.2)
-        diag = ksq_w - 2 * mu_t * qb + omega[..., None] * qb * qb + rid[..., None]
-    mv = lambda p: sigma_matvec(p, qb, kb, w, mu_t, omega, rid)  # noqa: E731
+    if jacobi:  # diag Σ_c = Σ_j w k² − ω k̄² + ridge  (spec §5.2 with q → k̄)
+        diag = ksq_w - mu_t * kbar + rid[..., None]
+    mv = lambda p: sigma_matvec(p, kbar, kb, w, rid)  # noqa: E731
     return cg_solve(mv, rhs, cg_iters, diag=diag, rtol=rtol)
 
 
@@ -62,9 +64,10 @@ def lla_fwd_chunked(q, k, v, lam, doc_start, scale, cg_iters, jacobi, ridge_omeg
         w, omega, mu_t, ksq_w = block_stats(qb, kb, _block_mask(doc_start, r0, r1, lo, q.device), scale)
         rid = lam[:, :, r0:r1] * (omega if ridge_omega else 1.0)
         mu = mu_t - omega[..., None] * qb
-        rb = _solve(qb, kb, w, omega, mu_t, ksq_w, rid, mu, cg_iters, jacobi, rtol)
-        db = omega - (mu * rb).sum(-1)
-        o[:, :, r0:r1] = (w * (1 - relmm(rb, qb, kb)) / db[..., None]) @ vb  # eq. 16
+        rc = _solve(kb, w, omega, mu_t, ksq_w, rid, mu, cg_iters, jacobi, rtol)
+        rb, db = from_centred(rc, mu, omega)
+        # eq. 16 in the centred form: w_j (1 − z_j·ρ)/δ = w_j (1 − (k_j − k̄)·ρ_c)/ω, no 1/δ amplification
+        o[:, :, r0:r1] = (w * (1 - relmm(rc, mu_t / omega[..., None], kb))) @ vb / omega[..., None]
         rho[:, :, r0:r1], delta[:, :, r0:r1] = rb, db
     return o, rho, delta
 
@@ -91,7 +94,7 @@ def lla_bwd_chunked(q, k, v, lam, doc_start, o, rho, delta, do, scale, cg_iters,
         c = gam * w / db[..., None]
         tau = c.sum(-1)
         y = c @ kb - tau[..., None] * qb
-        u = _solve(qb, kb, w, omega, mu_t, ksq_w, rid, y, cg_iters, jacobi, rtol)  # the adjoint solve
+        u = solve_via_centred(_solve(kb, w, omega, mu_t, ksq_w, rid, y, cg_iters, jacobi, rtol), rb, mu, omega)
         dmu = 2 * beta[..., None] * rb - u
         trg = (u * rb).sum(-1) - beta * (rb * rb).sum(-1)
         zu = relmm(u, qb, kb)

@@ -31,15 +31,34 @@ def relmm(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x @ k.transpose(-1, -2) - (x * q).sum(-1, keepdim=True)
 
 
-def sigma_matvec(p, q, k, w, mu_t, omega, ridge) -> torch.Tensor:
-    """Eq. 13, matrix-free Σ_i p_i for a block of rows.
+def sigma_matvec(p, q, k, w, ridge) -> torch.Tensor:
+    """Eq. 13, matrix-free Σ_i p_i = Σ_j w_ij (k_j − q_i)(k_j − q_i)ᵀp_i + ridge_i p_i for a block of rows.
 
-    p, q, mu_t (uncentred Σ_j w_ij k_j): [..., M, D]; k: [..., N, D]; w: [..., M, N] (masked weights);
-    omega, ridge (the λ_i·c_i added to the diagonal): [..., M]. Returns [..., M, D]."""
-    qp = (q * p).sum(-1, keepdim=True)
-    mp = (mu_t * p).sum(-1, keepdim=True)
-    out = (w * (p @ k.transpose(-1, -2))) @ k
-    return out - qp * mu_t - mp * q + (omega[..., None] * qp) * q + ridge[..., None] * p
+    Computed as t = w ⊙ relmm(p, q, k), Σ_j t_ij k_j − (Σ_j t_ij) q_i: the centred projections come first, so
+    nothing of size ω‖q‖²‖p‖ is formed and cancelled (the expanded Σ w k kᵀp − (q·p)μ̃ − (μ̃·p)q + ω(q·p)q
+    lost ~30× the operand rounding with keys centred at k̄, measured with TF32 operands).
+    p, q: [..., M, D]; k: [..., N, D]; w: [..., M, N] (masked weights); ridge (the λ_i·c_i added to the
+    diagonal): [..., M]. Returns [..., M, D]."""
+    t = w * relmm(p, q, k)
+    return t @ k - t.sum(-1, keepdim=True) * q + ridge[..., None] * p
+
+
+def from_centred(rho_c: torch.Tensor, mu: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ρ, δ) of the q-centred system from ρ_c = Σ_c⁻¹ μ, the solve against the k̄-centred matrix.
+
+    Σ_i = Σ_j w_ij (k_j − q_i)(k_j − q_i)ᵀ + ridge = Σ_c + μμᵀ/ω with Σ_c = Σ_j w_ij (k_j − k̄_i)(k_j − k̄_i)ᵀ
+    + ridge and k̄ = μ̃/ω (μ = ω(k̄ − q)). Sherman–Morrison with t = μᵀρ_c/ω ≥ 0 gives ρ = ρ_c/(1 + t) and
+    δ = ω − μᵀρ = ω/(1 + t) > 0. Σ_i has the rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for normalised q, k), so CG on
+    Σ_i converges slowly and ω − μᵀρ cancels catastrophically (δ/ω ~ λ/‖k̄ − q‖²): in fp32 the output was
+    wrong by O(1)–O(10) relative and went non-finite at λ ≈ 0.01, D=128. Σ_c has no spike and δ comes out
+    positive by construction; the function is unchanged. Shapes: [..., D] vectors, [...] scalars."""
+    t = (mu * rho_c).sum(-1) / omega
+    return rho_c / (1 + t)[..., None], omega / (1 + t)
+
+
+def solve_via_centred(a: torch.Tensor, rho: torch.Tensor, mu: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """Σ_i⁻¹ b from a = Σ_c⁻¹ b (Sherman–Morrison, see :func:`from_centred`): a − ρ (μᵀa)/ω."""
+    return a - rho * ((mu * a).sum(-1, keepdim=True) / omega[..., None])
 
 
 def cg_solve(

@@ -121,20 +121,21 @@ def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: 
 
 
 @triton.jit
-def _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+def _matvec(p, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
             PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Σ_i p_i (eq. 13, centred form) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
-    qp = tl.sum(q.to(tl.float32) * p.to(tl.float32), 1)
+    """Σ_c p (eq. 13 in the centred form, keys centred at ``ctr`` = k̄, ``lla.naive.from_centred``; the weights come
+    from q) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
+    qp = tl.sum(ctr * p.to(tl.float32), 1)
     acc = tl.zeros([BR, BD], tl.float32)
     rs = tl.zeros([BR], tl.float32)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
     acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
-    return acc - rs[:, None] * q.to(tl.float32) + rid[:, None] * p.to(tl.float32)
+    return acc - rs[:, None] * ctr + rid[:, None] * p.to(tl.float32)
 
 
 @triton.jit
-def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
+def _cg(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
         D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
         SCRATCH: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, active mask of Algorithm 2. The direction p is kept
@@ -146,16 +147,16 @@ def _cg(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rto
     bn = tl.where(bn > 0, bn, 1.0)
     b = b / bn[:, None]
     if SCRATCH:
-        x = _cg_scratch(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS,
+        x = _cg_scratch(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS,
                         p_o, ok2, D, CG_ITERS, JACOBI, PRECISE, BR, BC, BD)
     else:
-        x = _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
+        x = _cg_regs(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
                      D, CG_ITERS, JACOBI, PRECISE, BR, BC, BD)
     return x * bn[:, None]
 
 
 @triton.jit
-def _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
+def _cg_regs(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T,
              D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
              BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """_cg with x and r in registers."""
@@ -169,7 +170,7 @@ def _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale
     rz = tl.sum(r * z, 1)
     thresh = rtol2 * tl.sum(b * b, 1)
     for _ in range(CG_ITERS):
-        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
+        ap = _matvec(p, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
         pf = p.to(tl.float32)
         pap = tl.sum(pf * ap, 1)
         active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thresh)
@@ -188,7 +189,7 @@ def _cg_regs(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale
 
 
 @triton.jit
-def _cg_scratch(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
+def _cg_scratch(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, X, RS, p_o, ok2,
                 D: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                 BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """_cg with x and r in global scratch (same iterates)."""
@@ -204,7 +205,7 @@ def _cg_scratch(b, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_sc
     thresh = rtol2 * rr
     tl.debug_barrier()
     for _ in range(CG_ITERS):
-        ap = _matvec(p, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
+        ap = _matvec(p, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
         pf = p.to(tl.float32)
         pap = tl.sum(pf * ap, 1)
         active = (pap > 0) & (pap < float("inf")) & (rr > thresh)
@@ -287,27 +288,32 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     qf = q.to(tl.float32)
     mu = mut - om[:, None] * qf
+    om1 = tl.where(om > 0, om, 1.0)
+    ctr = mut / om1[:, None]
     if JACOBI:
-        diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
+        diag = ksq - mut * ctr + rid[:, None]
     else:
         diag = mu
     # -- pass (ii): CG --
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
-    rho = _cg(mu, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, RHO, O, p_o, ok2,
+    rho = _cg(mu, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, RHO, O, p_o, ok2,
               D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in RHO, r in O
     # -- pass (iii): output, eq. 16; δ = Σ_j of the very score numerators used (= ω − μ·ρ exactly) --
     if PRECISE:  # fp32 ρ and scores: Σ_j a_j = δ ≪ Σ_j |a_j| on ill-conditioned rows, bf16 a_j lose o
         rho_b = rho
     else:
         rho_b = rho.to(q.dtype)
-    rq = tl.sum(rho_b.to(tl.float32) * q.to(tl.float32), 1)
+    rq = tl.sum(rho_b.to(tl.float32) * ctr, 1)  # scores w_j (1 − (k_j − k̄)·ρ_c): Σ_j = ω, no 1/δ amplification
     acc = tl.zeros([BR, BD], tl.float32)
     den = tl.zeros([BR], tl.float32)
     acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
     acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
     acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
     o = acc / den[:, None]
+    t1 = 1 + tl.sum(mu * rho, 1) / om1  # ρ_c = Σ_c⁻¹μ -> ρ = Σ⁻¹μ, δ = ω − μ·ρ (Sherman–Morrison)
+    rho = rho / t1[:, None]
+    den = om / t1
     st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics
     tl.store(O + p_o, o, mask=ok2)
     tl.store(RHO + p_o, rho, mask=ok2)
@@ -336,8 +342,8 @@ def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, 
             wb = w.to(k.dtype)
         tau += tl.sum(c.to(tl.float32), 1)
         ck += tl.dot(c, kf)
+        mut += tl.dot(wb, kf)  # k̄ = μ̃/ω centres the CG matrix
         if JACOBI:
-            mut += tl.dot(wb, kf)
             ksq += tl.dot(wb, kf * kf)
     return tau, ck, mut, ksq
 
@@ -404,15 +410,18 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     rid = lam * om
     qf = q.to(tl.float32)
     y = ck - tau[:, None] * qf
+    om1 = tl.where(om > 0, om, 1.0)
+    ctr = mut / om1[:, None]
     if JACOBI:
-        diag = ksq - 2 * mut * qf + om[:, None] * qf * qf + rid[:, None]
+        diag = ksq - mut * ctr + rid[:, None]
     else:
         diag = y
-    u = _cg(y, diag, q, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, U, DQ, p_o, ok2,
+    u = _cg(y, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, U, DQ, p_o, ok2,
             D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in U, r in DQ
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
+    u -= rho * (tl.sum((mut - om[:, None] * qf) * u, 1) / om1)[:, None]  # Σ⁻¹y from Σ_c⁻¹y (Sherman–Morrison)
     g = _rows(DO, o_r, o_d, s_qt, T, D, True).to(q.dtype)  # reloaded: not kept live through CG
     tl.store(U + p_o, u, mask=ok2)
-    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
     trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
     rho_b = rho.to(q.dtype)
     u_b = u.to(q.dtype)

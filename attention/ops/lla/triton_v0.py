@@ -3,8 +3,9 @@
 Three kernels, each a program per (query or key tile, batch, head); no T×T and no T×d×d tensor exists:
 
 - ``_lla_fwd_kernel``: pass (i) online statistics m, ω, μ̃ (and the Jacobi diagonal) over the key tiles;
-  pass (ii) CG for ρ (``CG_ITERS`` streamed passes over K, the matrix-free Σ·p of eq. 13); pass (iii)
-  output (eq. 16). Writes o, ρ, δ, m, ω.
+  pass (ii) CG for ρ (``CG_ITERS`` streamed passes over K, the matrix-free Σ·p of eq. 13, keys centred at
+  k̄ and Sherman–Morrison back: ``naive.from_centred``); pass (iii)
+  output (eq. 16, in the centred form). Writes o, ρ, δ, m, ω.
 - ``_lla_bwd_q_kernel``: pass A accumulates μ̃, τ = Σ c and Σ c k; the adjoint CG solve for u; pass B
   accumulates F·K for dq. Writes dq, u, β and dλ.
 - ``_lla_bwd_kv_kernel``: per key tile (all q heads of its GQA group, all query tiles below the diagonal):
@@ -38,24 +39,28 @@ def _load_rows(P, o_t, o_d, s_t, ok_t, D):
 
 
 @triton.jit
-def _matvec(p, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC: tl.constexpr, BD: tl.constexpr):
-    """Σ_i p_i for the rows of the tile (eq. 13), streaming K once."""
+def _matvec(p, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC: tl.constexpr, BD: tl.constexpr):
+    """Σ p for the rows of the tile (eq. 13 with the keys centred at ``ctr``: the weights come from q), streaming
+    K once."""
     o_d = tl.arange(0, BD)
+    cp = tl.sum(ctr * p, 1)
     ap = tl.zeros_like(p)
-    for start in range(lo, hi, BC):
+    rs = tl.zeros_like(cp)
+    for start in range(lo, hi, BC):  # centred projections first (naive.sigma_matvec)
         o_c = start + tl.arange(0, BC)
         k = _load_rows(K, o_c, o_d, s_kt, o_c < T, D)
         w = _weights(q, k, o_r, o_c, ds, m, scale, T)
-        ap += tl.dot(w * tl.dot(p, tl.trans(k)), k)
-    qp = tl.sum(q * p, 1)[:, None]
-    mp = tl.sum(mut * p, 1)[:, None]
-    return ap - qp * mut - mp * q + (om[:, None] * qp) * q + rid[:, None] * p
+        t = w * (tl.dot(p, tl.trans(k)) - cp[:, None])
+        ap += tl.dot(t, k)
+        rs += tl.sum(t, 1)
+    return ap - rs[:, None] * ctr + rid[:, None] * p
 
 
 @triton.jit
-def _cg(b, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D,
+def _cg(b, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D,
         CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Batched (Jacobi-)CG for Σ_i x_i = b_i, x_0 = 0, with the active mask of Algorithm 2."""
+    """Batched (Jacobi-)CG for Σ_c x_i = b_i (keys centred at ``ctr`` = k̄), x_0 = 0, with the active mask of
+    Algorithm 2."""
     x = tl.zeros_like(b)
     r = b
     if JACOBI:
@@ -66,7 +71,7 @@ def _cg(b, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, 
     rz = tl.sum(r * z, 1)
     thresh = rtol2 * tl.sum(b * b, 1)
     for _ in range(CG_ITERS):
-        ap = _matvec(p, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC, BD)
+        ap = _matvec(p, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, T, D, BC, BD)
         pap = tl.sum(p * ap, 1)
         active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thresh)
         alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
@@ -81,6 +86,13 @@ def _cg(b, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, 
         p = tl.where(active[:, None], z + beta[:, None] * p, p)
         rz = tl.where(active, rz_new, rz)
     return x
+
+
+@triton.jit
+def _centre(mut, om, ksq, rid):
+    """k̄ = μ̃/ω (0 on empty padding rows) and the Jacobi diagonal of Σ_c: Σ_j w k² − ω k̄² + ridge."""
+    ctr = mut / tl.where(om > 0, om, 1.0)[:, None]
+    return ctr, ksq - mut * ctr + rid[:, None]
 
 
 @triton.jit
@@ -140,10 +152,10 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     m, om, mut, ksq = _stats(q, ds, o_r, K, s_kt, lo, hi, scale, T, D, JACOBI, BR, BC, BD)
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     mu = mut - om[:, None] * q
-    diag = ksq - 2 * mut * q + om[:, None] * q * q + rid[:, None]
-    rho = _cg(mu, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
-    delta = om - tl.sum(mu * rho, 1)
-    rq = tl.sum(rho * q, 1)
+    ctr, diag = _centre(mut, om, ksq, rid)
+    rho = _cg(mu, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC,
+              BD)  # ρ_c = Σ_c⁻¹μ, then Sherman–Morrison (naive.from_centred)
+    rq = tl.sum(rho * ctr, 1)  # output from ρ_c: s_j = w_j (1 − (k_j − k̄)·ρ_c) / ω (no 1/δ amplification)
     acc = tl.zeros([BR, BD], tl.float32)
     for start in range(lo, hi, BC):  # pass (iii), eq. 16
         o_c = start + tl.arange(0, BC)
@@ -151,7 +163,11 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
         v = _load_rows(V, o_c, o_d, s_kt, o_c < T, D)
         w = _weights(q, k, o_r, o_c, ds, m, scale, T)
         acc += tl.dot(w * (1 - (tl.dot(rho, tl.trans(k)) - rq[:, None])), v)
-    o = acc / delta[:, None]
+    om1 = tl.where(om > 0, om, 1.0)
+    o = acc / om1[:, None]
+    t1 = 1 + tl.sum(mu * rho, 1) / om1
+    rho = rho / t1[:, None]
+    delta = om / t1
     st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
@@ -208,9 +224,10 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
             ksq += tl.dot(w, k * k)
     rid = lam * om
     mu = mut - om[:, None] * q
-    diag = ksq - 2 * mut * q + om[:, None] * q * q + rid[:, None]
+    ctr, diag = _centre(mut, om, ksq, rid)
     y = ck - tau[:, None] * q
-    u = _cg(y, diag, q, mut, om, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
+    u = _cg(y, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
+    u -= rho * (tl.sum(mu * u, 1) / tl.where(om > 0, om, 1.0))[:, None]  # Σ⁻¹y (naive.solve_via_centred)
     dmu = 2 * beta[:, None] * rho - u
     trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
     uq = tl.sum(u * q, 1)
