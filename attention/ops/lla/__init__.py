@@ -38,8 +38,8 @@ bf16 T=1000 λ=0.1: v1 o 46.8; λ=1 T=300: v1 o 1.1e-1 (triton.PRECISE: 2.7e-2).
 rows δ = Σ_j a_j ≪ Σ_j |a_j|, so the bf16 rounding of the weights, of t in Σ·p and of ρ and the scores a_j
 in the output pass is amplified by Σ|a|/δ (CPU bf16 emulation, λ=1, D=64: o 9.5e-2, PRECISE 1.8e-3).
 Those measurements predate CG on the k̄-centred Σ_c (``naive.from_centred``), which removed the 1/δ from the output
-pass: since then the three v1 GPU tests marked xfail for this pass (H100, not re-timed); v1 stays opt-in until it
-is re-measured."""
+pass. Since then 3 of the 4 v1 GPU cases marked xfail pass on an H100 (D=64 bf16, D=128 fp32, the bf16
+first-positions test without PRECISE); D=128 bf16 still fails. v1 is not re-timed and stays opt-in."""
 
 
 def _triton_ops():
@@ -130,9 +130,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def _lla_eager(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float,
-               cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: int, block_c: int) -> Tensor:
-    block = (None if block_r < 0 else block_r, None if block_c < 0 else block_c)
-    return _LLAFunction.apply(q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block).contiguous()
+               cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
+               block_c: Optional[int]) -> Tensor:
+    return _LLAFunction.apply(q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton,
+                              (block_r, block_c)).contiguous()
 
 
 # data-dependent tile ranges and Python loops: an opaque op inside compiled models (backward recomputes the forward)
@@ -185,6 +186,6 @@ def lla_attention(
             block = (32, 32) if D > 64 else (64, 64)
         else:
             block = (None, None)  # autotuned
-    br, bc = (-1 if b is None else int(b) for b in block)
+    br, bc = (None if b is None else int(b) for b in block)
     return _lla_op(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
                    br, bc)

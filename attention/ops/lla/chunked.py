@@ -42,9 +42,8 @@ def _block_mask(doc_start, r0, r1, lo, device):
     return ((j <= i)[None] & (j[None] >= doc_start[:, r0:r1, None]))[:, None]
 
 
-def _solve(kb, w, omega, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
+def _solve(kbar, kb, w, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
     """CG against Σ_c (keys centred at their weighted mean k̄ = μ̃/ω, :func:`naive.from_centred`): Σ_c⁻¹ rhs."""
-    kbar = mu_t / omega[..., None]
     diag = None
     if jacobi:  # diag Σ_c = Σ_j w k² − ω k̄² + ridge  (spec §5.2 with q → k̄)
         diag = ksq_w - mu_t * kbar + rid[..., None]
@@ -64,10 +63,11 @@ def lla_fwd_chunked(q, k, v, lam, doc_start, scale, cg_iters, jacobi, ridge_omeg
         w, omega, mu_t, ksq_w = block_stats(qb, kb, _block_mask(doc_start, r0, r1, lo, q.device), scale)
         rid = lam[:, :, r0:r1] * (omega if ridge_omega else 1.0)
         mu = mu_t - omega[..., None] * qb
-        rc = _solve(kb, w, omega, mu_t, ksq_w, rid, mu, cg_iters, jacobi, rtol)
+        kbar = mu_t / omega[..., None]
+        rc = _solve(kbar, kb, w, mu_t, ksq_w, rid, mu, cg_iters, jacobi, rtol)
         rb, db = from_centred(rc, mu, omega)
         # eq. 16 in the centred form: w_j (1 − z_j·ρ)/δ = w_j (1 − (k_j − k̄)·ρ_c)/ω, no 1/δ amplification
-        o[:, :, r0:r1] = (w * (1 - relmm(rc, mu_t / omega[..., None], kb))) @ vb / omega[..., None]
+        o[:, :, r0:r1] = (w * (1 - relmm(rc, kbar, kb))) @ vb / omega[..., None]
         rho[:, :, r0:r1], delta[:, :, r0:r1] = rb, db
     return o, rho, delta
 
@@ -94,7 +94,8 @@ def lla_bwd_chunked(q, k, v, lam, doc_start, o, rho, delta, do, scale, cg_iters,
         c = gam * w / db[..., None]
         tau = c.sum(-1)
         y = c @ kb - tau[..., None] * qb
-        u = solve_via_centred(_solve(kb, w, omega, mu_t, ksq_w, rid, y, cg_iters, jacobi, rtol), rb, mu, omega)
+        a_c = _solve(mu_t / omega[..., None], kb, w, mu_t, ksq_w, rid, y, cg_iters, jacobi, rtol)
+        u = solve_via_centred(a_c, rb, mu, omega)
         dmu = 2 * beta[..., None] * rb - u
         trg = (u * rb).sum(-1) - beta * (rb * rb).sum(-1)
         zu = relmm(u, qb, kb)

@@ -90,9 +90,10 @@ def _cg(b, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D,
 
 @triton.jit
 def _centre(mut, om, ksq, rid):
-    """k̄ = μ̃/ω (0 on empty padding rows) and the Jacobi diagonal of Σ_c: Σ_j w k² − ω k̄² + ridge."""
-    ctr = mut / tl.where(om > 0, om, 1.0)[:, None]
-    return ctr, ksq - mut * ctr + rid[:, None]
+    """ω guarded for empty padding rows (1 there), k̄ = μ̃/ω and the Jacobi diagonal of Σ_c: Σ_j w k² − ω k̄² + ridge."""
+    om1 = tl.where(om > 0, om, 1.0)
+    ctr = mut / om1[:, None]
+    return om1, ctr, ksq - mut * ctr + rid[:, None]
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     m, om, mut, ksq = _stats(q, ds, o_r, K, s_kt, lo, hi, scale, T, D, JACOBI, BR, BC, BD)
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     mu = mut - om[:, None] * q
-    ctr, diag = _centre(mut, om, ksq, rid)
+    om1, ctr, diag = _centre(mut, om, ksq, rid)
     rho = _cg(mu, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC,
               BD)  # ρ_c = Σ_c⁻¹μ, then Sherman–Morrison (naive.from_centred)
     rq = tl.sum(rho * ctr, 1)  # output from ρ_c: s_j = w_j (1 − (k_j − k̄)·ρ_c) / ω (no 1/δ amplification)
@@ -163,7 +164,6 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
         v = _load_rows(V, o_c, o_d, s_kt, o_c < T, D)
         w = _weights(q, k, o_r, o_c, ds, m, scale, T)
         acc += tl.dot(w * (1 - (tl.dot(rho, tl.trans(k)) - rq[:, None])), v)
-    om1 = tl.where(om > 0, om, 1.0)
     o = acc / om1[:, None]
     t1 = 1 + tl.sum(mu * rho, 1) / om1
     rho = rho / t1[:, None]
@@ -224,10 +224,10 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
             ksq += tl.dot(w, k * k)
     rid = lam * om
     mu = mut - om[:, None] * q
-    ctr, diag = _centre(mut, om, ksq, rid)
+    om1, ctr, diag = _centre(mut, om, ksq, rid)
     y = ck - tau[:, None] * q
     u = _cg(y, diag, q, ctr, rid, m, ds, o_r, K, s_kt, lo, hi, scale, rtol2, T, D, CG_ITERS, JACOBI, BC, BD)
-    u -= rho * (tl.sum(mu * u, 1) / tl.where(om > 0, om, 1.0))[:, None]  # Σ⁻¹y (naive.solve_via_centred)
+    u -= rho * (tl.sum(mu * u, 1) / om1)[:, None]  # Σ⁻¹y (naive.solve_via_centred)
     dmu = 2 * beta[:, None] * rho - u
     trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
     uq = tl.sum(u * q, 1)
