@@ -40,7 +40,8 @@ def sac_save_list() -> set:
             importlib.import_module(module)
     from attention.ops.opaque import REGISTERED
 
-    named = [("parallax_kernels", "fwd"), ("attnlab", "delta_rule_fwd")] + [("attnlab", n) for n in REGISTERED]
+    named = [("parallax_kernels", "fwd"), ("attnlab", "delta_rule_fwd"), ("attnlab", "lla_fwd")]
+    named += [("attnlab", n) for n in REGISTERED]
     ops = set(_op_sac_save_list)
     ops.update(getattr(getattr(torch.ops, ns), n).default for ns, n in named if hasattr(getattr(torch.ops, ns), n))
     return ops

@@ -19,8 +19,9 @@ def test_save_list_adds_the_attention_ops():
     ops = sac_save_list()
     assert torch.ops.parallax_kernels.fwd.default in ops
     assert torch.ops.attnlab.delta_rule_fwd.default in ops
+    assert torch.ops.attnlab.lla_fwd.default in ops
     assert _op_sac_save_list <= ops  # torchtitan's list (matmuls, SDPA, varlen, flex) stays
-    for name in ("lla", "affine", "gla_triton", "fla_gla", "fla_fox", "fla_path", "chunk_gla_varlen"):
+    for name in ("affine", "gla_triton", "fla_gla", "fla_fox", "fla_path", "chunk_gla_varlen"):
         assert getattr(torch.ops.attnlab, name).default in ops, name
 
 

@@ -23,7 +23,6 @@ from attention.base import document_ids
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
-from attention.ops.opaque import fake_attention_out, opaque_op
 
 Tensor = torch.Tensor
 
@@ -69,56 +68,104 @@ def _lam_btH(lam, B, T, HQ, device) -> torch.Tensor:
     return lam.expand(B, T, HQ)
 
 
-class _LLAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton, block):
-        B, T, HQ, D = q.shape
-        G = HQ // k.shape[2]
-        ds, de = doc_bounds(cu_seqlens, B, T, q.device)
-        ct = torch.float64 if (q.dtype == torch.float64 and not use_triton) else torch.float32
-        if use_triton:
-            ops = _triton_ops()
-            qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-            lc = lam.to(torch.float32).contiguous()
-            o, rho, delta, m, om = ops.lla_fwd_triton(qc, kc, vc, lc, ds, scale, cg_iters, jacobi, rtol, *block)
-            ctx.ops = ops
-            ctx.save_for_backward(qc, kc, vc, lc, ds, de, o, rho, delta, m, om)
-        else:
-            qh = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
-            kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-            vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-            lh = lam.to(ct).permute(0, 2, 1)  # [B, HQ, T]
-            o, rho, delta = lla_fwd_chunked(qh, kh, vh, lh, ds, scale, cg_iters, jacobi, True, rtol, block[0])
-            o = o.transpose(1, 2)
-            ctx.save_for_backward(q, k, v, lam, ds, o, rho, delta)
-        ctx.cfg = (scale, cg_iters, jacobi, rtol, use_triton, block, G, ct)
-        return o.to(q.dtype)
+def _heads_first(t: Tensor, ct: torch.dtype, G: int = 1) -> Tensor:
+    """[B, T, H, ·] -> [B, H·G, T, ·] in ``ct`` (kv heads repeated G times for the chunked path)."""
+    t = t.to(ct).transpose(1, 2)
+    return t.repeat_interleave(G, 1) if G > 1 else t
 
-    @staticmethod
-    def backward(ctx, do):
-        scale, cg_iters, jacobi, rtol, use_triton, block, G, ct = ctx.cfg
-        if use_triton:
-            q, k, v, lam, ds, de, o, rho, delta, m, om = ctx.saved_tensors
-            v0 = ctx.ops.__name__.endswith("_v0")  # v0 takes fp32 do; v1 casts do to q's dtype itself
-            dd = do.to(torch.float32).contiguous() if v0 else do
-            dq, dk, dv, dlam = ctx.ops.lla_bwd_triton(q, k, v, lam, ds, de, o, dd, rho,
-                                              delta, m, om, scale, cg_iters, jacobi, rtol, *block)
-        else:
-            q, k, v, lam, ds, o, rho, delta = ctx.saved_tensors
-            B, T, HQ, D = q.shape
-            qh = q.to(ct).transpose(1, 2)
-            kh = k.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-            vh = v.to(ct).transpose(1, 2).repeat_interleave(G, 1)
-            lh = lam.to(ct).permute(0, 2, 1)
-            dq, dk, dv, dlam = lla_bwd_chunked(qh, kh, vh, lh, ds, o.transpose(1, 2), rho, delta,
-                                               do.to(ct).transpose(1, 2), scale, cg_iters, jacobi, True, rtol,
-                                               block[0])
-            dq = dq.transpose(1, 2)
-            dk = dk.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
-            dv = dv.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
-            dlam = dlam.permute(0, 2, 1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam.to(lam.dtype),
-                None, None, None, None, None, None, None)
+
+def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
+    return torch.float64 if (q.dtype == torch.float64 and not use_triton) else torch.float32
+
+
+# ---------------------------------------------------------------- forward / backward ops
+# One forward per training step: the forward returns the statistics its backward needs (ρ, δ and, on the Triton
+# path, the row max m and ω), as the Parallax and delta-rule ops do. (Through ``opaque_op`` the backward re-ran the
+# whole forward, CG solves included, before its own adjoint solve.) The ops are opaque to torch.compile.
+@torch.library.custom_op("attnlab::lla_fwd", mutates_args=())
+def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
+            jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
+            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o in q's dtype [B, T, HQ, D], then for the backward: o and ρ in the compute dtype, δ, m, ω).
+
+    Triton: o_c, ρ [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunked: o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in
+    fp32 (float64 for float64 inputs); m and ω empty."""
+    B, T, HQ, D = q.shape
+    ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
+    if use_triton:
+        o, rho, delta, m, om = _triton_ops().lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                            lam.to(torch.float32).contiguous(), ds, scale,
+                                                            cg_iters, jacobi, rtol, block_r, block_c)
+        out = o.to(q.dtype)
+    else:
+        ct, G = _compute_dtype(q, False), HQ // k.shape[2]
+        o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
+                                        lam.to(ct).permute(0, 2, 1), ds, scale, cg_iters, jacobi, True, rtol,
+                                        block_r)
+        out = o.transpose(1, 2).to(q.dtype)
+        m, om = q.new_empty(0, dtype=ct), q.new_empty(0, dtype=ct)
+    out = out.contiguous() if out.data_ptr() != o.data_ptr() else out.clone(memory_format=torch.contiguous_format)
+    return out, o, rho, delta, m, om
+
+
+@lla_fwd.register_fake
+def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c):
+    B, T, HQ, D = q.shape
+    ct = _compute_dtype(q, use_triton)
+    if use_triton:
+        big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
+    else:
+        big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
+    return (q.new_empty(B, T, HQ, D), q.new_empty(big, dtype=ct), q.new_empty(big, dtype=ct),
+            q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
+
+
+@torch.library.custom_op("attnlab::lla_bwd", mutates_args=())
+def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], o: Tensor,
+            rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float, cg_iters: int, jacobi: bool, rtol: float,
+            use_triton: bool, block_r: Optional[int],
+            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics."""
+    B, T, HQ, D = q.shape
+    ds, de = doc_bounds(cu_seqlens, B, T, q.device)
+    if use_triton:
+        ops = _triton_ops()
+        dd = do.to(torch.float32).contiguous() if ops.__name__.endswith("_v0") else do.contiguous()
+        dq, dk, dv, dlam = ops.lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                              lam.to(torch.float32).contiguous(), ds, de, o, dd, rho, delta, m, om,
+                                              scale, cg_iters, jacobi, rtol, block_r, block_c)
+    else:
+        ct, G = _compute_dtype(q, False), HQ // k.shape[2]
+        dq, dk, dv, dlam = lla_bwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
+                                           lam.to(ct).permute(0, 2, 1), ds, o, rho, delta, _heads_first(do, ct),
+                                           scale, cg_iters, jacobi, True, rtol, block_r)
+        dq = dq.transpose(1, 2)
+        dk = dk.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
+        dv = dv.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
+        dlam = dlam.permute(0, 2, 1)
+    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v), (dlam, lam)))
+
+
+@lla_bwd.register_fake
+def _(do, q, k, v, lam, cu_seqlens, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
+      block_c):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, lam, cu_seqlens, *args = inputs
+    _, o, rho, delta, m, om = output
+    ctx.mark_non_differentiable(o, rho, delta, m, om)
+    ctx.save_for_backward(q, k, v, lam, cu_seqlens, o, rho, delta, m, om)
+    ctx.args = args
+
+
+def _backward(ctx, do, *_):  # no gradient flows into the saved statistics (non-differentiable)
+    grads = lla_bwd(do.contiguous(), *ctx.saved_tensors, *ctx.args)
+    return (*grads, *(None,) * 8)
+
+
+lla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -127,17 +174,6 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" else "chunked"
     return impl
-
-
-def _lla_eager(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float,
-               cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
-               block_c: Optional[int]) -> Tensor:
-    return _LLAFunction.apply(q, k, v, lam, scale, cg_iters, jacobi, cu_seqlens, rtol, use_triton,
-                              (block_r, block_c)).contiguous()
-
-
-# data-dependent tile ranges and Python loops: an opaque op inside compiled models (backward recomputes the forward)
-_lla_op = opaque_op("lla", _lla_eager, fake_attention_out)
 
 
 def lla_attention(
@@ -187,5 +223,5 @@ def lla_attention(
         else:
             block = (None, None)  # autotuned
     br, bc = (None if b is None else int(b) for b in block)
-    return _lla_op(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
-                   br, bc)
+    return lla_fwd(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
+                   br, bc)[0]

@@ -197,6 +197,36 @@ def test_decode_equals_full_forward_for_every_prefix(jacobi):
         torch.testing.assert_close(o, full[:, t], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_one_forward_per_training_step(compiled, monkeypatch):
+    """attnlab::lla_fwd returns ρ, δ for its backward: a forward + backward runs the CG forward once (through the
+    recomputing opaque op it ran twice), eager and under torch.compile(fullgraph=True), with the same gradients
+    as the float64 reference."""
+    import attention.ops.lla as lla_ops
+
+    calls = []
+    fwd = lla_ops.lla_fwd_chunked
+    monkeypatch.setattr(lla_ops, "lla_fwd_chunked", lambda *a, **kw: (calls.append(1), fwd(*a, **kw))[1])
+    torch.manual_seed(0)
+    q = torch.randn(1, 21, 4, 16, requires_grad=True)
+    k, v = (torch.randn(1, 21, 2, 16, requires_grad=True) for _ in range(2))
+    lam = torch.full((4,), 0.5, requires_grad=True)
+
+    def f(q, k, v, lam):
+        return lla_attention(q, k, v, lam, cg_iters=40, impl="chunked", block=(8, 8))
+
+    fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
+    out = fn(q, k, v, lam)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, lam))
+    assert len(calls) == 1
+    ins = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
+    ref = naive_lla(*ins[:3], ins[3])
+    ref_grads = torch.autograd.grad(ref.square().sum(), ins)
+    assert (out.double() - ref).abs().max() < 1e-4
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).norm() / r.norm() < 1e-4
+
+
 def test_impl_validation():
     q, k, v, lam = inputs(1, 4, 1, 1, 2)
     with pytest.raises(ValueError, match="attention.impl"):
