@@ -39,7 +39,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.bench_common import median_ms as bench_ms  # noqa: E402
+from scripts.bench_common import median_ms, queued_ms  # noqa: E402
+
+TIMING = "queued"
+"""How the training table times a call: "queued" (back-to-back calls, host launch cost overlapped as in training;
+the default since session 7) or "percall" (sync after each call: adds each call's host latency)."""
+
+
+def bench_ms(fn, rep: int = 20, warmup: int = 5) -> float:
+    return queued_ms(fn, rep=rep // 2, warmup=warmup) if TIMING == "queued" else median_ms(fn, rep=rep, warmup=warmup)
 
 Factory = Callable[..., "Callable[[], torch.Tensor] | None"]
 
@@ -352,9 +360,15 @@ def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 40
 TUNE_T, TUNE_DS, TUNE_B, TUNE_HQ, TUNE_HKV, TUNE_DEVICE, TUNE_DTYPE = 4096, (64, 128), 4, 16, 8, "cuda", torch.bfloat16
 
 
+TUNE_KERNELS = ("fwd", "dq", "dkv")
+TUNE_FWD_VARIANTS = False
+"""--tune-fwd-variants: each forward candidate also with TMA loads of K/V (KV_TMA) and/or a warp-specialised loop
+(WS); such specs carry two more entries (kv_tma, ws)."""
+
+
 def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
-    """(D, probe, kernel, (tile0, tile1, warps, stages)) for every candidate the report times; tiles are
-    (BM, BN) for fwd/dq and (BN, BM) for dkv, as in common.py."""
+    """(D, probe, kernel, (tile0, tile1, warps, stages[, kv_tma, ws])) for every candidate the report times; tiles
+    are (BM, BN) for fwd/dq and (BN, BM) for dkv, as in common.py."""
     from attention.ops.parallax.kernels import common
 
     lists = {"fwd": (common.FWD_SPECS + common.TUNE_EXTRA_FWD + [TUNE_FILL], common.prune_fwd, ("BM", "BN")),
@@ -367,8 +381,13 @@ def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
                 specs = list(dict.fromkeys(specs))
                 kept = prune(common._configs(specs, names), {}, D=D, HAS_PROBE=probe)
                 kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages) for c in kept}
-                jobs += [(D, probe, kern, s) for s in specs if s in kept]
-    return jobs
+                if kern not in TUNE_KERNELS:
+                    continue
+                jobs += [(D, probe, kern, s) for s in specs if s[:4] in kept]
+                if kern == "fwd" and TUNE_FWD_VARIANTS:
+                    jobs += [(D, probe, kern, s + flags) for s in specs if len(s) == 4 and s in kept
+                             and s != TUNE_FILL for flags in ((1, 0), (0, 1), (1, 1))]
+    return list(dict.fromkeys(jobs))
 
 
 TUNE_FILL = (64, 64, 4, 3)  # config that computes lse, t̄ (fwd) and τ, β (dq) for the timing pass
@@ -399,6 +418,8 @@ def _tune_call(x: dict, kern: str, spec: tuple, D: int, out: dict | None = None)
 
     names = ("BN", "BM") if kern == "dkv" else ("BM", "BN")
     cfg = {names[0]: spec[0], names[1]: spec[1], "num_warps": spec[2], "num_stages": spec[3]}
+    if len(spec) == 6:
+        cfg.update(KV_TMA=bool(spec[4]), WS=bool(spec[5]))
     scale = D**-0.5
     if kern == "fwd":
         o, lse, vbar, tbar = (out[n] if out is not None else torch.empty_like(x[n])
@@ -431,7 +452,8 @@ def tune_report(workers: int) -> list[str]:
 
     t0 = time.time()
     if workers > 0:
-        cmd = [sys.executable, os.path.abspath(__file__), "--tune-worker"]
+        cmd = [sys.executable, os.path.abspath(__file__), "--tune-kernels", ",".join(TUNE_KERNELS)]
+        cmd += ["--tune-fwd-variants"] * TUNE_FWD_VARIANTS + ["--tune-worker"]
         procs = [subprocess.Popen(cmd + [f"{i}/{workers}"]) for i in range(workers)]
         for p in procs:
             p.wait()
@@ -455,7 +477,7 @@ def tune_report(workers: int) -> list[str]:
     short = {"fwd": common.FWD_SPECS, "dq": common.DQ_SPECS, "dkv": common.DKV_SPECS}
     for (D, probe), row in rows.items():
         lines.append(f"### D={D} {'parallax' if probe else 'softmax'}")
-        for kern in ("fwd", "dq", "dkv"):
+        for kern in TUNE_KERNELS:
             res = [(ms, spec) for k, spec, ms in row["res"] if k == kern]
             best = min((ms for ms, _ in res if ms is not None), default=None)
             cells = [f"{spec}{'[short]' if spec in short[kern] else ''}={fmt(ms, '.3f').strip()}"
@@ -476,10 +498,18 @@ def main() -> None:
                     help="ms of fwd, dq, dkv alone at each candidate config, T=4096, D in {64, 128}, probe/softmax")
     ap.add_argument("--tune-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
                     help="compile processes for --tune-report (0: compile in the timing process)")
+    ap.add_argument("--timing", choices=("queued", "percall"), default="queued",
+                    help="queued: back-to-back calls between two events (default); percall: sync after each call")
+    ap.add_argument("--tune-kernels", default="fwd,dq,dkv", help="kernels the tune report times")
+    ap.add_argument("--tune-fwd-variants", action="store_true",
+                    help="tune report: forward candidates also with TMA K/V loads and a warp-specialised loop")
     ap.add_argument("--tune-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--decode-only", action="store_true", help="skip the training tables")
     ap.add_argument("--decode-cells", default="", help="decode cells as BxL,BxL,... (e.g. 1x1024,1x4096)")
     args = ap.parse_args()
+    global TUNE_KERNELS, TUNE_FWD_VARIANTS, TIMING
+    TUNE_KERNELS, TUNE_FWD_VARIANTS = tuple(args.tune_kernels.split(",")), args.tune_fwd_variants
+    TIMING = args.timing
     if args.tune_worker:
         tune_worker(*map(int, args.tune_worker.split("/")))
         return

@@ -42,6 +42,27 @@ def median_ms(fn, rep: int = 20, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def queued_ms(fn, rep: int = 10, groups: int = 5, warmup: int = 5) -> float:
+    """Median over ``groups`` of the mean milliseconds per call of ``rep`` back-to-back calls between two events.
+
+    The stream stays busy from the second call on, so host-side launch cost (custom-op dispatch, autotuner lookup)
+    overlaps the GPU work, as it does in a training step; :func:`median_ms` syncs after every call and so adds each
+    call's host latency to its time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(groups):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(rep):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        means.append(a.elapsed_time(b) / rep)
+    return sorted(means)[len(means) // 2]
+
+
 def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
     """torch.profiler table of the GPU kernels run by ``calls`` calls of ``fn`` (already warm), by total CUDA time."""
     from torch.profiler import ProfilerActivity, profile

@@ -117,6 +117,34 @@ def test_probe_changes_output():
     assert rel_err(parallax_triton(q, k, v, r), parallax_triton(q, k, v, None)) > 1e-2
 
 
+def run_fwd_at(q, k, v, r, config, cu=None, window=None, max_seqlen=0):
+    """The forward kernel alone at one pinned config (no autotuner); o poisoned with NaN first."""
+    B, T, HQ, D = q.shape
+    if cu is not None:
+        q, k, v = (t.reshape(1, B * T, t.shape[2], D) for t in (q, k, v))
+        r = r.reshape(1, B * T, HQ, D) if r is not None else None
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((HQ, B * T), float("nan"), device=q.device)
+    vbar, tbar = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+    kops.launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu, D**-0.5, max_seqlen, window or 0, config=config)
+    return o.view(B, T, HQ, D)
+
+
+@pytest.mark.parametrize("flags", [(True, False), (True, True)], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("layout", ["dense", "docs", "window"])
+def test_fwd_tma_variant(flags, layout):
+    """The KV_TMA / WS forward candidates (descriptor loads in the mask-free key blocks) against float64, with GQA,
+    T not a multiple of the tiles, packed documents and a window."""
+    q, k, v, r = make_inputs(2, 45, 4, 2, 16, True)
+    cu = torch.tensor([0, 7, 45, 90], dtype=torch.int32) if layout == "docs" else None
+    window = 9 if layout == "window" else None
+    cfg = dict(BM=16, BN=16, num_warps=1, num_stages=1, KV_TMA=flags[0], WS=flags[1])
+    out = run_fwd_at(q, k, v, r, cfg, cu=cu, window=window, max_seqlen=45 if cu is not None else 0)
+    ref = naive_parallax(*(t.double() for t in (q, k, v, r)), cu_seqlens=cu, window_size=window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < BUDGET[torch.float32][0]
+
+
 # -------------------------------------------------------------------- decode
 def decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe):
     k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)
@@ -255,6 +283,26 @@ def test_gpu_realistic(case, dtype):
     cu = torch.tensor(cu, dtype=torch.int32, device="cuda") if cu is not None else None
     q, k, v, r = make_inputs(B, T, HQ, HKV, D, probe, device="cuda", dtype=dtype)
     check_against_reference(q, k, v, r, cu=cu, window=window, ref_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_every_fwd_candidate(D, monkeypatch):
+    """Each forward candidate of the short list and of the tune report's extras (TMA / warp-specialised ones
+    included) pinned, probe and softmax, bf16, packed documents, against the float32 reference."""
+    from attention.ops.parallax.kernels.common import FWD_SPECS, TUNE_EXTRA_FWD, _configs, prune_fwd
+
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
+    cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
+    for probe in (True, False):
+        q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
+        ref = naive_parallax(*(t.float() for t in (q, k, v)), r.float() if probe else None, cu_seqlens=cu)
+        for c in prune_fwd(_configs(FWD_SPECS + TUNE_EXTRA_FWD, ("BM", "BN")), {}, D=D, HAS_PROBE=probe):
+            cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            spec = tuple(cfg.items())
+            out = run_fwd_at(q, k, v, r, cfg, cu=cu, max_seqlen=1400)
+            assert torch.isfinite(out).all(), spec
+            assert rel_err(out, ref) < BUDGET[torch.bfloat16][0], (spec, rel_err(out, ref))
 
 
 @pytest.mark.gpu

@@ -64,7 +64,14 @@ def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constex
 
 
 def _configs(spec, names):
-    return candidates([triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in spec])
+    """triton.Configs from (tile0, tile1, warps, stages[, kv_tma, ws]) tuples (the last two: forward only)."""
+    out = []
+    for s in spec:
+        kw = dict(zip(names, s[:2]))
+        if len(s) == 6:
+            kw.update(KV_TMA=bool(s[4]), WS=bool(s[5]))
+        out.append(triton.Config(kw, num_warps=s[2], num_stages=s[3]))
+    return candidates(out)
 
 
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
@@ -82,7 +89,12 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # dq: (64, 64, 4, 3) 2232 | (64, 32, 4, 2) 1884 | (64, 64, 8, 2) 300 | (64, 32, 8, 2) 248. 8 warps halve the
 # per-thread share of the two [BM|BN, D] fp32 accumulators; BM = 32 halves every score tile.
 # `scripts/bench_attention.py --tune-report` times each alone (fwd, dq, dkv) to re-pick the short lists.
-TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
+# Forward entries may add (kv_tma, ws): K/V tiles of the mask-free key blocks by TMA (device-side descriptors) and
+# a warp-specialised loop. On an H100 (session 7 tune report, T=4096, kernel alone) both together took D=128 from
+# 1.160 to 1.110 ms (Parallax) and from 0.701 to 0.673 ms (softmax, BN=128); at D=64 the plain tiles stayed faster.
+# Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). Not in FWD_SPECS yet:
+# `test_gpu_every_fwd_candidate` has passed at D=64 only (the D=128 run was not lent a GPU).
+TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3, 1, 1), (128, 128, 8, 3, 1, 1)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
 # PARALLAX_WIDE_TUNE=1 (scripts/bench_attention.py --sweep): a wider list, to pick the short lists above.

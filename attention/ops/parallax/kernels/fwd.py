@@ -23,20 +23,22 @@ LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
 
 @triton.jit
-def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, lo, hi, L, W, qk_scale,
-               STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
-               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m, lo, hi, L, W,
+               qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
+               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr,
+               WS: tl.constexpr):
     o_d = tl.arange(0, D)
-    for start_n in range(lo, hi, BN):
+    for start_n in tl.range(lo, hi, BN, warp_specialize=WS):
         o_n = start_n + tl.arange(0, BN)
-        p_k = p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
-        p_v = p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
-        if MASK:
-            b_k = tl.load(p_k, mask=o_n[:, None] < L, other=0.0)
-            b_v = tl.load(p_v, mask=o_n[:, None] < L, other=0.0)
+        if USE_DESC:  # TMA tile loads (mask-free phase only: a descriptor does not stop at a document's end)
+            b_k = desc_k.load([row0 + start_n, col0])
+            b_v = desc_v.load([row0 + start_n, col0])
+        elif MASK:
+            b_k = tl.load(p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :], mask=o_n[:, None] < L, other=0.0)
+            b_v = tl.load(p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :], mask=o_n[:, None] < L, other=0.0)
         else:
-            b_k = tl.load(p_k)
-            b_v = tl.load(p_v)
+            b_k = tl.load(p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :])
+            b_v = tl.load(p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :])
         # -- scores, log2 units --
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
         if MASK:
@@ -68,7 +70,8 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, lo, hi, L, W,
 def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr = False,
+                         WS: tl.constexpr = False):
     tl.static_assert(BM % BN == 0)
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (diagonal-heavy) tiles first
     i_h = tl.program_id(1)
@@ -94,6 +97,14 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
         b_r = b_q
     p_k0 = K + bos * (HKV * D) + i_kh * D
     p_v0 = V + bos * (HKV * D) + i_kh * D
+    if KV_TMA:  # device-side descriptors over the [tokens, HKV·D] views of K and V
+        desc_k = tl.make_tensor_descriptor(K, shape=[NT, HKV * D], strides=[HKV * D, 1], block_shape=[BN, D])
+        desc_v = tl.make_tensor_descriptor(V, shape=[NT, HKV * D], strides=[HKV * D, 1], block_shape=[BN, D])
+    else:
+        desc_k = K
+        desc_v = V
+    row0 = bos.to(tl.int32)
+    col0 = i_kh * D
 
     acc1 = tl.zeros([BM, D], dtype=tl.float32)
     acc2 = tl.zeros([BM, D], dtype=tl.float32)
@@ -103,12 +114,15 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
 
     start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
     if WINDOW:
-        acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, start, a_hi, L, W,
-                                             qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
-    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, b_lo, b_hi, L, W,
-                                         qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC)
-    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, o_m, c_lo, end, L, W,
-                                         qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+        acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0,
+                                             o_m, start, a_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW,
+                                             DOT_PREC, False, False)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
+                                         b_lo, b_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC,
+                                         KV_TMA, WS)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
+                                         c_lo, end, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC,
+                                         False, False)
 
     # -- epilogue --
     d1 = tl.where(row_ok, d1, 1.0)

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
-from attention.ops.parallax.kernels.common import INTERPRET
+from attention.ops.parallax.kernels.common import FWD_SPECS, INTERPRET
 from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
 from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
 
@@ -58,9 +58,22 @@ def _window(window_size: int, max_len: int) -> int:
 
 
 # ---------------------------------------------------------------- launches
+def _tma_alloc(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@functools.cache
+def _tma_allocator() -> None:
+    """Device-side tensor descriptors (the forward's KV_TMA candidates) need Triton's global scratch allocator."""
+    if not INTERPRET:
+        triton.set_allocator(_tma_alloc)
+
+
 def _launch(kernel, grid, args, meta, config: Optional[dict]):
-    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages} the bare kernel at that config
-    (scripts/bench_attention.py --tune-report times each candidate this way)."""
+    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, KV_TMA, WS]} the bare kernel at that
+    config (scripts/bench_attention.py --tune-report times each candidate this way)."""
+    if kernel is _parallax_fwd_kernel and (config or {}).get("KV_TMA", any(len(s) == 6 and s[4] for s in FWD_SPECS)):
+        _tma_allocator()
     if config is None:
         kernel[grid](*args, **meta)
     else:
