@@ -1,12 +1,14 @@
 """What float8 can buy at the 0.6B model's linear shapes: compiled fwd+bwd of bf16 vs torchao float8 linears.
 
-    python scripts/bench_fp8.py [--tokens 16384]
+    python scripts/bench_fp8.py [--tokens 16384] [--profile]
 
 Rows: the issue's anchor (two 4096×4096 linears), and the 0.6B Qwen3 block's linears (dim 1024: q 1024→2048,
 k/v 1024→1024, o 2048→1024, [r 1024→2048 for Parallax], gate/up 1024→3072, down 3072→1024), each as a chain of
 linears under ``torch.compile``, bf16 inputs, fwd+bwd, median of CUDA-event timings. Columns: bf16 ms, float8
 tensorwise and rowwise ms (torchao ``convert_to_float8_training``), speedup. The block row bounds the end-to-end
 fp8 speedup of the 0.6B model: only these GEMMs get faster; attention, norms, the LM head and the optimizer do not.
+``--profile`` adds, per row and variant, the GPU time of one step split into GEMM kernels and the rest (amax,
+scale, cast and transpose kernels for float8; the loss for both): what bounds the speedup.
 """
 
 from __future__ import annotations
@@ -43,7 +45,37 @@ class Parallel(nn.Module):
         return sum(lin(x).float().square().mean() for lin, x in zip(self.lins, xs, strict=True))
 
 
-def time_variant(shapes, tokens: int, recipe: str | None) -> float:
+GEMM_MARKERS = ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "_mm_", "scaled_mm", "matmul")
+
+
+def split_gpu_time(step, calls: int = 5) -> tuple[float, float, int]:
+    """(GEMM ms, other-kernel ms, kernels) per call of ``step`` from torch.profiler (already warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    gemm = other = 0.0
+    count = 0
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    for ev in events[:8]:
+        print(f"    {ev.self_device_time_total / 1e3 / calls:8.3f} ms x{ev.count // calls:<3d} {ev.key[:90]}")
+    for ev in events:
+        us = ev.self_device_time_total
+        if us <= 0:
+            continue
+        count += ev.count
+        if any(m in ev.key.lower() for m in GEMM_MARKERS):
+            gemm += us
+        else:
+            other += us
+    return gemm / 1e3 / calls, other / 1e3 / calls, count // calls
+
+
+def time_variant(shapes, tokens: int, recipe: str | None, profile: bool = False):
+    torch._dynamo.reset()  # each variant compiles afresh (the float8 modules would exhaust the recompile limit)
     torch.manual_seed(0)
     model = Parallel(shapes).cuda().to(torch.bfloat16)
     if recipe is not None:
@@ -56,13 +88,23 @@ def time_variant(shapes, tokens: int, recipe: str | None) -> float:
     def step():
         model(xs).backward()
 
-    return median_ms(step, rep=20, warmup=5)
+    ms = median_ms(step, rep=20, warmup=5)
+    return (ms, split_gpu_time(step)) if profile else ms
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--profile", action="store_true", help="also split each step's GPU time: GEMMs vs the rest")
     a = ap.parse_args()
+    if a.profile:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: GPU ms per fwd+bwd, GEMM / other kernels")
+        print(f"{'shapes':<32} {'variant':<11} {'wall ms':>8} {'GEMM ms':>8} {'other ms':>9} {'kernels':>8}")
+        for name, shapes in SHAPES.items():
+            for recipe in (None, "tensorwise", "rowwise"):
+                ms, (gemm, other, n) = time_variant(shapes, a.tokens, recipe, profile=True)
+                print(f"{name:<32} {recipe or 'bf16':<11} {ms:>8.3f} {gemm:>8.3f} {other:>9.3f} {n:>8d}", flush=True)
+        return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.tokens} tokens, fwd+bwd, compiled")
     print(f"{'shapes':<32} {'bf16 ms':>8} {'tensorwise':>11} {'x':>6} {'rowwise':>8} {'x':>6}")
     for name, shapes in SHAPES.items():
