@@ -28,18 +28,7 @@ def timeit(fn, reps: int, warmup: int = 1, device: str = "cuda") -> float:
 
 def median_ms(fn, rep: int = 20, warmup: int = 5) -> float:
     """Median milliseconds of ``rep`` individually CUDA-event-timed calls (robust to stragglers)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return queued_ms(fn, rep=1, groups=rep, warmup=warmup)
 
 
 def queued_ms(fn, rep: int = 10, groups: int = 5, warmup: int = 5) -> float:

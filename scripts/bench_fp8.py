@@ -45,7 +45,14 @@ class Parallel(nn.Module):
         return sum(lin(x).float().square().mean() for lin, x in zip(self.lins, xs, strict=True))
 
 
-GEMM_MARKERS = ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "_mm_", "scaled_mm", "matmul")
+GEMM_MARKERS = ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")
+"""Library GEMM kernel names. Inductor's kernels (``triton_*``) never count: its float8 cast/amax kernels are named
+after the op they feed (``triton_poi_fused__scaled_mm__to_copy_clamp_...``)."""
+
+
+def is_gemm(kernel: str) -> bool:
+    name = kernel.lower()
+    return not name.startswith("triton_") and any(m in name for m in GEMM_MARKERS)
 
 
 def split_gpu_time(step, calls: int = 5) -> tuple[float, float, int]:
@@ -67,7 +74,7 @@ def split_gpu_time(step, calls: int = 5) -> tuple[float, float, int]:
         if us <= 0:
             continue
         count += ev.count
-        if any(m in ev.key.lower() for m in GEMM_MARKERS):
+        if is_gemm(ev.key):
             gemm += us
         else:
             other += us

@@ -96,15 +96,14 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
         o, rho, delta, m, om = _triton_ops().lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
                                                             lam.to(torch.float32).contiguous(), ds, scale,
                                                             cg_iters, jacobi, rtol, block_r, block_c)
-        out = o.to(q.dtype)
+        out = o.to(q.dtype, copy=True)  # a new tensor: an op's outputs may not alias each other
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
                                         lam.to(ct).permute(0, 2, 1), ds, scale, cg_iters, jacobi, True, rtol,
                                         block_r)
-        out = o.transpose(1, 2).to(q.dtype)
+        out = o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format, copy=True)
         m, om = q.new_empty(0, dtype=ct), q.new_empty(0, dtype=ct)
-    out = out.contiguous() if out.data_ptr() != o.data_ptr() else out.clone(memory_format=torch.contiguous_format)
     return out, o, rho, delta, m, om
 
 
@@ -162,7 +161,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, *_):  # no gradient flows into the saved statistics (non-differentiable)
     grads = lla_bwd(do.contiguous(), *ctx.saved_tensors, *ctx.args)
-    return (*grads, *(None,) * 8)
+    return (*grads, None, *(None,) * len(ctx.args))  # nothing for cu_seqlens and the non-tensor arguments
 
 
 lla_fwd.register_autograd(_backward, setup_context=_setup_context)

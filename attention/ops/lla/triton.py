@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from attention.ops.autotune import candidates
-from attention.ops.lla.triton_v0 import _strides
+from attention.ops.lla.triton_v0 import _centre, _strides
 
 LOG2E = 1.4426950408889634
 
@@ -288,12 +288,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     qf = q.to(tl.float32)
     mu = mut - om[:, None] * qf
-    om1 = tl.where(om > 0, om, 1.0)
-    ctr = mut / om1[:, None]
-    if JACOBI:
-        diag = ksq - mut * ctr + rid[:, None]
-    else:
-        diag = mu
+    om1, ctr, diag = _centre(mut, om, ksq, rid)  # diag is read only under JACOBI (ksq stays 0 otherwise)
     # -- pass (ii): CG --
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
@@ -410,12 +405,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     rid = lam * om
     qf = q.to(tl.float32)
     y = ck - tau[:, None] * qf
-    om1 = tl.where(om > 0, om, 1.0)
-    ctr = mut / om1[:, None]
-    if JACOBI:
-        diag = ksq - mut * ctr + rid[:, None]
-    else:
-        diag = y
+    om1, ctr, diag = _centre(mut, om, ksq, rid)
     u = _cg(y, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, rtol2, T, U, DQ, p_o, ok2,
             D, CG_ITERS, JACOBI, PRECISE, SCRATCH, BR, BC, BD)  # scratch: x in U, r in DQ
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0)

@@ -32,15 +32,17 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
     o_d = tl.arange(0, D)
     for start_n in tl.range(lo, hi, BN, warp_specialize=WS):
         o_n = start_n + tl.arange(0, BN)
+        p_k = p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
+        p_v = p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
         if USE_DESC:  # TMA tile loads (mask-free phase only: a descriptor does not stop at a document's end)
             b_k = desc_k.load([row0 + start_n, col0])
             b_v = desc_v.load([row0 + start_n, col0])
         elif MASK:
-            b_k = tl.load(p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :], mask=o_n[:, None] < L, other=0.0)
-            b_v = tl.load(p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :], mask=o_n[:, None] < L, other=0.0)
+            b_k = tl.load(p_k, mask=o_n[:, None] < L, other=0.0)
+            b_v = tl.load(p_v, mask=o_n[:, None] < L, other=0.0)
         else:
-            b_k = tl.load(p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :])
-            b_v = tl.load(p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :])
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
         # -- scores, log2 units --
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
         if MASK:

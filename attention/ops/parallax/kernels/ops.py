@@ -62,6 +62,9 @@ def _tma_alloc(size: int, alignment: int, stream: Optional[int]) -> Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+_FWD_LIST_USES_TMA = any(len(s) == 6 and s[4] for s in FWD_SPECS)
+
+
 @functools.cache
 def _tma_allocator() -> None:
     """Device-side tensor descriptors (the forward's KV_TMA candidates) need Triton's global scratch allocator."""
@@ -72,7 +75,7 @@ def _tma_allocator() -> None:
 def _launch(kernel, grid, args, meta, config: Optional[dict]):
     """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, KV_TMA, WS]} the bare kernel at that
     config (scripts/bench_attention.py --tune-report times each candidate this way)."""
-    if kernel is _parallax_fwd_kernel and (config or {}).get("KV_TMA", any(len(s) == 6 and s[4] for s in FWD_SPECS)):
+    if kernel is _parallax_fwd_kernel and (config or {}).get("KV_TMA", _FWD_LIST_USES_TMA):
         _tma_allocator()
     if config is None:
         kernel[grid](*args, **meta)
