@@ -145,6 +145,20 @@ def test_fwd_tma_variant(flags, layout):
     assert rel_err(out, ref) < BUDGET[torch.float32][0]
 
 
+def test_prune_fwd_keeps_tma_ws_at_d128_only():
+    """The autotuner's list holds TMA / warp-specialised tiles; they survive the prune at D >= 128 only (slower at
+    D = 64 on an H100), and never with a probe's BN > 64 at D = 128."""
+    from attention.ops.parallax.kernels.common import FWD_SPECS, _configs, prune_fwd
+
+    def kept(D, probe):
+        return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs.get("KV_TMA", False), c.kwargs.get("WS", False))
+                for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, D=D, HAS_PROBE=probe)}
+
+    assert not any(t[2] or t[3] for p in (True, False) for t in kept(64, p))
+    assert (128, 64, True, True) in kept(128, True) and (128, 128, True, True) not in kept(128, True)
+    assert (128, 128, True, True) in kept(128, False)
+
+
 # -------------------------------------------------------------------- decode
 def decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe):
     k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)

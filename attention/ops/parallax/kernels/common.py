@@ -77,7 +77,8 @@ def _configs(spec, names):
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
 # The short lists hold the winners of the wide sweep below on an H200 (torch 2.11, Triton 3.6; T=4096, 16/8 heads,
 # D=64/128, probe and softmax) plus one neighbour; see benchmarks/RESULTS.md "Attention kernels".
-FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
+FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3, 1, 1),
+             (128, 128, 8, 3, 1, 1)]
 # The last entry of DQ_SPECS / DKV_SPECS is the 8-warp, low-spill candidate from the note below (not yet timed).
 DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2)]
 DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2)]  # (BN, BM, ...)
@@ -92,9 +93,9 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # Forward entries may add (kv_tma, ws): K/V tiles of the mask-free key blocks by TMA (device-side descriptors) and
 # a warp-specialised loop. On an H100 (session 7 tune report, T=4096, kernel alone) both together took D=128 from
 # 1.160 to 1.110 ms (Parallax) and from 0.701 to 0.673 ms (softmax, BN=128); at D=64 the plain tiles stayed faster.
-# Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). Not in FWD_SPECS yet:
-# `test_gpu_every_fwd_candidate` has passed at D=64 only (the D=128 run was not lent a GPU).
-TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3, 1, 1), (128, 128, 8, 3, 1, 1)]
+# Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). `prune_fwd` keeps the
+# TMA/WS entries at D >= 128 only; `test_gpu_every_fwd_candidate` passed at D=64 and D=128 (H100, session 8).
+TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
 # PARALLAX_WIDE_TUNE=1 (scripts/bench_attention.py --sweep): a wider list, to pick the short lists above.
@@ -123,11 +124,14 @@ def dkv_configs():
 
 
 def prune_fwd(configs, named_args, **kwargs):
-    """Drop tiles whose two [BM, D] fp32 accumulators (probe) or [BN, D] tiles would spill at large D."""
+    """Drop tiles whose two [BM, D] fp32 accumulators (probe) or [BN, D] tiles would spill at large D, and the
+    TMA / warp-specialised variants below D = 128, where the plain tiles measured faster (one compile fewer each)."""
     D, probe = kwargs.get("D", named_args.get("D")), kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE"))
     out = []
     for c in configs:
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
+        if D < 128 and (c.kwargs.get("KV_TMA") or c.kwargs.get("WS")):
+            continue
         if D >= 128 and probe and bn > 64:
             continue
         if D >= 256 and (bm > 64 or bn > 32):

@@ -9,9 +9,9 @@ Per query tile and q head, over key blocks (spec ``parallax.md`` §1, eq. 14 / A
 
 Saved for the backward (spec §2): lse = m + log2 d1 (log2 units), t̄ = d2/d1 and v̄ = O1/d1.
 GQA reads the kv head ``h // (HQ // HKV)`` directly (no repeated K/V). Packed documents: one program row
-per (document, head); keys never leave the document. Optional constexprs (tune-report candidates, off by default):
-``KV_TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors, ``WS`` warp-specialises
-that loop (``common.TUNE_EXTRA_FWD``).
+per (document, head); keys never leave the document. Optional constexprs (autotune candidates at D >= 128,
+``common.FWD_SPECS``): ``KV_TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors,
+``WS`` warp-specialises that loop.
 """
 
 from __future__ import annotations
