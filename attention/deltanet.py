@@ -58,6 +58,7 @@ class DeltaRuleAttention(nn.Module):
     """Shared delta-rule layer: projections, short convs, L2 q/k, beta, optional decay gate, gated norm."""
 
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
+    gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
 
     def __init__(self, args: AttentionArgs, opts):
         super().__init__()
@@ -163,7 +164,7 @@ class DeltaRuleAttention(nn.Module):
 
     def _mix(self, q, k, v, beta, g, ctx: AttentionContext) -> torch.Tensor:
         B, T = q.shape[:2]
-        kw = dict(chunk_size=self.opts.chunk_size, impl=self.args.impl)
+        kw = dict(chunk_size=self.opts.chunk_size, impl=self.args.impl, gate_lower_bound=self.gate_lower_bound)
         if ctx.cache is not None:
             o, ctx.cache.state = delta_rule(q, k, v, beta, g, initial_state=ctx.cache.state, output_final_state=True, **kw)
             ctx.cache.seen += T

@@ -8,7 +8,13 @@ with ``a_proj`` low rank (dim -> head_v_dim -> H*K), ``A ~ U(1, 16)``, ``dt_bias
 LogUniform(1e-3, 1e-1) init. Output gate low rank with bias (dim -> head_v_dim -> value_dim) and a
 *sigmoid* activation: ``RMSNorm(o) * sigmoid(g_proj x)``. Gate projections, ``A_log``, ``dt_bias``, ``b_proj``
 and conv kernels go to the Adam group. fla defaults (16 heads x 128, expand_v 1) match Qwen3 0.6B's.
-Not implemented: fla's ``safe_gate`` / ``lower_bound`` gate variant and grouped value heads.
+
+``gate_lower_bound = lb`` in [-5, 0) switches to fla-core 0.6.0's bounded gate
+``log alpha_t = lb * sigmoid(exp(A_log[h]) * (a_proj(x_t) + dt_bias))`` in [lb, 0), with ``A_log = 0`` at init
+(fla's ``KDAPreTrainedModel._init_weights`` for ``safe_gate``; ``A_init_range`` applies to the softplus gate only).
+Every log decay is then >= lb, which licenses fla's ``safe_gate`` chunk kernels (tensor-core dots on the 16x16
+diagonal blocks); the chunk and recurrent paths are exact for any gate and ignore the bound.
+Not implemented: grouped value heads.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ class KDAOptions(DeltaNetOptions):
     """dt ~ LogUniform(dt_min, dt_max) initialises dt_bias = softplus^{-1}(dt)."""
     dt_max: float = 0.1
     """Upper end of the dt initialisation range."""
+    gate_lower_bound: float | None = None
+    """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
+    gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA kernels use tensor cores on the diagonal
+    blocks (safe_gate)."""
 
 
 @register_attention("kda", options=KDAOptions,
@@ -47,7 +57,12 @@ class KDAAttention(DeltaRuleAttention):
     gate_activation = "sigmoid"
 
     def __init__(self, args, opts: KDAOptions):
+        lb = opts.gate_lower_bound
+        if lb is not None and not -5.0 <= lb < 0.0:
+            raise ValueError(f"attention.kda.gate_lower_bound={lb} must be in [-5, 0) (fla's safe_gate range), "
+                             "or unset for the softplus gate")
         super().__init__(args, opts)
+        self.gate_lower_bound = None if lb is None else float(lb)  # TOML's -5 is an int
         H, K = self.n_heads, self.head_k_dim
         r = self.rank
         self.a_proj = nn.Sequential(nn.Linear(args.dim, r, bias=False), nn.Linear(r, H * K, bias=False))
@@ -71,11 +86,16 @@ class KDAAttention(DeltaRuleAttention):
         mark_adam(*self.a_proj.parameters())
         if self.g_proj is not None:
             mark_adam(*self.g_proj.parameters())
-        reset_A_log_(self.A_log, *self.opts.A_init_range)
+        if self.gate_lower_bound is None:
+            reset_A_log_(self.A_log, *self.opts.A_init_range)
+        else:  # A = 1 (fla): sigmoid(A * dt_bias) in [1e-3, 0.1]; A ~ U(1, 16) can underflow it to 0 (no decay, no grad)
+            nn.init.zeros_(self.A_log)
+            mark_adam(self.A_log)
         reset_dt_bias_(self.dt_bias, self.opts.dt_min, self.opts.dt_max)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_k_dim
         a = self.a_proj(x).view(B, T, H, K)
-        return log_gate(a, self.A_log[:, None], self.dt_bias.view(H, K))  # [B, T, H, K] float32, <= 0
+        # [B, T, H, K] float32, <= 0 (in [gate_lower_bound, 0) when set)
+        return log_gate(a, self.A_log[:, None], self.dt_bias.view(H, K), self.gate_lower_bound)

@@ -6,7 +6,8 @@ What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_fami
   respecting packed-document boundaries and carrying a decode state of the last ``kernel_size - 1`` inputs.
 - :class:`GatedRMSNorm`: ``RMSNorm(o) * act(g)`` per head (fla ``FusedRMSNormGated``; swish or sigmoid).
 - :func:`l2norm`: ``x / sqrt(sum x^2 + eps)`` (fla's eps 1e-6 inside the sqrt).
-- The Mamba2-style log-gate ``log γ = -exp(A_log) * softplus(a + dt_bias)`` (:func:`log_gate`) and the
+- The Mamba2-style log-gate ``log γ = -exp(A_log) * softplus(a + dt_bias)`` (:func:`log_gate`; with
+  ``lower_bound``, fla's bounded KDA gate ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``) and the
   initialisers of ``A_log`` (:func:`reset_A_log_`) and ``dt_bias`` (:func:`reset_dt_bias_`).
 - :func:`mark_adam`: the optimizer hint ``p._optim = "adam"`` for parameters that are not hidden matrices
   (conv kernels, ``A_log``, ``dt_bias``, β and gate projections). The hint is lost when a parameter is
@@ -55,9 +56,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+             lower_bound: float | None = None) -> torch.Tensor:
     """Mamba2/GDN/KDA log-space decay ``-exp(A_log) * softplus(a + dt_bias)`` in float32 (always <= 0;
-    float64 for float64 ``a``).
+    float64 for float64 ``a``). With ``lower_bound``: fla-core 0.6.0's bounded KDA gate (``safe_gate``)
+    ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, in [lower_bound, 0).
 
     a: [..., H] (or [..., H, K]); A_log broadcasts against a's last dims ([H] or [H, 1]); dt_bias like a's
     last dims ([H] or [H, K]).
@@ -66,6 +69,8 @@ def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None)
     a = a.to(acc)
     if dt_bias is not None:
         a = a + dt_bias.to(acc)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(torch.exp(A_log.to(acc)) * a)
     return -torch.exp(A_log.to(acc)) * F.softplus(a)
 
 

@@ -1,5 +1,6 @@
 """Delta-rule family modules (deltanet, gdn, kda): decode == full forward, packed documents do not leak,
-recurrent == chunk at module level, every parameter gets a gradient, meta-device init, Adam routing hints.
+recurrent == chunk at module level, every parameter gets a gradient, meta-device init, Adam routing hints;
+KDA's bounded gate (``gate_lower_bound``, fla's safe_gate): its formula and range, decode and gradients, validation.
 
 Float64 and tiny sizes (dim 24, 2 heads of K=8, V=12 via expand_v=1.5) so each mechanism runs in a few seconds.
 """
@@ -12,6 +13,9 @@ from attention.base import AttentionArgs, AttentionContext
 from attention.registry import REGISTRY
 
 MECHS = ["deltanet", "gdn", "kda"]
+# (mechanism, extra options): every mechanism, plus KDA with fla's bounded gate
+VARIANTS = [pytest.param(n, {}, id=n) for n in MECHS] + [
+    pytest.param("kda", {"gate_lower_bound": -5.0}, id="kda-bounded")]
 DIM = 24
 
 
@@ -29,9 +33,9 @@ def ctx_for(B, T, offset=0, cache=None):
     return AttentionContext(positions=(torch.arange(T) + offset).expand(B, T), cache=cache)
 
 
-@pytest.mark.parametrize("name", MECHS)
-def test_decode_matches_full_forward(name):
-    m = build(name, use_output_gate=True)
+@pytest.mark.parametrize("name, extra", VARIANTS)
+def test_decode_matches_full_forward(name, extra):
+    m = build(name, use_output_gate=True, **extra)
     B, T = 2, 21
     x = torch.randn(B, T, DIM, dtype=torch.float64)
     full = m(x, ctx_for(B, T))
@@ -66,9 +70,9 @@ def test_packed_documents_do_not_leak(name):
     torch.testing.assert_close(y[:, lens[0]:], alone, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", MECHS)
-def test_recurrent_equals_chunk_and_gradients_reach_every_parameter(name):
-    m = build(name, use_output_gate=True, allow_neg_eigval=True)
+@pytest.mark.parametrize("name, extra", VARIANTS)
+def test_recurrent_equals_chunk_and_gradients_reach_every_parameter(name, extra):
+    m = build(name, use_output_gate=True, allow_neg_eigval=True, **extra)
     B, T = 2, 19
     x = torch.randn(B, T, DIM, dtype=torch.float64, requires_grad=True)
     y_chunk = m(x, ctx_for(B, T))
@@ -119,6 +123,52 @@ def test_options_and_errors(name):
     assert y.shape == (1, 5, DIM)
     with pytest.raises(ValueError, match="attention.impl"):
         build(name, impl="flash")
+
+
+@pytest.mark.parametrize("lb", [-5.0, -0.5])
+def test_kda_bounded_gate_formula_and_range(lb):
+    """log_decay with gate_lower_bound = lb is lb * sigmoid(exp(A_log) * (a_proj(x) + dt_bias)), written out here
+    independently, and lies in [lb, 0), float32 for float32 input; A_log starts at 0 (fla's safe_gate init)."""
+    m = build("kda", gate_lower_bound=lb)
+    assert torch.equal(m.A_log, torch.zeros_like(m.A_log))
+    assert (build("kda").A_log > 0).all()  # softplus gate: A ~ U(1, 16) as before
+    H, K = m.n_heads, m.head_k_dim
+    with torch.no_grad():
+        m.A_log.normal_(0.0, 1.0)
+        m.dt_bias.normal_(0.0, 2.0)
+    x = 3.0 * torch.randn(2, 9, DIM, dtype=torch.float64)
+    g = m.log_decay(x)
+    a = m.a_proj(x).view(2, 9, H, K) + m.dt_bias.view(H, K)
+    ref = lb / (1.0 + torch.exp(-m.A_log.exp().view(H, 1) * a))
+    torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12)
+    assert g.shape == (2, 9, H, K) and (g >= lb).all() and (g < 0).all()
+    assert g.min() < 0.9 * lb and g.max() > 0.1 * lb  # the inputs do span the range
+    g32 = m.float().log_decay(x.float())
+    assert g32.dtype == torch.float32 and (g32 >= lb).all() and (g32 < 0).all()
+    torch.testing.assert_close(g32.double(), g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lb", [0.0, -6.0, 0.5])
+def test_kda_gate_lower_bound_out_of_range(lb):
+    with pytest.raises(ValueError, match=r"attention\.kda\.gate_lower_bound=.* must be in \[-5, 0\)"):
+        build("kda", gate_lower_bound=lb)
+
+
+@pytest.mark.parametrize("name, extra, expected", [("kda", {"gate_lower_bound": -2.0}, -2.0), ("kda", {}, None),
+                                                   ("gdn", {}, None), ("deltanet", {}, None)])
+def test_gate_lower_bound_reaches_delta_rule(name, extra, expected, monkeypatch):
+    """The module hands its bound to delta_rule (prefill and decode): KDA's when set, None otherwise."""
+    import attention.deltanet as dn
+
+    seen = []
+    real = dn.delta_rule
+    monkeypatch.setattr(dn, "delta_rule", lambda *a, **kw: seen.append(kw["gate_lower_bound"]) or real(*a, **kw))
+    m = build(name, **extra)
+    x = torch.randn(1, 5, DIM, dtype=torch.float64)
+    m(x, ctx_for(1, 5))
+    cache = m.init_cache(1, 6, "cpu", torch.float64)
+    m(x[:, :1], ctx_for(1, 1, 0, cache))
+    assert seen == [expected, expected]
 
 
 @pytest.mark.gpu

@@ -13,6 +13,8 @@
 
 "fla" and "fla_hopper" run through the custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd``
 (:mod:`ops`): opaque to torch.compile, so torchtitan's ``fullgraph=True`` block compile has no graph break.
+KDA's ``gate_lower_bound`` (every g >= it, in [-5, 0)) runs fla's KDA kernels with ``safe_gate``; "recurrent" and
+"chunk" are exact for any g and ignore it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
 from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
-from attention.ops.delta_rule.ops import delta_rule_op
+from attention.ops.delta_rule.ops import check_gate_lower_bound, delta_rule_op
 
 __all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "fla_hopper_delta_rule",
            "delta_rule_op", "select_impl"]
@@ -81,14 +83,18 @@ def delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     impl: str = "auto",
+    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(Gated) delta rule, ``o_t = h_t^T (scale q_t)`` with ``h_t = D_t h_{t-1} + beta_t k_t (v_t - (D_t h_{t-1})^T k_t)^T``.
 
     q, k: [B, T, H, K] (callers L2-normalise them); v: [B, T, H, V]; beta: [B, T, H];
     g: None (DeltaNet), [B, T, H] (GDN) or [B, T, H, K] (KDA), log-space decay <= 0.
     scale: default K**-0.5. initial_state: [N, H, K, V]; cu_seqlens: [N + 1] over T with B == 1.
+    gate_lower_bound: KDA only (g [B, T, H, K]), in [-5, 0), with every g >= it (KDA's bounded gate): fla's
+    ``safe_gate`` kernels on the fla paths; ignored by "recurrent" and "chunk".
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
+    check_gate_lower_bound(g, gate_lower_bound)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, beta, g, initial_state))
     path = select_impl(impl, q, g is not None, needs_grad)
@@ -96,5 +102,5 @@ def delta_rule(
     if path == "recurrent":
         return naive_recurrent_delta_rule(*args)
     if path in ("fla", "fla_hopper"):  # custom ops: no graph break under torch.compile
-        return delta_rule_op(*args, backend=path, chunk_size=chunk_size)
+        return delta_rule_op(*args, backend=path, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
     return chunk_delta_rule(*args, chunk_size=chunk_size)

@@ -1,9 +1,9 @@
 """torch.library custom ops around the fla / fla_hopper delta-rule paths (opaque to torch.compile: no graph break).
 
 - ``attnlab::delta_rule_fwd`` (q, k, v, beta, g?, initial_state?, cu_seqlens?, scale, output_final_state,
-  backend, chunk_size) -> (o, final_state, gk, Aqk, Akk)
+  backend, chunk_size, gate_lower_bound?) -> (o, final_state, gk, Aqk, Akk)
 - ``attnlab::delta_rule_bwd`` (do, dht?, q, k, v, beta, g?, initial_state?, cu_seqlens?, scale, backend,
-  chunk_size, gk?, Aqk?, Akk?) -> (dq, dk, dv, dbeta, dg, dh0)
+  chunk_size, gk?, Aqk?, Akk?, gate_lower_bound?) -> (dq, dk, dv, dbeta, dg, dh0)
 
 Autograd is registered on ``delta_rule_fwd`` (``register_autograd``); ``register_fake`` gives exact shapes and
 dtypes for tracing. gk, Aqk, Akk are non-differentiable outputs, non-empty only for KDA on fla (below); every
@@ -23,6 +23,9 @@ Per-channel gates (g [B, T, H, K], KDA) run what fla's own ``ChunkKDAFunction`` 
 and "fla_hopper" alike: the forward is ``chunk_kda_fwd`` and returns, as gk, Aqk, Akk, what that Function saves
 besides its inputs (gk: g's chunk-local log2 cumsum, [B, T, H, K] float32; Aqk, Akk: [B, T, H, 64] in k's dtype);
 the backward is ``chunk_kda_bwd`` on them, which recomputes w, u, h, v_new as fla's does. No forward is rerun.
+``gate_lower_bound`` (KDA only, in [-5, 0); the caller guarantees every g >= it, as KDA's bounded gate does) runs
+both with fla's ``safe_gate=True, lower_bound=gate_lower_bound``: tensor-core dots on the 16x16 diagonal blocks.
+The chunk path is exact for any g and ignores it.
 On any non-CUDA device every backend runs the chunk path (forward; backward by autograd through it), so the ops
 are testable on the CPU (``torch.library.opcheck``, float64 gradients, ``torch.compile`` without a GPU).
 
@@ -58,11 +61,25 @@ def _n_states(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _check(backend: str, q: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+def _check(backend: str, q: Tensor, cu_seqlens: Optional[Tensor], g: Optional[Tensor],
+           gate_lower_bound: Optional[float]) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"attnlab::delta_rule backend={backend!r}; choose from {list(BACKENDS)}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens requires batch size 1 (flattened documents), got B={q.shape[0]}")
+    check_gate_lower_bound(g, gate_lower_bound)
+
+
+def check_gate_lower_bound(g: Optional[Tensor], gate_lower_bound: Optional[float]) -> None:
+    """``gate_lower_bound`` is KDA's (a per-channel g [B, T, H, K]) and lies in fla's safe_gate range [-5, 0)."""
+    if gate_lower_bound is None:
+        return
+    if not _is_kda(g):
+        got = "None" if g is None else list(g.shape)
+        raise ValueError(f"delta_rule: gate_lower_bound={gate_lower_bound} is for KDA's per-channel gate "
+                         f"g [B, T, H, K]; got g {got} (DeltaNet / Gated DeltaNet take gate_lower_bound=None)")
+    if not -5.0 <= gate_lower_bound < 0.0:
+        raise ValueError(f"delta_rule: gate_lower_bound={gate_lower_bound} must be in [-5, 0) (fla's safe_gate range)")
 
 
 def _uses_chunk(backend: str, q: Tensor) -> bool:
@@ -121,9 +138,10 @@ def _no_saved(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(0), q.new_empty(0), q.new_empty(0)
 
 
-def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
+def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state, lower_bound):
     """fla-core 0.6.0's ``ChunkKDAFunction.forward`` at ``chunk_kda``'s defaults (no in-kernel l2norm, gate or beta
-    sigmoid; ``disable_recompute=False``): (o, final state or None, gk, Aqk, Akk).
+    sigmoid; ``disable_recompute=False``), with ``safe_gate`` when ``lower_bound`` is set: (o, final state or None,
+    gk, Aqk, Akk).
 
     gk (g's chunk-local log2 cumsum, [B, T, H, K] float32), Aqk and Akk ([B, T, H, 64] in k's dtype) are what that
     Function saves for its backward besides its inputs (w, u, h, v_new are None at these settings).
@@ -136,11 +154,12 @@ def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
     with _device(q):
         o, ht, gk, Aqk, Akk, *_ = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
                                                 output_final_state=output_final_state, cu_seqlens=cu,
-                                                chunk_indices=ci, chunk_size=BT)
+                                                chunk_indices=ci, chunk_size=BT, safe_gate=lower_bound is not None,
+                                                lower_bound=lower_bound)
     return o.type_as(q), ht, gk, Aqk, Akk
 
 
-def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk):
+def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_bound):
     """fla-core 0.6.0's ``ChunkKDAFunction.backward``: ``chunk_kda_bwd`` on the forward's saved (gk, Aqk, Akk); it
     recomputes w, u, h, v_new itself (fla's default ``disable_recompute=False``). (dq, dk, dv, dbeta, dg, dh0)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
@@ -153,7 +172,8 @@ def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk):
     with _device(q):
         dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale,
                                                       initial_state=h0, do=do, dht=dht, g=gk, cu_seqlens=cu,
-                                                      chunk_indices=ci, chunk_size=BT)
+                                                      chunk_indices=ci, chunk_size=BT,
+                                                      safe_gate=lower_bound is not None, lower_bound=lower_bound)
     return dq, dk, dv, db, dg, dh0
 
 
@@ -181,15 +201,16 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
 @torch.library.custom_op("attnlab::delta_rule_fwd", mutates_args=())
 def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
                    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-                   output_final_state: bool, backend: str,
-                   chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check(backend, q, cu_seqlens)
+                   output_final_state: bool, backend: str, chunk_size: int,
+                   gate_lower_bound: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check(backend, q, cu_seqlens, g, gate_lower_bound)
     saved = _no_saved(q)
     if _uses_chunk(backend, q):
         o, ht = chunk_delta_rule(q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens,
                                  chunk_size=chunk_size)
     elif _is_kda(g):
-        o, ht, *saved = _kda_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state)
+        o, ht, *saved = _kda_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state,
+                                 gate_lower_bound)
     else:
         o, ht = _fla_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state)
     o = o.to(v.dtype).contiguous()
@@ -198,7 +219,8 @@ def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Te
 
 
 @delta_rule_fwd.register_fake
-def _(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size):
+def _(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size,
+      gate_lower_bound=None):
     B, T, H, K = q.shape
     o = v.new_empty(B, T, H, v.shape[-1])
     if not output_final_state:
@@ -215,8 +237,9 @@ def _(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, ba
 def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
                    g: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                    backend: str, chunk_size: int, gk: Optional[Tensor] = None, Aqk: Optional[Tensor] = None,
-                   Akk: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check(backend, q, cu_seqlens)
+                   Akk: Optional[Tensor] = None,
+                   gate_lower_bound: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check(backend, q, cu_seqlens, g, gate_lower_bound)
     if _uses_chunk(backend, q):
         with autograd_inside_op():
             leaves = [None if t is None else t.detach().requires_grad_(True)
@@ -232,7 +255,8 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
             res = [None if t is None else next(got) for t in leaves]
         res = [r if r is not None or t is None else torch.zeros_like(t) for r, t in zip(res, leaves)]
     elif _is_kda(g):
-        res = list(_kda_bwd(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, gk, Aqk, Akk))
+        res = list(_kda_bwd(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, gk, Aqk, Akk,
+                            gate_lower_bound))
     else:
         res = list(_fla_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend))
     ins = (q, k, v, beta, g, initial_state)
@@ -240,27 +264,28 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 
 @delta_rule_bwd.register_fake
-def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size, gk=None, Aqk=None, Akk=None):
+def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size, gk=None, Aqk=None, Akk=None,
+      gate_lower_bound=None):
     like = lambda t: q.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return tuple(like(t) for t in (q, k, v, beta, g, initial_state))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size = inputs
+    q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size, lower_bound = inputs
     _, _, gk, Aqk, Akk = output
     ctx.mark_non_differentiable(gk, Aqk, Akk)
     ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, gk, Aqk, Akk)
-    ctx.args = (scale, output_final_state, backend, chunk_size)
+    ctx.args = (scale, output_final_state, backend, chunk_size, lower_bound)
 
 
 def _backward(ctx, do, dht, *_):  # no gradient flows into the saved intermediates (non-differentiable)
     q, k, v, beta, g, initial_state, cu_seqlens, gk, Aqk, Akk = ctx.saved_tensors
-    scale, output_final_state, backend, chunk_size = ctx.args
+    scale, output_final_state, backend, chunk_size, lower_bound = ctx.args
     dht = dht if output_final_state and dht is not None else None
     dq, dk, dv, db, dg, dh0 = delta_rule_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend,
-                                             chunk_size, gk, Aqk, Akk)
+                                             chunk_size, gk, Aqk, Akk, lower_bound)
     return (dq, dk, dv, db, None if g is None else dg, None if initial_state is None else dh0,
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 delta_rule_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -278,13 +303,15 @@ def delta_rule_op(
     cu_seqlens: Tensor | None = None,
     backend: str = "fla",
     chunk_size: int = 64,
+    gate_lower_bound: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`attention.ops.delta_rule.delta_rule`'s contract through ``attnlab::delta_rule_fwd``.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g: None | [B, T, H] | [B, T, H, K].
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g: None | [B, T, H] | [B, T, H, K];
+    gate_lower_bound: KDA only, every g >= it (fla's safe_gate kernels).
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, ht, *_ = delta_rule_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend,
-                               chunk_size)
+                               chunk_size, gate_lower_bound)
     return o, (ht if output_final_state else None)

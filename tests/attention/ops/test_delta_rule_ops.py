@@ -5,15 +5,18 @@ without fla or a GPU: ``torch.library.opcheck`` (schema, fake shapes/dtypes, aut
 dispatch) with optional tensors absent and present; outputs against the recurrent float64 oracle; float64
 gradients through the op (q, k, v, beta, g, initial state, through o and the final state) against autograd
 through the chunk path; ``torch.compile(fullgraph=True)`` of a function calling the op (aot_eager) against
-eager, forward and backward; the fake outputs for CUDA inputs (KDA's saved gk, Aqk, Akk; empty elsewhere).
+eager, forward and backward; the fake outputs for CUDA inputs (KDA's saved gk, Aqk, Akk; empty elsewhere);
+KDA's ``gate_lower_bound`` through the ops (opcheck, compile) and its rejection for DeltaNet / GDN gates.
 
 KDA on fla, CPU (needs fla-core installed; Triton interpreter, tiny shapes, with the op's device check bypassed):
 the op's backward calls fla's ``chunk_kda_bwd`` on the forward's saved (gk, Aqk, Akk) without rerunning the
-forward, o / final state / every gradient match the float64 recurrent oracle, fake outputs match real ones.
+forward, o / final state / every gradient match the float64 recurrent oracle, fake outputs match real ones; with
+``gate_lower_bound`` (gates from the bounded formula) fla's ``safe_gate`` kernels run, forward and backward.
 
 GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper + Triton < 3.7.1, fla elsewhere)
 against the chunk path in float32; KDA's saved-intermediate backward (no rerun) against the recurrent oracle;
-compiled GDN and KDA modules (impl "auto", inductor) forward + backward against eager.
+KDA with ``gate_lower_bound=-5`` (fla's safe_gate) against the chunk path in float32 and bf16; compiled GDN and KDA
+modules (impl "auto", inductor) forward + backward against eager.
 """
 
 import os
@@ -21,11 +24,12 @@ import os
 import pytest
 import torch
 
-from attention.linear_common import l2norm
+from attention.linear_common import l2norm, log_gate
 from attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
 from attention.ops.delta_rule.ops import delta_rule_bwd, delta_rule_fwd, delta_rule_op
 
 F64 = torch.float64
+LB = -5.0  # KDA's bounded gate: fla's recommended (and lowest safe) lower bound
 
 
 def _inputs(gate, B, T, H, K, V, dtype=F64, device="cpu", n_state=None, seed=0):
@@ -38,6 +42,8 @@ def _inputs(gate, B, T, H, K, V, dtype=F64, device="cpu", n_state=None, seed=0):
         g = -0.4 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
     elif gate == "channel":
         g = -0.4 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+    elif gate == "bounded":  # KDA's bounded gate LB * sigmoid(exp(A_log) * (a + dt_bias)): in [LB, 0)
+        g = log_gate(r(B, T, H, K), 0.5 * r(H, 1), r(H, K), lower_bound=LB)
     h0 = None if n_state is None else 0.5 * r(n_state, H, K, V)
     cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
     return [cast(t) for t in (q, k, v, beta, g, h0)]
@@ -82,22 +88,44 @@ def test_op_without_optional_tensors_and_no_final_state():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in a)
 
 
-@pytest.mark.parametrize("case", ["scalar_varlen_state", "channel_plain", "none_state"])
+@pytest.mark.parametrize("case", ["scalar_varlen_state", "channel_plain", "none_state", "bounded_varlen_state"])
 def test_opcheck(case):
+    lb = None
     if case == "scalar_varlen_state":
         q, k, v, beta, g, h0 = _inputs("scalar", 1, 37, 2, 4, 3, n_state=3)
         cu, ofs = CU, True
     elif case == "channel_plain":
         q, k, v, beta, g, h0 = _inputs("channel", 2, 13, 2, 4, 3, dtype=torch.float32)
         cu, ofs = None, False
+    elif case == "bounded_varlen_state":
+        q, k, v, beta, g, h0 = _inputs("bounded", 1, 37, 2, 4, 3, n_state=3)
+        cu, ofs, lb = CU, True, LB
     else:
         q, k, v, beta, g, h0 = _inputs("none", 2, 13, 2, 4, 3, n_state=2)
         cu, ofs = None, True
     args = [None if t is None else t.requires_grad_(True) for t in (q, k, v, beta, g, h0)]
-    torch.library.opcheck(delta_rule_fwd, (*args[:5], args[5], cu, 0.5, ofs, "fla", 16))
+    torch.library.opcheck(delta_rule_fwd, (*args[:5], args[5], cu, 0.5, ofs, "fla", 16, lb))
     do, dht = torch.randn_like(v), (torch.randn(q.shape[0] if cu is None else 3, 2, 4, 3, dtype=F64) if ofs else None)
     torch.library.opcheck(delta_rule_bwd, (do, dht, *(None if t is None else t.detach() for t in args), cu, 0.5,
-                                           "fla_hopper", 16), test_utils=("test_schema", "test_faketensor"))
+                                           "fla_hopper", 16, None, None, None, lb),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_gate_lower_bound_only_for_kda_in_range():
+    """gate_lower_bound is KDA's: with a DeltaNet / GDN gate, or outside [-5, 0), delta_rule and the op refuse it;
+    the chunk path ignores it (exact for any gate)."""
+    for gate in ("none", "scalar"):
+        q, k, v, beta, g, _ = _inputs(gate, 1, 9, 2, 4, 3)
+        with pytest.raises(ValueError, match="gate_lower_bound=-5.0 is for KDA's per-channel gate"):
+            delta_rule(q, k, v, beta, g, impl="chunk", gate_lower_bound=LB)
+        with pytest.raises(ValueError, match="gate_lower_bound=-5.0 is for KDA's per-channel gate"):
+            delta_rule_op(q, k, v, beta, g, gate_lower_bound=LB)
+    q, k, v, beta, g, _ = _inputs("bounded", 1, 9, 2, 4, 3)
+    for lb in (0.0, -6.0):
+        with pytest.raises(ValueError, match=r"must be in \[-5, 0\)"):
+            delta_rule(q, k, v, beta, g, impl="recurrent", gate_lower_bound=lb)
+    o, _ = delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=4, gate_lower_bound=LB)
+    torch.testing.assert_close(o, delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=4)[0], rtol=0, atol=0)
 
 
 def test_compiled_fullgraph_matches_eager():
@@ -138,8 +166,9 @@ def test_auto_under_compile_on_cpu_is_chunk():
     assert torch.equal(pick(x), x + 1)
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda"])
-def test_module_compiled_through_op_matches_chunk(name, monkeypatch):
+@pytest.mark.parametrize("name, extra", [("gdn", {}), ("kda", {}), ("kda", {"gate_lower_bound": LB})],
+                         ids=["gdn", "kda", "kda-bounded"])
+def test_module_compiled_through_op_matches_chunk(name, extra, monkeypatch):
     """The module path under torch.compile(fullgraph=True) when dispatch picks the op (as "auto" does on a GPU
     with fla): forced here by making the resolver answer "fla" (the op's CPU kernel is the chunk path), packed
     documents included; compared with the eager module on the chunk path."""
@@ -154,7 +183,7 @@ def test_module_compiled_through_op_matches_chunk(name, monkeypatch):
     for impl in ("auto", "chunk"):
         torch.manual_seed(0)
         m = spec.cls(AttentionArgs(dim=16, n_heads=2, n_kv_heads=2, head_dim=4, impl=impl),
-                     spec.options(chunk_size=8)).double()
+                     spec.options(chunk_size=8, **extra)).double()
         with torch.no_grad():
             m.init_weights(0.02)
         mods.append(m)
@@ -213,7 +242,10 @@ def fla_kda_interpreted(monkeypatch):
     - one autotune config per kernel (benchmarking needs a GPU driver): the last of fla's list, whose larger
       tiles mean fewer interpreted programs (the token-parallel intra kernel: BH=8, all heads in one program);
     - ``range`` in fla's kernels yields interpreter tensors when its bound is one (the interpreter gives plain
-      ints, on which fla's ``i_t.to(tl.int64)`` fails; compiled Triton's loop variables are tensors).
+      ints, on which fla's ``i_t.to(tl.int64)`` fails; compiled Triton's loop variables are tensors);
+    - fla's module-level alias ``gather = tl.gather`` (the safe_gate kernels) looks ``tl.gather`` up when called, so
+      it gets the interpreter's version (the alias, bound at import, is the unpatched builtin);
+    - the safe_gate backward's dots use "ieee" precision (fla picks "bf16x3", which the interpreter lacks).
 
     The op's device check (``_uses_chunk``: fla only on CUDA) is bypassed so "fla" / "fla_hopper" run fla here.
     Returns the record of fla's ``chunk_kda_fwd`` / ``chunk_kda_bwd`` calls (:func:`_spy_fla_kda`)."""
@@ -241,6 +273,10 @@ def fla_kda_interpreted(monkeypatch):
         if not name.startswith("fla.ops") or mod is None:
             continue
         monkeypatch.setattr(mod, "range", interp_range, raising=False)
+        if getattr(mod, "gather", None) is tl.gather:
+            monkeypatch.setattr(mod, "gather", lambda src, index, axis: tl.gather(src, index, axis))
+        if hasattr(mod, "SAFE_GATE_DOT_PRECISION"):
+            monkeypatch.setattr(mod, "SAFE_GATE_DOT_PRECISION", tl.constexpr("ieee"))
         for obj in list(vars(mod).values()):
             obj = obj.kernel if isinstance(obj, FastLaunch) else obj
             while isinstance(obj, (Heuristics, Autotuner)):
@@ -279,10 +315,11 @@ def _check_no_rerun(calls):
     return bkw, saved
 
 
-KDA_CPU_CASES = [  # (B, T, H, K, V, cu_seqlens, with initial state and final-state gradient)
-    pytest.param((1, 70, 2, 16, 16, None, True), id="dense_state"),  # 2 chunks: 64 + 6
-    pytest.param((1, 80, 2, 16, 16, [0, 11, 80], True), id="varlen_state"),  # documents of 11 and 64 + 5 tokens
-    pytest.param((2, 70, 2, 16, 16, None, False), id="dense_plain", marks=pytest.mark.slow),  # no h0, no dht
+KDA_CPU_CASES = [  # (B, T, H, K, V, cu_seqlens, with initial state and final-state gradient, gate_lower_bound)
+    pytest.param((1, 70, 2, 16, 16, None, True, None), id="dense_state"),  # 2 chunks: 64 + 6
+    pytest.param((1, 80, 2, 16, 16, [0, 11, 80], True, None), id="varlen_state"),  # documents of 11 and 64 + 5 tokens
+    pytest.param((1, 80, 2, 16, 16, [0, 11, 80], True, LB), id="varlen_state_bounded"),  # fla's safe_gate kernels
+    pytest.param((2, 70, 2, 16, 16, None, False, None), id="dense_plain", marks=pytest.mark.slow),  # no h0, no dht
 ]
 
 
@@ -297,16 +334,17 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     """KDA through ``delta_rule_op`` on fla's kernels (interpreted, float32), forward and backward, against the
     float64 recurrent oracle: o, final state, dq, dk, dv, dbeta, dg, dh0, none NaN. fla's forward runs once (no
     rerun in the backward), its backward gets exactly the (gk, Aqk, Akk) the forward produced, and the fake
-    (trace-time) outputs of both ops match the real ones in shape, dtype and strides."""
+    (trace-time) outputs of both ops match the real ones in shape, dtype and strides. With a gate_lower_bound
+    (gates from KDA's bounded formula, down to it) both fla calls get ``safe_gate=True, lower_bound=`` it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    B, T, H, K, V, cu, with_state = case
+    B, T, H, K, V, cu, with_state, lb = case
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     N = B if cu is None else cu.numel() - 1
-    ins = _inputs("channel", B, T, H, K, V, n_state=N if with_state else None, seed=3)
+    ins = _inputs("channel" if lb is None else "bounded", B, T, H, K, V, n_state=N if with_state else None, seed=3)
     a = [None if t is None else t.float().requires_grad_(True) for t in ins]
     b = [None if t is None else t.clone().requires_grad_(True) for t in ins]  # float64
-    o, ht = delta_rule_op(*a[:5], 0.7, a[5], with_state, cu, backend="fla")
+    o, ht = delta_rule_op(*a[:5], 0.7, a[5], with_state, cu, backend="fla", gate_lower_bound=lb)
     o_ref, ht_ref = naive_recurrent_delta_rule(*b[:5], 0.7, b[5], with_state, cu)
     calls = fla_kda_interpreted
     assert len(calls["fwd"]) == 1 and not calls["bwd"]
@@ -322,6 +360,8 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     loss_ref.backward()
     bkw, saved = _check_no_rerun(calls)
     assert (bkw["dht"] is None) != with_state and (bkw["initial_state"] is None) != with_state
+    for kw in (calls["fwd"][0][0], bkw):
+        assert (kw["safe_gate"], kw["lower_bound"]) == (lb is not None, lb)
 
     outs = [("o", o, o_ref)] + ([("ht", ht, ht_ref)] if with_state else [])
     outs += [(f"d{n}", x.grad, y.grad) for n, x, y in zip(["q", "k", "v", "beta", "g", "h0"], a, b) if x is not None]
@@ -334,8 +374,8 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     fk = lambda t: None if t is None else mode.from_tensor(t.detach())  # noqa: E731
     f_ins, f_cu, f_do, f_dht = [fk(t) for t in a], fk(cu), fk(o), (fk(ht) if with_state else None)
     with mode:
-        f_out = delta_rule_fwd(*f_ins[:5], f_ins[5], f_cu, 0.7, with_state, "fla", 64)
-        f_grads = delta_rule_bwd(f_do, f_dht, *f_ins, f_cu, 0.7, "fla", 64, *f_out[2:])
+        f_out = delta_rule_fwd(*f_ins[:5], f_ins[5], f_cu, 0.7, with_state, "fla", 64, lb)
+        f_grads = delta_rule_bwd(f_do, f_dht, *f_ins, f_cu, 0.7, "fla", 64, *f_out[2:], lb)
     real_ht = ht if with_state else torch.empty(0)
     for name, x, y in zip(["o", "ht", "gk", "Aqk", "Akk"], [o, real_ht, *saved.values()], f_out):
         _same_meta(x, y, name)
@@ -406,6 +446,39 @@ def test_gpu_kda_saved_backward_matches_recurrent(varlen, impl, monkeypatch):
             (f"d{n}", p.grad, r.grad) for n, p, r in zip(["q", "k", "v", "beta", "g", "h0"], a, b)]:
         assert x.dtype == torch.float32 and torch.isfinite(x).all(), name
         assert rel(x, y.detach()) < 1e-2, f"{backend} {name}: relative error {rel(x, y.detach()):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol_o, tol_grad", [(torch.float32, 5e-3, 1e-2), (torch.bfloat16, 2e-2, 5e-2)],
+                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl, monkeypatch):
+    """KDA with gate_lower_bound=-5 on fla (safe_gate: tensor-core diagonal blocks) against the float64 chunk path,
+    gates from the bounded formula (down to -5), forward and every gradient. Tolerances: float32 those of
+    test_gpu_op_matches_chunk_float32; bf16 those of the bf16 fla forward (test_delta_rule.py) and compiled-module
+    gradient (test_gpu_compiled_module_matches_eager) checks."""
+    backend = _gpu_backend(True, impl)
+    calls = _spy_fla_kda(monkeypatch)
+    B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 200, 4, 64, 64)
+    cu = torch.tensor([0, 70, 229, 300], dtype=torch.int32, device="cuda") if varlen else None
+    q, k, v, beta, g, h0 = _inputs("bounded", B, T, H, K, V, device="cuda", n_state=3 if varlen else B)
+    a = [t.to(dtype).requires_grad_(True) for t in (q, k, v, beta)] + [t.float().requires_grad_(True) for t in (g, h0)]
+    b = [t.clone().requires_grad_(True) for t in (q, k, v, beta, g, h0)]  # float64
+    o, ht = delta_rule_op(*a[:5], None, a[5], True, cu, backend=backend, gate_lower_bound=LB)
+    o_ref, ht_ref = chunk_delta_rule(*b[:5], None, b[5], True, cu)
+    rel = lambda x, y: ((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-6)).item()  # noqa: E731
+    assert o.dtype == dtype and rel(o, o_ref) < tol_o, f"{backend} o: relative error {rel(o, o_ref):.2e}"
+    assert rel(ht, ht_ref) < tol_o, f"{backend} final state: relative error {rel(ht, ht_ref):.2e}"
+    do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    _check_no_rerun(calls)
+    assert [(kw["safe_gate"], kw["lower_bound"]) for kw, _ in calls["fwd"] + calls["bwd"]] == [(True, LB)] * 2
+    for name, x, y in zip("q k v beta g h0".split(), a, b):
+        assert x.grad.dtype == x.dtype and torch.isfinite(x.grad).all(), name
+        err = rel(x.grad, y.grad)
+        assert err < tol_grad, f"{backend} {dtype} d{name}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
