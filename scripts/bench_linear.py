@@ -1,4 +1,4 @@
-"""Benchmark the delta-rule family ops (deltanet, gdn, kda): fwd and fwd+bwd milliseconds per compute path.
+"""Benchmark the delta-rule family ops (deltanet, gdn, kda, kda_bounded): fwd and fwd+bwd milliseconds per compute path.
 
 Paths: "fla" (fla-core 0.6.0 Triton kernels, where they import and are allowed: fla refuses the gated backward
 on Hopper with 3.4 <= Triton < 3.7.1, and this script reports that as "refused"), "fla_hopper" (fla's kernels
@@ -7,7 +7,8 @@ form under torch.compile), "chunk_eager" (same, not compiled; --eager), "module"
 whole attention layer, ``attention/{deltanet,gdn,kda}.py`` with impl "auto", dim = H*D, projections and convs
 included; "module-compiled" is ``torch.compile(fullgraph=True)`` as torchtitan compiles blocks: with fla it runs
 the ``attnlab::delta_rule_*`` custom ops, no graph break; the note says which path "auto" took), plus SDPA causal
-softmax as the reference row. Shape B4_T4096_H16_D128 in bf16 by default (the issue's target: GDN/KDA fwd+bwd <= 4 ms).
+softmax as the reference row. "kda_bounded" is KDA with its bounded gate (``attention.kda.gate_lower_bound = -5``:
+every log decay in [-5, 0), which runs fla's safe_gate kernels). Shape B4_T4096_H16_D128 in bf16 by default (the issue's target: GDN/KDA fwd+bwd <= 4 ms).
 
 Rows are printed as soon as they are measured, fla rows first. The torch.compile'd "chunk" rows run in a child
 process killed after ``--budget`` seconds (compiling the unrolled chunk loop at T=4096 can take minutes);
@@ -26,6 +27,7 @@ x3 for fwd+bwd), the same count as the modules' ``flops_per_token``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -39,10 +41,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm  # noqa: E402
-from attention.ops.delta_rule import chunk_delta_rule  # noqa: E402
+from attention.ops.delta_rule import chunk_delta_rule, delta_rule_op  # noqa: E402
 from scripts.bench_common import kernel_table, python_profile, timeit  # noqa: E402
 
-MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel"}
+MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel", "kda_bounded": "channel"}
+LOWER_BOUND = {"kda_bounded": -5.0}  # KDA's bounded gate (fla safe_gate)
 
 
 def make_inputs(mech, B, T, H, D, dtype, device):
@@ -54,6 +57,8 @@ def make_inputs(mech, B, T, H, D, dtype, device):
     g = None
     if gate == "scalar":  # Mamba2-style decays at init: -exp(A_log) softplus(a + dt_bias), a few 1e-2
         g = -torch.rand(B, T, H, device=device) * 0.1
+    elif mech in LOWER_BOUND:  # lb * sigmoid(.): in (lb, 0), a few 1e-2 on average
+        g = LOWER_BOUND[mech] * torch.sigmoid(torch.randn(B, T, H, D, device=device) - 4)
     elif gate == "channel":
         g = -torch.rand(B, T, H, D, device=device) * 0.1
     return [q, k, v, beta, g]
@@ -82,8 +87,9 @@ def bench_module(mech, path, a, dtype):
 
     dim = a.H * a.D
     args = AttentionArgs(dim=dim, n_heads=a.H, n_kv_heads=a.H, head_dim=a.D, impl="auto")
-    spec = REGISTRY[mech]
-    m = spec.cls(args, spec.options()).to(a.device)
+    spec = REGISTRY["kda" if mech in LOWER_BOUND else mech]
+    opts = spec.options(gate_lower_bound=LOWER_BOUND[mech]) if mech in LOWER_BOUND else spec.options()
+    m = spec.cls(args, opts).to(a.device)
     with torch.no_grad():
         m.init_weights(0.02)
     m = m.to(dtype)
@@ -129,6 +135,8 @@ def bench_mech(mech, path, a, dtype):
     else:
         op = chunk_delta_rule
         bwd_ok, bwd_why = True, ""
+    if mech in LOWER_BOUND and path in ("fla", "fla_hopper"):  # fla's KDA kernels with safe_gate (our op)
+        op = functools.partial(delta_rule_op, backend=path, gate_lower_bound=LOWER_BOUND[mech])
     do = torch.randn(a.B, a.T, a.H, a.D, dtype=dtype, device=a.device)
     note = ""
     with torch.no_grad():
@@ -160,7 +168,7 @@ def bench_sdpa(a, dtype):
 
 
 PATH_ORDER = ["fla", "fla_hopper", "chunk", "chunk_eager", "module", "module-compiled"]
-HEADER = f"{'mechanism':<9} {'path':<15} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note"
+HEADER = f"{'mechanism':<11} {'path':<15} {'fwd ms':>9} {'fwd+bwd':>9} {'fwd TF/s':>9}  note"
 
 
 def format_row(row, flops):
@@ -168,7 +176,7 @@ def format_row(row, flops):
     fmt = lambda x: f"{x:9.2f}" if isinstance(x, float) else f"{x:>9}"  # noqa: E731
     op_row = mech != "softmax" and not path.startswith("module")  # layer rows include the projections
     tf = f"{flops / fwd / 1e9:9.1f}" if isinstance(fwd, float) and op_row else f"{'':>9}"
-    return f"{mech:<9} {path:<15} {fmt(fwd)} {fmt(both)} {tf}  {note}"
+    return f"{mech:<11} {path:<15} {fmt(fwd)} {fmt(both)} {tf}  {note}"
 
 
 def run_row(mech, path, a, dtype):

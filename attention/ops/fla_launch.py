@@ -12,6 +12,10 @@ and ``Heuristics.run``. In a GDN model that host time is per layer and independe
   ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first launch per autotune key takes the normal path
   (autotuning included), later launches call the ``JITFunction`` directly with the config that was chosen and the
   heuristics computed here — the same kernel, config and arguments, so results are bitwise those of the normal path.
+- :func:`install` also replaces fla's ``@dispatch`` wrappers (a ``torch.compiler.disable`` layer and a scan of
+  alternative backends: TileLang, Ascend, FlashKDA, ...) by the function they wrap, where none of the wrapper's
+  backends is available and enabled here, so the wrapper would call that function anyway. fla's KDA pipeline
+  (``chunk_kda_fwd`` / ``chunk_kda_bwd``, which our op calls) reaches ~8 such wrappers per fwd+bwd.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
   current CUDA device, which the ``fla_hopper`` path guarantees.
 
@@ -100,8 +104,29 @@ def install() -> bool:
                 if id(obj) not in proxies:
                     proxies[id(obj)] = FastLaunch(obj)
                 setattr(mod, attr, proxies[id(obj)])
+            elif callable(obj) and (inner := undispatched(obj)) is not obj:
+                setattr(mod, attr, inner)
     _INSTALLED = True
     return True
+
+
+def undispatched(fn):
+    """The function under fla's ``@dispatch`` wrapper ``fn`` when none of its backends is available and enabled
+    (the wrapper would fall through to it); otherwise, or for anything else, ``fn`` itself.
+
+    The wrapper is ``torch.compiler.disable(wrapper)`` with ``wrapper`` a closure of ``BackendRegistry.dispatch``
+    over the registry (``self``) and made with ``functools.wraps(default_function)``."""
+    wrapper = getattr(fn, "__wrapped__", None)
+    code = getattr(wrapper, "__code__", None)  # functools.wraps copied f's __qualname__; the code keeps its own
+    if not getattr(code, "co_qualname", "").endswith("BackendRegistry.dispatch.<locals>.wrapper"):
+        return fn
+    try:
+        registry = inspect.getclosurevars(wrapper).nonlocals["self"]
+        if any(b.is_available() and b.is_enabled() for b in registry._get_sorted_backends()):
+            return fn
+        return wrapper.__wrapped__
+    except Exception:  # a layout other than fla-core 0.6.0's: keep fla's own path
+        return fn
 
 
 def raw(fn):

@@ -95,3 +95,66 @@ def test_raw_strips_decorators():
         return f(*a)
 
     assert fla_launch.raw(torch.compiler.disable(guarded)) is f
+
+
+class BackendRegistry:
+    """The shape of fla-core 0.6.0's ``fla.backends.BackendRegistry.dispatch`` wrapper (test double)."""
+
+    def __init__(self, backends):
+        self.backends = backends
+
+    def _get_sorted_backends(self):
+        return self.backends
+
+    def dispatch(self, default_function):
+        import functools
+
+        @functools.wraps(default_function)
+        def wrapper(*args, **kwargs):
+            for backend in self._get_sorted_backends():
+                if backend.is_available() and backend.is_enabled():
+                    return backend.impl(*args, **kwargs)
+            return default_function(*args, **kwargs)
+
+        return torch.compiler.disable(wrapper)
+
+
+class _Backend:
+    def __init__(self, available, enabled=True):
+        self.available, self.enabled = available, enabled
+
+    def is_available(self):
+        return self.available
+
+    def is_enabled(self):
+        return self.enabled
+
+    def impl(self, x):
+        return x - 1
+
+
+@pytest.mark.parametrize("backends, unwrapped", [([], True), ([_Backend(False), _Backend(True, False)], True),
+                                                 ([_Backend(False), _Backend(True)], False)])
+def test_undispatched_only_where_no_backend_would_run(backends, unwrapped):
+    def f(x):
+        return x + 1
+
+    wrapped = BackendRegistry(backends).dispatch(f)
+    got = fla_launch.undispatched(wrapped)
+    assert (got is f) == unwrapped and (got is wrapped) != unwrapped
+    assert got(1) == wrapped(1)  # the same result either way
+    assert fla_launch.undispatched(f) is f and fla_launch.undispatched(len) is len
+
+
+def test_install_unwraps_fla_dispatch_wrappers(monkeypatch):
+    def f(x):
+        return x + 1
+
+    mod = types.ModuleType("fla.ops.fake_dispatch")
+    mod.f = BackendRegistry([_Backend(False)]).dispatch(f)
+    mod.g = BackendRegistry([_Backend(True)]).dispatch(f)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(fla_launch, "_INSTALLED", False)
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
+    assert fla_launch.install()
+    assert mod.f is f and mod.g is not f
