@@ -10,8 +10,8 @@ Departures from the softmax baseline (same Qwen3 projections ``wq wk wv wo q_nor
 - λ → ∞ is exactly softmax attention.
 
 Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "triton",
-"chunked", "reference". Decoding keeps a KV cache (LLA has no recurrent state) and uses the single-pass
-D×D-accumulator decode of spec §8.
+"chunked", "reference"; ``[attention.lla] kernel`` picks the Triton version ("v0", "v1"). Decoding keeps a
+KV cache (LLA has no recurrent state) and uses the single-pass D×D-accumulator decode of spec §8.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.ops.lla import DEFAULT_KERNEL
 from attention.ops.lla import IMPLS as LLA_IMPLS
+from attention.ops.lla import KERNELS as LLA_KERNELS
 from attention.ops.lla import lla_attention, lla_decode
 from attention.registry import register_attention
 
@@ -56,6 +58,24 @@ class LLAOptions:
     """A row's CG stops once ‖residual‖ ≤ cg_rtol·‖rhs‖."""
     qk_norm: bool = True
     """RMSNorm on q and k per head before RoPE (the paper's best pretraining setting)."""
+    kernel: str = DEFAULT_KERNEL
+    """Which Triton kernels impl "triton" / "auto" on CUDA runs (the chunked and reference paths ignore it):
+    "v0" (``attention/ops/lla/triton_v0.py``: fp32/TF32 tiles) is the more accurate (bf16, D = 128: dk 6.6e-3
+    vs 2.2e-2); "v1" (``triton.py``: bf16 tensor-core operands, autotuned tiles) is 3.8x faster fwd+bwd on an
+    H100 at equal forward error in the truncated-CG regime. Measured on an H100 (session 8, torch 2.11,
+    Triton 3.6):
+
+    - ``scripts/bench_lla.py --quick --variant v0,v1 --tiles none`` (B4 T4096 H16/8 D128 bf16, λ = 0.1, 8 CG):
+      ms fwd / fwd+bwd SDPA 0.49 / 2.01, v0 73.3 / 226.4 (112x SDPA), v1 21.6 / 59.3 (29x); o vs the exact
+      float64 solve (all rows / rows ≥ 2D) v0 0.283 / 0.050, v1 0.295 / 0.051. Truncated CG dominates both.
+    - ``test_triton_gpu_matches_chunked`` (λ = 1, T = 1000, GQA, varlen, 16 CG, D = 128) vs float64, bf16:
+      v0 o 5.6e-3, dq 6.6e-3, dk 6.6e-3, dv 6.2e-3, dλ 2.3e-2; v1 o 6.4e-3, dq 1.0e-2, dk 2.2e-2, dv 1.5e-2,
+      dλ 2.9e-2, within the bf16 budgets of the Triton attention kernels (test_parallax_kernels: 2e-2 forward,
+      4e-2 gradients). fp32 inputs: v1 (32-row tiles) o 1.5e-3, dλ 1.3e-2; v0 (TF32) o 5.8e-3, dλ 3.7e-2.
+
+    v1 was opt-in because its bf16 roundings were amplified by Σ|a|/δ on ill-conditioned rows; CG on the
+    k̄-centred Σ_c (``naive.from_centred``) removed the 1/δ from the output pass. "v0" stays the default until
+    a GPU training smoke with "v1" (``attention.ops.lla.DEFAULT_KERNEL``)."""
 
 
 class RidgeLambda(nn.Module):
@@ -109,6 +129,8 @@ class LocalLinearAttention(QKVAttentionBase):
             raise ValueError(f"attention.impl={args.impl!r} is not valid for lla; choose from {list(LLA_IMPLS)}")
         if opts.cg_iters < 1:
             raise ValueError(f"attention.lla.cg_iters={opts.cg_iters} must be >= 1")
+        if opts.kernel not in LLA_KERNELS:
+            raise ValueError(f"attention.lla.kernel={opts.kernel!r}; choose from {list(LLA_KERNELS)}")
         smallest = opts.lambda_min if opts.learn_lambda else opts.lambda_init  # fixed λ = lambda_init
         if smallest < (0.1 if opts.cg_iters < 32 else 0.05):
             warnings.warn(f"attention.lla: λ down to {smallest} with cg_iters={opts.cg_iters}: truncated CG "
@@ -130,7 +152,8 @@ class LocalLinearAttention(QKVAttentionBase):
         if ctx.cache is not None:
             o = self._decode(q, k, v, lam, ctx.cache, kw)
         else:
-            o = lla_attention(q, k, v, lam, cu_seqlens=ctx.cu_seqlens, impl=self.args.impl, **kw)
+            o = lla_attention(q, k, v, lam, cu_seqlens=ctx.cu_seqlens, impl=self.args.impl, kernel=self.opts.kernel,
+                              **kw)
         return self.wo(o.reshape(B, T, -1))
 
     def _decode(self, q, k, v, lam, cache: KVCache, kw) -> torch.Tensor:
@@ -143,7 +166,7 @@ class LocalLinearAttention(QKVAttentionBase):
         cache.length = p0 + T
         if p0 == 0 and T > 1:
             impl = "chunked" if self.args.impl == "reference" else self.args.impl
-            return lla_attention(q, k, v, lam, impl=impl, **kw)
+            return lla_attention(q, k, v, lam, impl=impl, kernel=self.opts.kernel, **kw)
         lam = lam.expand(B, T, self.n_heads) if lam.dim() == 3 else lam.view(1, 1, -1).expand(B, T, -1)
         outs = [lla_decode(q[:, t], cache.k[:, :p0 + t + 1], cache.v[:, :p0 + t + 1], lam[:, t], **kw)
                 for t in range(T)]

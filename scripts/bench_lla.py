@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import attention.ops.lla as lla_ops  # noqa: E402
 from attention.ops.affine import affine_attention  # noqa: E402
 from attention.ops.lla import lla_attention, naive_lla  # noqa: E402
 from scripts.bench_common import timeit as timed  # noqa: E402
@@ -82,10 +81,10 @@ def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise
     def op(q, k, v):
         import attention.ops.lla.triton as v1
 
-        lla_ops.TRITON_VARIANT = variant
         v1.PRECISE = precise
         v1.SCRATCH = scratch
-        return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block)
+        return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block,
+                             kernel=variant)
     return op
 
 
@@ -156,7 +155,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variant", default="v0,v1", help="comma list of Triton kernel versions: v0 (first), v1")
+    ap.add_argument("--variant", default="v0,v1", help="comma list of Triton kernel versions (lla_attention's "
+                    "kernel=, attention.lla.kernel): v0 (first), v1")
     ap.add_argument("--iters", default=None, help="comma list of CG iteration counts (default 8 with --quick, "
                     "else 4,8,16); every count compiles (and autotunes) its own kernels")
     ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x32,64x64 with "

@@ -111,6 +111,36 @@ def test_bad_options_raise(name, key):
         make(name, lambda_init=5.0, lambda_max=1.0)
 
 
+def test_lla_bad_kernel_raises():
+    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v2'; choose from \['v0', 'v1'\]"):
+        make("lla", kernel="v2")
+
+
+@pytest.mark.parametrize("kernel", ["v0", "v1"])
+def test_lla_kernel_option_reaches_the_op(kernel, monkeypatch):
+    """attention.lla.kernel picks the Triton kernels the module runs, in training and in the decode prefill."""
+    import attention.ops.lla.triton as v1
+    import attention.ops.lla.triton_v0 as v0
+
+    class Reached(Exception):
+        pass
+
+    def stop(name):
+        def fwd(*a):
+            raise Reached(name)
+        return fwd
+
+    monkeypatch.setattr(v0, "lla_fwd_triton", stop("v0"))
+    monkeypatch.setattr(v1, "lla_fwd_triton", stop("v1"))
+    m = make("lla", impl="triton", kernel=kernel)
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    with pytest.raises(Reached, match=f"^{kernel}$"):
+        m(x, ctx_for(1, 5))
+    cache = m.init_cache(1, 5, x.device, torch.float64)
+    with pytest.raises(Reached, match=f"^{kernel}$"):
+        m(x, AttentionContext(positions=torch.arange(5)[None], cache=cache))  # prefill
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_impl_raises(name):
     with pytest.raises(ValueError, match="attention.impl"):

@@ -4,7 +4,8 @@ Implementations (``impl``):
 
 - "reference": :func:`naive_lla` (explicit Σ_i and ``torch.linalg.solve``; exact solve, O(T²·D) memory);
 - "chunked":   blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
-- "triton":    the blockwise Triton kernels (``triton.py``): forward, and backward with the adjoint solve;
+- "triton":    the blockwise Triton kernels, forward and backward with the adjoint solve, in two versions
+               (``kernel``): "v0" (``triton_v0.py``) and "v1" (``triton.py``);
 - "auto":      Triton on CUDA, chunked elsewhere.
 
 All non-reference paths use the λω ridge (shift-invariant, spec §5.3), compute in fp32 (float64 inputs:
@@ -27,26 +28,17 @@ from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # 
 Tensor = torch.Tensor
 
 IMPLS = ("auto", "triton", "chunked", "reference")
-TRITON_VARIANT = "v0"
-"""Which Triton kernels ``impl="triton"`` runs: "v0" (``triton_v0.py``: fp32/TF32 tiles; the default) or "v1"
-(``triton.py``: bf16 tensor-core operands, split masks, autotuned tiles; 3.6x faster fwd+bwd on an H100).
-v1 is NOT the default because bf16 operands are too inexact for LLA (precision, not a logic bug: fp32
-inputs at the GPU tiles (64, 64)/(64, 32) match float64 to 2e-6). Measured on an H100 (B4 T4096 H16/8
-D128, λ=0.1, 8 CG): relative error of o vs float64 v1 15.9 (rows ≥ 2D: 19.6) vs v0 11.2 (0.56); GPU test
-bf16 T=1000 λ=0.1: v1 o 46.8; λ=1 T=300: v1 o 1.1e-1 (triton.PRECISE: 2.7e-2). Cause: on ill-conditioned
-rows δ = Σ_j a_j ≪ Σ_j |a_j|, so the bf16 rounding of the weights, of t in Σ·p and of ρ and the scores a_j
-in the output pass is amplified by Σ|a|/δ (CPU bf16 emulation, λ=1, D=64: o 9.5e-2, PRECISE 1.8e-3).
-Those measurements predate CG on the k̄-centred Σ_c (``naive.from_centred``), which removed the 1/δ from the output
-pass. Since then 3 of the 4 v1 GPU cases marked xfail pass on an H100 (D=64 bf16, D=128 fp32, the bf16
-first-positions test without PRECISE); D=128 bf16 still fails. v1 is not re-timed and stays opt-in."""
+KERNELS = ("v0", "v1")
+"""Triton kernel versions (``lla_attention(kernel=...)``, ``attention.lla.kernel``; compared in LLAOptions.kernel):
+"v0" ``triton_v0.py`` (fp32/TF32 tiles), "v1" ``triton.py`` (bf16 tensor-core operands, autotuned tiles)."""
+DEFAULT_KERNEL = "v0"
+"""Default of ``lla_attention(kernel=...)`` and of ``attention.lla.kernel``: switching is this one line."""
 
 
-def _triton_ops():
+def _triton_ops(kernel: str):
     import importlib
 
-    if TRITON_VARIANT not in ("v0", "v1"):
-        raise ValueError(f"TRITON_VARIANT={TRITON_VARIANT!r}: choose 'v0' or 'v1'")
-    return importlib.import_module("attention.ops.lla.triton" + ("_v0" if TRITON_VARIANT == "v0" else ""))
+    return importlib.import_module({"v0": "attention.ops.lla.triton_v0", "v1": "attention.ops.lla.triton"}[kernel])
 
 
 def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +76,8 @@ def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
 # whole forward, CG solves included, before its own adjoint solve.) The ops are opaque to torch.compile.
 @torch.library.custom_op("attnlab::lla_fwd", mutates_args=())
 def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
-            jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
-            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int],
+            kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o in q's dtype [B, T, HQ, D], then for the backward: o and ρ in the compute dtype, δ, m, ω).
 
     Triton: o_c, ρ [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunked: o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in
@@ -93,9 +85,9 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        o, rho, delta, m, om = _triton_ops().lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                            lam.to(torch.float32).contiguous(), ds, scale,
-                                                            cg_iters, jacobi, rtol, block_r, block_c)
+        o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                                  lam.to(torch.float32).contiguous(), ds, scale,
+                                                                  cg_iters, jacobi, rtol, block_r, block_c)
         out = o.to(q.dtype, copy=True)  # a new tensor: an op's outputs may not alias each other
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
@@ -108,7 +100,7 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
 
 
 @lla_fwd.register_fake
-def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c):
+def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c, kernel):
     B, T, HQ, D = q.shape
     ct = _compute_dtype(q, use_triton)
     if use_triton:
@@ -122,14 +114,14 @@ def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block
 @torch.library.custom_op("attnlab::lla_bwd", mutates_args=())
 def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], o: Tensor,
             rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float, cg_iters: int, jacobi: bool, rtol: float,
-            use_triton: bool, block_r: Optional[int],
-            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            use_triton: bool, block_r: Optional[int], block_c: Optional[int],
+            kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics."""
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        ops = _triton_ops()
-        dd = do.to(torch.float32).contiguous() if ops.__name__.endswith("_v0") else do.contiguous()
+        dd = do.to(torch.float32).contiguous() if kernel == "v0" else do.contiguous()  # v1: do in its dtype
+        ops = _triton_ops(kernel)
         dq, dk, dv, dlam = ops.lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
                                               lam.to(torch.float32).contiguous(), ds, de, o, dd, rho, delta, m, om,
                                               scale, cg_iters, jacobi, rtol, block_r, block_c)
@@ -147,7 +139,7 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
 
 @lla_bwd.register_fake
 def _(do, q, k, v, lam, cu_seqlens, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
-      block_c):
+      block_c, kernel):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
@@ -188,6 +180,7 @@ def lla_attention(
     rtol: float = 1e-6,
     impl: str = "auto",
     block: tuple[int, int] | None = None,
+    kernel: str = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Causal Local Linear Attention with the λω ridge.
 
@@ -198,6 +191,9 @@ def lla_attention(
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
     block: (query, key) tile sizes; default: autotuned for Triton (v1; v0: (32, 32) at D > 64, else (64, 64)),
     (128, ·) for the chunked path.
+    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v0" (fp32/TF32 tiles, the more accurate
+    gradients) or "v1" (bf16 tensor-core operands, 3.8x faster fwd+bwd on an H100); measurements in
+    ``attention.lla.LLAOptions.kernel``. Validated on every path; the chunked and reference paths ignore it.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
     B, T, HQ, D = q.shape
@@ -206,6 +202,8 @@ def lla_attention(
                          f"[B, T, HQ, D] and [B, T, HKV, D] with HQ % HKV == 0")
     if cg_iters < 0:
         raise ValueError(f"attention.lla.cg_iters={cg_iters} must be >= 0")
+    if kernel not in KERNELS:
+        raise ValueError(f"attention.lla.kernel={kernel!r}; choose from {list(KERNELS)}")
     scale = D**-0.5 if scale is None else scale
     impl = resolve_impl(impl, q.device)
     if impl == "reference":
@@ -217,10 +215,10 @@ def lla_attention(
     if block is None:
         if not use_triton:
             block = (128, 128)
-        elif TRITON_VARIANT == "v0":
+        elif kernel == "v0":
             block = (32, 32) if D > 64 else (64, 64)
         else:
             block = (None, None)  # autotuned
     br, bc = (None if b is None else int(b) for b in block)
     return lla_fwd(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
-                   br, bc)[0]
+                   br, bc, kernel)[0]
