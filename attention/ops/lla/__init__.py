@@ -31,7 +31,7 @@ IMPLS = ("auto", "triton", "chunked", "reference")
 KERNELS = ("v0", "v1")
 """Triton kernel versions (``lla_attention(kernel=...)``, ``attention.lla.kernel``; compared in LLAOptions.kernel):
 "v0" ``triton_v0.py`` (fp32/TF32 tiles), "v1" ``triton.py`` (bf16 tensor-core operands, autotuned tiles)."""
-DEFAULT_KERNEL = "v0"
+DEFAULT_KERNEL = "v1"
 """Default of ``lla_attention(kernel=...)`` and of ``attention.lla.kernel``: switching is this one line."""
 
 
@@ -191,8 +191,8 @@ def lla_attention(
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
     block: (query, key) tile sizes; default: autotuned for Triton (v1; v0: (32, 32) at D > 64, else (64, 64)),
     (128, ·) for the chunked path.
-    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v0" (fp32/TF32 tiles, the more accurate
-    gradients) or "v1" (bf16 tensor-core operands, 3.8x faster fwd+bwd on an H100); measurements in
+    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v1" (the default: bf16 tensor-core operands,
+    3.8x faster fwd+bwd on an H100) or "v0" (fp32/TF32 tiles, the more accurate gradients); measurements in
     ``attention.lla.LLAOptions.kernel``. Validated on every path; the chunked and reference paths ignore it.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
