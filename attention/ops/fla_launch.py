@@ -16,6 +16,11 @@ and ``Heuristics.run``. In a GDN model that host time is per layer and independe
   alternative backends: TileLang, Ascend, FlashKDA, ...) by the function they wrap, where none of the wrapper's
   backends is available and enabled here, so the wrapper would call that function anyway. fla's KDA pipeline
   (``chunk_kda_fwd`` / ``chunk_kda_bwd``, which our op calls) reaches ~8 such wrappers per fwd+bwd.
+- :func:`install` also widens the autotune lists of the kernels in :data:`HOPPER_EXTRA_CONFIGS` on Hopper, where
+  fla-core 0.6.0 leaves out 8 warps (``NUM_WARPS = [2, 4] if IS_NVIDIA_HOPPER``). KDA's fused backward kernel
+  ``chunk_kda_bwd_kernel_wy_dqkg_fused`` (B4 T4096 H16 D128 bf16, H100, Triton 3.6) took 1.53-1.55 ms at fla's
+  pick (BK 64, BV 64, 4 warps) and 0.97 ms at (64, 64, 8 warps, 3 stages), outputs equal to 1.2e-6 relative;
+  the autotuner still chooses, now among both lists.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
   current CUDA device, which the ``fla_hopper`` path guarantees.
 
@@ -28,6 +33,13 @@ import inspect
 import sys
 
 _INSTALLED = False
+
+HOPPER_EXTRA_CONFIGS: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {
+    ("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_kernel_wy_dqkg_fused"):
+        [(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (32, 64, 8, 2)],
+}
+"""(module, kernel): (BK, BV, num_warps, num_stages) configs added to fla's autotune list on Hopper (measured in
+the module docstring; each ran within 1.2e-6 of fla's pick)."""
 
 
 class FastLaunch:
@@ -106,8 +118,31 @@ def install() -> bool:
                 setattr(mod, attr, proxies[id(obj)])
             elif callable(obj) and (inner := undispatched(obj)) is not obj:
                 setattr(mod, attr, inner)
+    if _is_hopper():
+        for (name, attr), extra in HOPPER_EXTRA_CONFIGS.items():
+            kernel = getattr(sys.modules.get(name), attr, None)
+            if isinstance(kernel, FastLaunch) and kernel.autotuner is not None:
+                add_configs(kernel.autotuner, extra)
     _INSTALLED = True
     return True
+
+
+def _is_hopper() -> bool:
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER  # fla's own test, the one that shortened its lists
+    except ImportError:
+        return False
+    return bool(IS_NVIDIA_HOPPER)
+
+
+def add_configs(autotuner, extra) -> None:
+    """Append (BK, BV, num_warps, num_stages) configs to ``autotuner``'s list, skipping ones already in it."""
+    import triton
+
+    have = {(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in autotuner.configs}
+    for bk, bv, warps, stages in extra:
+        if ((("BK", bk), ("BV", bv)), warps, stages) not in have:
+            autotuner.configs.append(triton.Config({"BK": bk, "BV": bv}, num_warps=warps, num_stages=stages))
 
 
 def undispatched(fn):

@@ -482,6 +482,52 @@ def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
+def test_gpu_kda_hopper_extra_configs_match_chunk(bounded):
+    """Each config attention.ops.fla_launch adds to KDA's fused backward kernel on Hopper (8 warps, which fla's list
+    leaves out there), forced alone: every gradient against the float64 chunk path, bf16 budgets of
+    test_gpu_kda_bounded_gate_matches_chunk. The shape and flags are those of ``scripts/bench_linear.py``'s kda rows
+    (B4 T4096 H16 D128, no initial or final state), so that a GPU call running the benchmark first finds fla's
+    kernels compiled: a cold compile of fla's KDA kernels at a new specialisation takes 200-260 s on an H100."""
+    from attention.ops.fla_launch import HOPPER_EXTRA_CONFIGS, FastLaunch, _is_hopper
+
+    backend = _gpu_backend(True, "fla_hopper")
+    if not _is_hopper():
+        pytest.skip("the extra configs are added on Hopper only")
+    import fla.ops.kda.chunk_bwd as cb
+
+    proxy = cb.chunk_kda_bwd_kernel_wy_dqkg_fused
+    assert isinstance(proxy, FastLaunch), "fla_launch.install() did not run"
+    tuner, keep = proxy.autotuner, list(proxy.autotuner.configs)
+    extra = HOPPER_EXTRA_CONFIGS[("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_kernel_wy_dqkg_fused")]
+    B, T, H, K, V = 4, 4096, 16, 128, 128
+    q, k, v, beta, g, _ = _inputs("bounded" if bounded else "channel", B, T, H, K, V, device="cuda")
+    b = [t.clone().requires_grad_(True) for t in (q, k, v, beta, g)]
+    o_ref, _ = chunk_delta_rule(*b, None, None, False, None)
+    do = torch.randn_like(o_ref)
+    (o_ref * do).sum().backward()
+    rel = lambda x, y: ((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-6)).item()  # noqa: E731
+    try:
+        for bk, bv, warps, stages in extra:
+            tuner.configs = [c for c in keep if (c.kwargs.get("BK"), c.kwargs.get("BV"), c.num_warps,
+                                                 c.num_stages) == (bk, bv, warps, stages)]
+            assert len(tuner.configs) == 1, f"({bk}, {bv}, {warps}, {stages}) is not in the kernel's list"
+            tuner.cache.clear()
+            proxy.configs.clear()
+            a = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, beta)] + [g.float().requires_grad_(True)]
+            o, _ = delta_rule_op(*a, None, None, False, None, backend=backend, gate_lower_bound=LB if bounded else None)
+            (o.double() * do).sum().backward()
+            for name, x, y in zip("q k v beta g".split(), a, b):
+                err = rel(x.grad, y.grad)
+                assert torch.isfinite(x.grad).all() and err < 5e-2, \
+                    f"config ({bk}, {bv}, {warps} warps, {stages} stages) d{name}: relative error {err:.2e}"
+    finally:
+        tuner.configs = keep
+        tuner.cache.clear()
+        proxy.configs.clear()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_gpu_compiled_module_matches_eager(name):
     """The module under torch.compile(fullgraph=True) (inductor) with impl "auto" (the custom ops; KDA's saved

@@ -158,3 +158,40 @@ def test_install_unwraps_fla_dispatch_wrappers(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
     assert fla_launch.install()
     assert mod.f is f and mod.g is not f
+
+
+def _bk_bv_kernel():
+    @triton.autotune(configs=[triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)], key=["N"])
+    @triton.jit
+    def kernel(a, out, N, BK: tl.constexpr, BV: tl.constexpr):
+        offs = tl.program_id(0) * BK + tl.arange(0, BK)
+        tl.store(out + offs, tl.load(a + offs, mask=offs < N) + BV, mask=offs < N)
+
+    return kernel
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_install_adds_hopper_configs_to_the_listed_kernels_only(hopper, monkeypatch):
+    """On Hopper, the kernels of HOPPER_EXTRA_CONFIGS autotune over fla's list plus ours (8 warps); elsewhere, and
+    for every other kernel, fla's list is unchanged."""
+    (name, attr), extra = next(iter(fla_launch.HOPPER_EXTRA_CONFIGS.items()))
+    listed, other = _bk_bv_kernel(), _bk_bv_kernel()
+    mod, mod_other = types.ModuleType(name), types.ModuleType("fla.ops.fake_other")
+    setattr(mod, attr, listed)
+    mod_other.kernel = other
+    for m in (mod, mod_other):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    monkeypatch.setattr(fla_launch, "_INSTALLED", False)
+    monkeypatch.setattr(fla_launch, "_is_hopper", lambda: hopper)
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
+    assert fla_launch.install()
+    got = [(c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) for c in getattr(mod, attr).autotuner.configs]
+    assert got == [(64, 64, 4, 2)] + (list(extra) if hopper else [])
+    assert len(other.configs) == 1
+    fla_launch.add_configs(listed, extra)  # idempotent: nothing listed twice
+    assert len(listed.configs) == 1 + len(extra)
+    a = torch.randn(37)
+    for cfg in listed.configs:  # every added config is a valid launch of the kernel
+        out = torch.full_like(a, float("nan"))
+        listed.fn[(triton.cdiv(37, cfg.kwargs["BK"]),)](a, out, 37, **cfg.all_kwargs())
+        torch.testing.assert_close(out, a + cfg.kwargs["BV"])
