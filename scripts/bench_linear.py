@@ -65,11 +65,13 @@ def make_inputs(mech, B, T, H, D, dtype, device):
 
 
 def fwd_bwd(op, inputs, do):
+    """One forward and backward of ``op``; the gradients are returned, not accumulated into ``.grad`` (an add per
+    input per call that a training step does not have: its first backward writes the gradient)."""
     leaves = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
+    need = [t for t in leaves if t is not None]
 
     def run():
-        o = op(*leaves)[0]
-        o.backward(do)
+        return torch.autograd.grad(op(*leaves)[0], need, do)
 
     return run
 
@@ -104,6 +106,8 @@ def bench_module(mech, path, a, dtype):
 
     def run():
         fn(x, ctx).backward(dy)
+        for t in (x, *m.parameters()):  # as a training step's zero_grad(set_to_none=True): no accumulation
+            t.grad = None
 
     both = timeit(run, a.reps, a.warmup, a.device)  # first: compiles the training graph
     with torch.no_grad():
@@ -162,7 +166,7 @@ def bench_sdpa(a, dtype):
         fwd = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), a.reps, a.warmup, a.device)
 
     def run():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
 
     return fwd, timeit(run, a.reps, a.warmup, a.device), ""
 

@@ -61,25 +61,25 @@ def paths(mech, dev):
         comp = torch.compile(chunk_gla)
         out["chunk(compiled)"] = lambda i: comp(i["q"], i["k"], i["v"], i.get("g"), i.get("gk"))[0]
         out["fla"] = (lambda i: fla_gla(i["q"], i["k"], i["v"], i.get("g"), i.get("gk"))[0]) if fla_ok else fla_why
-    elif mech == "fox":
-        comp = torch.compile(chunk_forgetting_attn)
-        out["chunk(compiled)"] = lambda i: comp(i["q"], i["k"], i["v"], i["g"], block_size=128)
-        out["flex"] = lambda i: flex_forgetting_attn(i["q"], i["k"], i["v"], i["g"])
+    elif mech == "fox":  # fla first: the path "auto" takes; the compiled chunk path last (the longest compile)
         if fla_ok:
             from fla.ops.forgetting_attn import parallel_forgetting_attn
 
             out["fla"] = lambda i: parallel_forgetting_attn(i["q"], i["k"], i["v"], i["g"])
         else:
             out["fla"] = fla_why
+        out["flex"] = lambda i: flex_forgetting_attn(i["q"], i["k"], i["v"], i["g"])
+        comp = torch.compile(chunk_forgetting_attn)
+        out["chunk(compiled)"] = lambda i: comp(i["q"], i["k"], i["v"], i["g"], block_size=128)
     elif mech == "path":
-        comp = torch.compile(chunk_path_attn)
-        out["chunk(compiled)"] = lambda i: comp(i["q"], i["k"], i["v"], i["w"], i["beta"], i["g"], block_size=64)
         if fla_ok:
             from fla.ops.path_attn import parallel_path_attn
 
             out["fla"] = lambda i: parallel_path_attn(i["q"], i["k"], i["v"], i["w"], i["beta"], g=i["g"])[0]
         else:
             out["fla"] = fla_why
+        comp = torch.compile(chunk_path_attn)
+        out["chunk(compiled)"] = lambda i: comp(i["q"], i["k"], i["v"], i["w"], i["beta"], i["g"], block_size=64)
     elif mech == "softmax":
         out["sdpa"] = lambda i: F.scaled_dot_product_attention(*(i[x].transpose(1, 2) for x in "qkv"), is_causal=True)
     return out
