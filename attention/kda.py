@@ -28,6 +28,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.deltanet import DeltaNetOptions, DeltaRuleAttention
 from attention.linear_common import log_gate, mark_adam, reset_A_log_, reset_dt_bias_
+from attention.ops.delta_rule.ops import check_lower_bound_range
 from attention.registry import register_attention
 
 
@@ -59,9 +60,8 @@ class KDAAttention(DeltaRuleAttention):
 
     def __init__(self, args, opts: KDAOptions):
         lb = opts.gate_lower_bound
-        if lb is not None and not -5.0 <= lb < 0.0:
-            raise ValueError(f"attention.kda.gate_lower_bound={lb} must be in [-5, 0) (fla's safe_gate range), "
-                             "or unset for the softplus gate")
+        if lb is not None:
+            check_lower_bound_range(lb, "attention.kda.gate_lower_bound")
         super().__init__(args, opts)
         self.gate_lower_bound = None if lb is None else float(lb)  # TOML's -5 is an int
         H, K = self.n_heads, self.head_k_dim

@@ -26,9 +26,8 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
-from attention.ops.lla import DEFAULT_KERNEL
+from attention.ops.lla import DEFAULT_KERNEL, check_kernel
 from attention.ops.lla import IMPLS as LLA_IMPLS
-from attention.ops.lla import KERNELS as LLA_KERNELS
 from attention.ops.lla import lla_attention, lla_decode
 from attention.registry import register_attention
 
@@ -131,8 +130,7 @@ class LocalLinearAttention(QKVAttentionBase):
             raise ValueError(f"attention.impl={args.impl!r} is not valid for lla; choose from {list(LLA_IMPLS)}")
         if opts.cg_iters < 1:
             raise ValueError(f"attention.lla.cg_iters={opts.cg_iters} must be >= 1")
-        if opts.kernel not in LLA_KERNELS:
-            raise ValueError(f"attention.lla.kernel={opts.kernel!r}; choose from {list(LLA_KERNELS)}")
+        check_kernel(opts.kernel)  # at construction: a bad config fails before training
         smallest = opts.lambda_min if opts.learn_lambda else opts.lambda_init  # fixed λ = lambda_init
         if smallest < (0.1 if opts.cg_iters < 32 else 0.05):
             warnings.warn(f"attention.lla: λ down to {smallest} with cg_iters={opts.cg_iters}: truncated CG "

@@ -17,8 +17,9 @@ MMA result) instead of fla's:
 - g [B, T, H, K] (KDA): fla's own KDA forward and backward (``chunk_kda_fwd`` / ``chunk_kda_bwd``, called by
   :mod:`ops` as fla's ``ChunkKDAFunction`` does). Its 0.6.0 backward never calls ``chunk_bwd_dqkwg`` (it has
   its own fused ``chunk_kda_bwd_kernel_wy_dqkg_fused``, whose Hopper autotune list already drops BK=32 at
-  4 warps and to which :mod:`attention.ops.fla_launch` adds 8-warp configs), is not refused by fla, and contains no dot on a transposed dot result; its correctness on
-  Hopper + Triton 3.6 is checked by the GPU tests, not assumed.
+  4 warps and to which :mod:`attention.ops.fla_launch` adds 8-warp configs), is not refused by fla, and
+  contains no dot on a transposed dot result; its correctness on Hopper + Triton 3.6 is checked by the GPU
+  tests, not assumed.
 
 Chunk size 64 (fla's). Same contract as :func:`attention.ops.delta_rule.fla.fla_delta_rule`.
 """

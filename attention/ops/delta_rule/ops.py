@@ -78,8 +78,13 @@ def check_gate_lower_bound(g: Optional[Tensor], gate_lower_bound: Optional[float
         got = "None" if g is None else list(g.shape)
         raise ValueError(f"delta_rule: gate_lower_bound={gate_lower_bound} is for KDA's per-channel gate "
                          f"g [B, T, H, K]; got g {got} (DeltaNet / Gated DeltaNet take gate_lower_bound=None)")
-    if not -5.0 <= gate_lower_bound < 0.0:
-        raise ValueError(f"delta_rule: gate_lower_bound={gate_lower_bound} must be in [-5, 0) (fla's safe_gate range)")
+    check_lower_bound_range(gate_lower_bound, "delta_rule: gate_lower_bound")
+
+
+def check_lower_bound_range(lb: float, key: str) -> None:
+    """fla's safe_gate kernels take a lower bound in [-5, 0); ``key`` names the setting in the message."""
+    if not -5.0 <= lb < 0.0:
+        raise ValueError(f"{key}={lb} must be in [-5, 0) (fla's safe_gate range), or unset")
 
 
 def _uses_chunk(backend: str, q: Tensor) -> bool:

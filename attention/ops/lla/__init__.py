@@ -35,6 +35,11 @@ DEFAULT_KERNEL = "v1"
 """Default of ``lla_attention(kernel=...)`` and of ``attention.lla.kernel``: switching is this one line."""
 
 
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"attention.lla.kernel={kernel!r}; choose from {list(KERNELS)}")
+
+
 def _triton_ops(kernel: str):
     import importlib
 
@@ -202,8 +207,7 @@ def lla_attention(
                          f"[B, T, HQ, D] and [B, T, HKV, D] with HQ % HKV == 0")
     if cg_iters < 0:
         raise ValueError(f"attention.lla.cg_iters={cg_iters} must be >= 0")
-    if kernel not in KERNELS:
-        raise ValueError(f"attention.lla.kernel={kernel!r}; choose from {list(KERNELS)}")
+    check_kernel(kernel)
     scale = D**-0.5 if scale is None else scale
     impl = resolve_impl(impl, q.device)
     if impl == "reference":
