@@ -46,9 +46,10 @@ class KDAOptions(DeltaNetOptions):
     """Upper end of the dt initialisation range."""
     gate_lower_bound: float | None = None
     """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
-    gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA kernels use tensor cores on the diagonal
-    blocks (safe_gate). The op's fwd+bwd at B4 T4096 H16 D128 bf16 on an H100 (Triton 3.6): 4.05 ms bounded
-    (-5) against 5.36 ms with the softplus gate (benchmarks/RESULTS.md, session 9)."""
+    gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA forward use tensor cores on the diagonal
+    blocks (safe_gate); our backward kernel (``attention/ops/delta_rule/kda_intra.py``) does so for either gate.
+    The op's fwd+bwd at B4 T4096 H16 D128 bf16 on an H100 (Triton 3.6): 3.71 ms bounded (-5) against 3.79 ms
+    with the softplus gate (benchmarks/RESULTS.md, session 10)."""
 
 
 @register_attention("kda", options=KDAOptions,

@@ -14,12 +14,14 @@ MMA result) instead of fla's:
 - g None (DeltaNet): fla's ``delta_rule`` WY kernels (fla 0.6.0 already restricts their Hopper-miscompiled
   ``prepare_wy_repr_bwd_kernel`` to num_warps=2, fla #984) with our dqkwg (same transposed-MMA pattern);
 - g [B, T, H] (GDN): fla's ``gated_delta_rule`` kernels with our dqkwg;
-- g [B, T, H, K] (KDA): fla's own KDA forward and backward (``chunk_kda_fwd`` / ``chunk_kda_bwd``, called by
-  :mod:`ops` as fla's ``ChunkKDAFunction`` does). Its 0.6.0 backward never calls ``chunk_bwd_dqkwg`` (it has
-  its own fused ``chunk_kda_bwd_kernel_wy_dqkg_fused``, whose Hopper autotune list already drops BK=32 at
-  4 warps and to which :mod:`attention.ops.fla_launch` adds 8-warp configs), is not refused by fla, and
-  contains no dot on a transposed dot result; its correctness on Hopper + Triton 3.6 is checked by the GPU
-  tests, not assumed.
+- g [B, T, H, K] (KDA): fla's own KDA forward (``chunk_kda_fwd``, called by :mod:`ops` as fla's
+  ``ChunkKDAFunction`` does) and fla's backward pipeline (:func:`kda_bwd`, the order of ``chunk_kda_bwd``) with
+  our intra-chunk kernel (:mod:`attention.ops.delta_rule.kda_intra`: tensor-core diagonal blocks for any gate,
+  where fla's runs a 16-step loop unless the gate has a lower bound). fla's 0.6.0 KDA backward never calls
+  ``chunk_bwd_dqkwg`` (it has its own fused ``chunk_kda_bwd_kernel_wy_dqkg_fused``, whose Hopper autotune list
+  already drops BK=32 at 4 warps and to which :mod:`attention.ops.fla_launch` adds 8-warp configs), is not
+  refused by fla, and contains no dot on a transposed dot result; its correctness on Hopper + Triton 3.6 is
+  checked by the GPU tests, not assumed.
 
 Chunk size 64 (fla's). Same contract as :func:`attention.ops.delta_rule.fla.fla_delta_rule`.
 """
@@ -32,6 +34,7 @@ import types
 import torch
 
 from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg
+from attention.ops.delta_rule.kda_intra import chunk_kda_bwd_intra
 
 BT = 64
 
@@ -46,6 +49,8 @@ def _fla() -> types.SimpleNamespace:
     from fla.ops.delta_rule import wy_fast as dr_wy
     from fla.ops.gated_delta_rule import wy_fast as gdr_wy
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
@@ -58,6 +63,7 @@ def _fla() -> types.SimpleNamespace:
         fwd_o=raw(chunk_fwd_o), dv_local=raw(chunk_bwd_dv_local), cumsum=raw(chunk_local_cumsum),
         gated_intra=raw(chunk_gated_delta_rule_fwd_intra), gated_wy_bwd=raw(gdr_wy.prepare_wy_repr_bwd),
         wy_fwd=raw(dr_wy.prepare_wy_repr_fwd), wy_bwd=raw(dr_wy.prepare_wy_repr_bwd), RCP_LN2=RCP_LN2,
+        kda_w_u=raw(recompute_w_u_fwd), kda_dAv=raw(chunk_kda_bwd_dAv), kda_wy_dqkg=raw(chunk_kda_bwd_wy_dqkg_fused),
     )
 
 
@@ -104,6 +110,30 @@ def _bwd(q, k, v, beta, g, scale, h0, do, dht, cu, ci, dqkwg=None):
             dk2, dv, db, dg2 = F.gated_wy_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv, **kw)
             dg = F.cumsum(dg.add_(dg2), chunk_size=BT, reverse=True, **kw)
         dk.add_(dk2)
+    return dq, dk, dv, db, dg, dh0
+
+
+def kda_bwd(*, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, cu_seqlens=None, chunk_indices=None):
+    """fla-core 0.6.0's ``chunk_kda_bwd`` (its argument names; ``H == HV``, no context parallelism, gate outside
+    the kernel, ``disable_recompute=False``) with our intra-chunk kernel: (dq, dk, dv, dbeta, dg, dh0).
+
+    g, Aqk, Akk: what ``chunk_kda_fwd`` returned (g: the chunk-local log2 cumsum of the gate). w, u, qg, kg, h
+    and v_new are recomputed here, as fla's backward does. Run inside the inputs' device context (on CUDA,
+    ``torch.cuda.device``), with contiguous inputs.
+    """
+    F = _fla()
+    kw = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u, qg, kg = F.kda_w_u(q=q, k=k, v=v, beta=beta, A=Akk, gk=g, **kw)
+    h, v_new, _ = F.fwd_h(k=kg, w=w, u=u, gk=g, initial_state=initial_state, output_final_state=False,
+                          chunk_size=BT, **kw)
+    dAqk, dv = F.kda_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=BT, **kw)
+    dh, dh0, dv = F.bwd_dhu(q=qg, k=kg, w=w, gk=g, h0=initial_state, dht=dht, do=do, dv=dv, scale=scale,
+                            chunk_size=BT, **kw)
+    dq, dk, dv, db, dg, dAkk = F.kda_wy_dqkg(q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=Akk, h=h, do=do,
+                                             dh=dh, dv=dv, scale=scale, chunk_size=BT, **kw)
+    dq, dk, db, dg = chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size=BT,
+                                         dq_dtype=q.dtype, dk_dtype=k.dtype, **kw)
+    dg = F.cumsum(dg, chunk_size=BT, reverse=True, **kw)
     return dq, dk, dv, db, dg, dh0
 
 

@@ -19,13 +19,14 @@ Backends (``backend``), on CUDA:
 - "fla_hopper": the same pipeline with our Hopper-safe ``dqkwg`` kernel (:mod:`fla_hopper`);
 - "chunk": the PyTorch chunk path (:func:`chunk.chunk_delta_rule`).
 
-Per-channel gates (g [B, T, H, K], KDA) run what fla's own ``ChunkKDAFunction`` (``chunk_kda``) runs, under "fla"
-and "fla_hopper" alike: the forward is ``chunk_kda_fwd`` and returns, as gk, Aqk, Akk, what that Function saves
-besides its inputs (gk: g's chunk-local log2 cumsum, [B, T, H, K] float32; Aqk, Akk: [B, T, H, 64] in k's dtype);
-the backward is ``chunk_kda_bwd`` on them, which recomputes w, u, h, v_new as fla's does. No forward is rerun.
-``gate_lower_bound`` (KDA only, in [-5, 0); the caller guarantees every g >= it, as KDA's bounded gate does) runs
-both with fla's ``safe_gate=True, lower_bound=gate_lower_bound``: tensor-core dots on the 16x16 diagonal blocks.
-The chunk path is exact for any g and ignores it.
+Per-channel gates (g [B, T, H, K], KDA) run what fla's own ``ChunkKDAFunction`` (``chunk_kda``) runs: the
+forward is ``chunk_kda_fwd`` and returns, as gk, Aqk, Akk, what that Function saves besides its inputs (gk: g's
+chunk-local log2 cumsum, [B, T, H, K] float32; Aqk, Akk: [B, T, H, 64] in k's dtype); the backward works on them
+and recomputes w, u, h, v_new as fla's does (no forward is rerun): "fla" runs fla's ``chunk_kda_bwd``,
+"fla_hopper" the same pipeline with our intra-chunk kernel (:func:`fla_hopper.kda_bwd`; tensor-core diagonal
+blocks for any gate). ``gate_lower_bound`` (KDA only, in [-5, 0); the caller guarantees every g >= it, as KDA's
+bounded gate does) runs fla's kernels with ``safe_gate=True, lower_bound=gate_lower_bound``: tensor-core dots on
+the 16x16 diagonal blocks. The chunk path is exact for any g and ignores it.
 On any non-CUDA device every backend runs the chunk path (forward; backward by autograd through it), so the ops
 are testable on the CPU (``torch.library.opcheck``, float64 gradients, ``torch.compile`` without a GPU).
 
@@ -164,10 +165,13 @@ def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state, lower_
     return o.type_as(q), ht, gk, Aqk, Akk
 
 
-def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_bound):
-    """fla-core 0.6.0's ``ChunkKDAFunction.backward``: ``chunk_kda_bwd`` on the forward's saved (gk, Aqk, Akk); it
-    recomputes w, u, h, v_new itself (fla's default ``disable_recompute=False``). (dq, dk, dv, dbeta, dg, dh0)."""
+def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_bound, backend):
+    """fla-core 0.6.0's ``ChunkKDAFunction.backward`` on the forward's saved (gk, Aqk, Akk), recomputing w, u, h,
+    v_new (fla's default ``disable_recompute=False``): fla's ``chunk_kda_bwd`` ("fla") or the same pipeline with our
+    intra-chunk kernel ("fla_hopper"). (dq, dk, dv, dbeta, dg, dh0)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+
+    from attention.ops.delta_rule.fla_hopper import kda_bwd
 
     if gk is None or Aqk is None or Akk is None or 0 in (gk.numel(), Aqk.numel(), Akk.numel()):
         raise ValueError("attnlab::delta_rule_bwd: KDA on fla needs delta_rule_fwd's saved (gk, Aqk, Akk)")
@@ -175,6 +179,9 @@ def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_
     do = do.to(q.dtype).contiguous()  # fla's Function returns o in q's dtype
     dht = None if dht is None else dht.float().contiguous()
     with _device(q):
+        if backend == "fla_hopper":
+            return kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
+                           dht=dht, g=gk, cu_seqlens=cu, chunk_indices=ci)
         dq, dk, dv, db, dg, dh0, _, _ = chunk_kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale,
                                                       initial_state=h0, do=do, dht=dht, g=gk, cu_seqlens=cu,
                                                       chunk_indices=ci, chunk_size=BT,
@@ -261,7 +268,7 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
         res = [r if r is not None or t is None else torch.zeros_like(t) for r, t in zip(res, leaves)]
     elif _is_kda(g):
         res = list(_kda_bwd(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, gk, Aqk, Akk,
-                            gate_lower_bound))
+                            gate_lower_bound, backend))
     else:
         res = list(_fla_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend))
     ins = (q, k, v, beta, g, initial_state)

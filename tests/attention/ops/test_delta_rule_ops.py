@@ -288,8 +288,11 @@ def fla_kda_interpreted(monkeypatch):
 
 
 def _spy_fla_kda(monkeypatch):
-    """Record every call of fla's ``chunk_kda_fwd`` / ``chunk_kda_bwd`` (keyword arguments, result)."""
+    """Record every call of fla's ``chunk_kda_fwd`` and of the KDA backward pipelines, fla's ``chunk_kda_bwd`` and
+    ours (``fla_hopper.kda_bwd``, fla's argument names) (keyword arguments, result)."""
     from fla.ops.kda import chunk_bwd, chunk_fwd
+
+    from attention.ops.delta_rule import fla_hopper
 
     calls = {"fwd": [], "bwd": []}
 
@@ -302,7 +305,17 @@ def _spy_fla_kda(monkeypatch):
 
     monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd", spy("fwd", chunk_fwd.chunk_kda_fwd))
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd", spy("bwd", chunk_bwd.chunk_kda_bwd))
+    monkeypatch.setattr(fla_hopper, "kda_bwd", spy("bwd", fla_hopper.kda_bwd))
     return calls
+
+
+def _check_gate_flags(calls, backend, lb):
+    """fla's calls got ``safe_gate``/``lower_bound`` for ``lb``; our backward pipeline ("fla_hopper") takes none
+    (its intra kernel handles any gate)."""
+    recs = calls["fwd"] + (calls["bwd"] if backend == "fla" else [])
+    assert [(kw["safe_gate"], kw["lower_bound"]) for kw, _ in recs] == [(lb is not None, lb)] * len(recs)
+    if backend != "fla":
+        assert all("safe_gate" not in kw for kw, _ in calls["bwd"]), "fla_hopper ran fla's KDA backward"
 
 
 def _check_no_rerun(calls):
@@ -329,13 +342,15 @@ def _same_meta(real, fake, name):
         f"{fake.stride()}")
 
 
+@pytest.mark.parametrize("backend", ["fla", "fla_hopper"])
 @pytest.mark.parametrize("case", KDA_CPU_CASES)
-def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpreted):
+def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, backend, fla_kda_interpreted):
     """KDA through ``delta_rule_op`` on fla's kernels (interpreted, float32), forward and backward, against the
     float64 recurrent oracle: o, final state, dq, dk, dv, dbeta, dg, dh0, none NaN. fla's forward runs once (no
     rerun in the backward), its backward gets exactly the (gk, Aqk, Akk) the forward produced, and the fake
     (trace-time) outputs of both ops match the real ones in shape, dtype and strides. With a gate_lower_bound
-    (gates from KDA's bounded formula, down to it) both fla calls get ``safe_gate=True, lower_bound=`` it."""
+    (gates from KDA's bounded formula, down to it) fla's calls get ``safe_gate=True, lower_bound=`` it.
+    "fla_hopper" runs the backward through our pipeline and intra-chunk kernel instead of fla's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     B, T, H, K, V, cu, with_state, lb = case
@@ -344,7 +359,7 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     ins = _inputs("channel" if lb is None else "bounded", B, T, H, K, V, n_state=N if with_state else None, seed=3)
     a = [None if t is None else t.float().requires_grad_(True) for t in ins]
     b = [None if t is None else t.clone().requires_grad_(True) for t in ins]  # float64
-    o, ht = delta_rule_op(*a[:5], 0.7, a[5], with_state, cu, backend="fla", gate_lower_bound=lb)
+    o, ht = delta_rule_op(*a[:5], 0.7, a[5], with_state, cu, backend=backend, gate_lower_bound=lb)
     o_ref, ht_ref = naive_recurrent_delta_rule(*b[:5], 0.7, b[5], with_state, cu)
     calls = fla_kda_interpreted
     assert len(calls["fwd"]) == 1 and not calls["bwd"]
@@ -360,8 +375,7 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     loss_ref.backward()
     bkw, saved = _check_no_rerun(calls)
     assert (bkw["dht"] is None) != with_state and (bkw["initial_state"] is None) != with_state
-    for kw in (calls["fwd"][0][0], bkw):
-        assert (kw["safe_gate"], kw["lower_bound"]) == (lb is not None, lb)
+    _check_gate_flags(calls, backend, lb)
 
     outs = [("o", o, o_ref)] + ([("ht", ht, ht_ref)] if with_state else [])
     outs += [(f"d{n}", x.grad, y.grad) for n, x, y in zip(["q", "k", "v", "beta", "g", "h0"], a, b) if x is not None]
@@ -374,8 +388,8 @@ def test_kda_fla_backward_uses_saved_and_matches_recurrent(case, fla_kda_interpr
     fk = lambda t: None if t is None else mode.from_tensor(t.detach())  # noqa: E731
     f_ins, f_cu, f_do, f_dht = [fk(t) for t in a], fk(cu), fk(o), (fk(ht) if with_state else None)
     with mode:
-        f_out = delta_rule_fwd(*f_ins[:5], f_ins[5], f_cu, 0.7, with_state, "fla", 64, lb)
-        f_grads = delta_rule_bwd(f_do, f_dht, *f_ins, f_cu, 0.7, "fla", 64, *f_out[2:], lb)
+        f_out = delta_rule_fwd(*f_ins[:5], f_ins[5], f_cu, 0.7, with_state, backend, 64, lb)
+        f_grads = delta_rule_bwd(f_do, f_dht, *f_ins, f_cu, 0.7, backend, 64, *f_out[2:], lb)
     real_ht = ht if with_state else torch.empty(0)
     for name, x, y in zip(["o", "ht", "gk", "Aqk", "Akk"], [o, real_ht, *saved.values()], f_out):
         _same_meta(x, y, name)
@@ -474,7 +488,7 @@ def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl
     ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
     _check_no_rerun(calls)
-    assert [(kw["safe_gate"], kw["lower_bound"]) for kw, _ in calls["fwd"] + calls["bwd"]] == [(True, LB)] * 2
+    _check_gate_flags(calls, backend, LB)
     for name, x, y in zip("q k v beta g h0".split(), a, b):
         assert x.grad.dtype == x.dtype and torch.isfinite(x.grad).all(), name
         err = rel(x.grad, y.grad)
