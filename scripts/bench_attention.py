@@ -5,6 +5,7 @@
     python scripts/bench_attention.py --json out.json
     python scripts/bench_attention.py --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
     python scripts/bench_attention.py --decode-only --quick   # decode table alone (fused vs two-launch merge)
+    python scripts/bench_attention.py --linear --quick        # + the linear family's rows (issue 4), see below
 
 Training rows: B=4, 16 q heads, 8 kv heads, causal, bf16, T ∈ {1024, 4096, 8192, 16384}, D ∈ {64, 128}.
 FLOP counts (stated, not measured): causal softmax forward = 2·B·HQ·T²·D (two GEMMs, half the square);
@@ -20,6 +21,12 @@ Tune report (``--tune-report``): for T=4096, D ∈ {64, 128}, probe and softmax,
 timed alone at every candidate config (the short autotune list plus ``common.TUNE_EXTRA_*``, after the
 autotuner's prune), bypassing the autotuner. Compilation runs first in parallel worker processes (Triton's disk
 cache then serves the timing process), so the report fits in about a minute on an H100.
+
+Linear-family rows (``--linear``): the delta-rule ops (deltanet, gdn, kda, kda_bounded; every path) from
+``scripts/bench_linear.py`` and gla, gated_linear, linear, fox, path from ``scripts/bench_linear_b.py``, at
+B=4, T=4096, H=16, D=128 (all heads equal: these mechanisms have no GQA), each script with its own SDPA softmax row
+measured in the same run. They run after this script's own tables, as those scripts' processes (their compiled
+"chunk" rows have time budgets that kill a child process); ``--only-linear`` runs them alone.
 
 Extending: add a factory to ``TRAIN`` (name → factory(q, k, v, r) returning a zero-argument callable that
 returns the output, or None when unavailable) or to ``DECODE`` (name → factory(q, r, k_cache, v_cache,
@@ -506,7 +513,12 @@ def main() -> None:
     ap.add_argument("--tune-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--decode-only", action="store_true", help="skip the training tables")
     ap.add_argument("--decode-cells", default="", help="decode cells as BxL,BxL,... (e.g. 1x1024,1x4096)")
+    ap.add_argument("--linear", action="store_true", help="then the linear family's rows (bench_linear*.py)")
+    ap.add_argument("--only-linear", action="store_true", help="only the linear family's rows")
     args = ap.parse_args()
+    if args.only_linear:
+        run_linear(args.quick)
+        return
     global TUNE_KERNELS, TUNE_FWD_VARIANTS, TIMING
     TUNE_KERNELS, TUNE_FWD_VARIANTS = tuple(args.tune_kernels.split(",")), args.tune_fwd_variants
     TIMING = args.timing
@@ -549,6 +561,21 @@ def main() -> None:
                        "triton": triton.__version__, "train": train, "decode": decode}, f, indent=1)
     print("\n".join(best_configs()))
     print("\n" + report(train, decode))
+    if args.linear:
+        run_linear(args.quick)
+
+
+def run_linear(quick: bool) -> None:
+    """The linear family's rows: ``bench_linear.py`` (delta rule) then ``bench_linear_b.py`` (the rest), each in its
+    own process, at their default shape B4 T4096 H16 D128."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    q = ["--quick"] if quick else []
+    for cmd in (["bench_linear.py", "--mechs", "deltanet", "gdn", "kda", "kda_bounded",
+                 "--paths", "fla", "fla_hopper", "chunk"], ["bench_linear_b.py"]):
+        print(f"\n# linear family: {' '.join(cmd + q)}", flush=True)
+        subprocess.run([sys.executable, os.path.join(here, cmd[0]), *cmd[1:], *q], check=True)
 
 
 if __name__ == "__main__":
