@@ -21,6 +21,8 @@ and ``Heuristics.run``. In a GDN model that host time is per layer and independe
   ``chunk_kda_bwd_kernel_wy_dqkg_fused`` (B4 T4096 H16 D128 bf16, H100, Triton 3.6) took 1.53-1.55 ms at fla's
   pick (BK 64, BV 64, 4 warps) and 0.97 ms at (64, 64, 8 warps, 3 stages), outputs equal to 1.2e-6 relative;
   the autotuner still chooses, now among both lists.
+- :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
+  (:mod:`attention.ops.delta_rule.kda_intra`) launches through it too.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
   current CUDA device, which the ``fla_hopper`` path guarantees.
 
