@@ -98,24 +98,35 @@ def test_kda_intra_steep_gate_stays_exact(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
-def test_gpu_kda_intra_matches_fla(bounded):
-    """Ours against fla-core 0.6.0's ``chunk_kda_bwd_intra`` at the benchmark shape (B4 T4096 H16 D128), gates as
-    KDA makes them (plain: -exp(A_log) softplus; bounded: fla's lower_bound -5 sigmoid form), on fla's own
-    intermediate tensors' dtypes."""
+def test_gpu_kda_intra_matches_fla(bounded, varlen):
+    """Ours against fla-core 0.6.0's ``chunk_kda_bwd_intra`` at the benchmark shape (B4 T4096 H16 D128; varlen: the
+    same 16,384 tokens as one row of 5 documents, boundaries inside chunks and 16-row blocks), gates as KDA makes
+    them (plain: -exp(A_log) softplus, most blocks too steep for the dots; bounded: fla's lower_bound -5 sigmoid
+    form), on fla's own intermediate tensors' dtypes."""
     pytest.importorskip("fla")
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra as fla_intra
+    from fla.ops.utils.index import prepare_chunk_indices
 
     torch.manual_seed(0)
     B, T, H, K, BT = 4, 4096, 16, 128, 64
     dev = "cuda"
+    cu = None
+    if varlen:
+        B, T = 1, B * T
+        cu = torch.tensor([0, 1000, 5003, 5011, 9000, T], dtype=torch.int64, device=dev)
     a = torch.randn(B, T, H, K, device=dev)
     A = torch.empty(H, device=dev).uniform_(1, 16).log()
     if bounded:
         step = -5.0 * torch.sigmoid(A.exp()[None, None, :, None] * a)
     else:
         step = -A.exp()[None, None, :, None] * torch.nn.functional.softplus(a)
-    g = (step / math.log(2)).view(B, T // BT, BT, H, K).cumsum(2).view(B, T, H, K).contiguous()
+    g = torch.zeros_like(step)
+    bounds = [0, T] if cu is None else cu.tolist()
+    for s0, e0 in zip(bounds[:-1], bounds[1:]):  # chunk-local cumsum, restarted at documents' starts
+        for c in range(s0, e0, BT):
+            g[:, c:min(c + BT, e0)] = (step[:, c:min(c + BT, e0)] / math.log(2)).cumsum(1)
     q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     k = l2norm(torch.randn(B, T, H, K, device=dev)).to(torch.bfloat16)
     beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16)
@@ -124,9 +135,10 @@ def test_gpu_kda_intra_matches_fla(bounded):
     dq, dk, dg = (torch.randn(B, T, H, K, device=dev) for _ in range(3))
     db = torch.randn(B, T, H, device=dev)
     args = (q, k, g, beta, dAqk, dAkk)
-    ref = fla_intra(*args, dq.clone(), dk.clone(), db.clone(), dg.clone(), chunk_size=BT, safe_gate=bounded,
-                    lower_bound=-5.0 if bounded else None)
-    got = chunk_kda_bwd_intra(*args, dq, dk, db, dg, chunk_size=BT)
+    ci = None if cu is None else prepare_chunk_indices(cu, BT)
+    ref = fla_intra(*args, dq.clone(), dk.clone(), db.clone(), dg.clone(), cu_seqlens=cu, chunk_indices=ci,
+                    chunk_size=BT, safe_gate=bounded, lower_bound=-5.0 if bounded else None)
+    got = chunk_kda_bwd_intra(*args, dq, dk, db, dg, cu_seqlens=cu, chunk_indices=ci, chunk_size=BT)
     for name, x, y in zip(["dq", "dk", "db", "dg"], got, ref):
         assert torch.isfinite(x).all(), name
         err = ((x.double() - y.double()).norm() / y.double().norm()).item()
