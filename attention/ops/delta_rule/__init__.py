@@ -6,7 +6,9 @@
 - "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
 - "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
 - "fla_hopper": fla-core's kernels with our Triton replacement of the one backward kernel that Triton
-  3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`); any CUDA GPU where fla imports;
+  3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`), and for KDA our intra-chunk backward kernel
+  (:mod:`kda_intra`: tensor-core diagonal blocks for any gate; fla's loops over them unless the gate is
+  bounded); any CUDA GPU where fla imports. ``impl="fla_hopper"`` picks it on any GPU;
 - "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "fla_hopper" when
   only fla's gated-backward check fails (Hopper + Triton < 3.7.1); else "chunk", with a one-line log message
   saying why. The same choice is made inside ``torch.compile``.
