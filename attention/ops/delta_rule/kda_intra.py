@@ -253,15 +253,15 @@ def chunk_kda_bwd_intra(
     cu_seqlens: [N + 1] (B == 1); chunk_indices: fla's / :func:`chunk_indices_for`'s (computed when None).
     span_max: per-block gate span (log2) up to which the diagonal blocks run as dots (tests force each path);
     block_k: channel tile (default min(64, next power of two of K); at K = 128 on an H100 BK 64 ran the bounded
-    gate's blocks in 0.83 ms against 1.17 at fla's 32, ``benchmarks/RESULTS.md`` session 10).
+    gate's blocks in 0.83 ms against 1.17 at BK 32, fla's width; ``benchmarks/RESULTS.md`` session 10).
     dq_dtype / dk_dtype: the new dq / dk's dtypes (default dq's / dk's): the caller's gradient dtype, so the
     float32 sums are rounded once in the kernel instead of stored in float32 and cast by a separate pass.
     Returns new (dq, dk, db, dg), dg in dg's dtype and db float32.
     """
     B, T, H, K = k.shape
     if g.shape != k.shape or dq.shape != k.shape or beta.shape != (B, T, H):
-        raise ValueError(f"chunk_kda_bwd_intra: g, dq {list(g.shape)} / beta {list(beta.shape)} do not match "
-                         f"k [B, T, H, K] = {list(k.shape)} (grouped value heads are not supported)")
+        raise ValueError(f"chunk_kda_bwd_intra: g {list(g.shape)}, dq {list(dq.shape)}, beta {list(beta.shape)} "
+                         f"do not match k [B, T, H, K] = {list(k.shape)} (grouped value heads are not supported)")
     BT, BC = chunk_size, 16
     if BT % BC:
         raise ValueError(f"chunk_kda_bwd_intra: chunk_size={BT} must be a multiple of {BC}")
