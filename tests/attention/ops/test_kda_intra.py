@@ -160,3 +160,11 @@ def test_kda_intra_rounds_dq_dk_to_requested_dtype(device):
             assert torch.equal(a, b.to(a.dtype)), name
         else:
             torch.testing.assert_close(a.float(), b, rtol=2.0 ** -7, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_kda_intra_rejects_mismatched_shapes():
+    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = _inputs(1, 20, 2, 16, 16, MILD)
+    with pytest.raises(ValueError, match=r"beta \[1, 20, 1\] do not match k"):
+        chunk_kda_bwd_intra(q, k, g, beta[..., :1], dAqk, dAkk, dq, dk, db, dg, chunk_size=16)
+    with pytest.raises(ValueError, match="chunk_size=24 must be a multiple of 16"):
+        chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size=24)
