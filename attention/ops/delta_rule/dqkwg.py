@@ -32,7 +32,7 @@ import triton.language as tl
 
 from attention.ops.autotune import candidates
 
-__all__ = ["chunk_bwd_dqkwg", "chunk_indices_for"]
+__all__ = ["chunk_bwd_dqkwg", "chunk_grid", "chunk_indices_for"]
 
 
 def _configs():
@@ -158,6 +158,17 @@ def chunk_indices_for(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor
     return torch.tensor(pairs, dtype=torch.int32, device=cu_seqlens.device).view(-1, 2)
 
 
+def chunk_grid(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None,
+               chunk_indices: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """(chunk_indices, NT) for a chunk kernel's launch: NT = chunks per row, or with ``cu_seqlens`` the chunks of all
+    documents, whose (document, chunk) pairs are ``chunk_indices`` (computed by :func:`chunk_indices_for` when None)."""
+    if cu_seqlens is None:
+        return chunk_indices, triton.cdiv(T, chunk_size)
+    if chunk_indices is None:
+        chunk_indices = chunk_indices_for(cu_seqlens, chunk_size)
+    return chunk_indices, chunk_indices.shape[0]
+
+
 def chunk_bwd_dqkwg(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,9 +202,7 @@ def chunk_bwd_dqkwg(
     if w is not None and dv is None:
         raise ValueError("chunk_bwd_dqkwg: w given without dv")
     BT = chunk_size
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = chunk_indices_for(cu_seqlens, BT)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else chunk_indices.shape[0]
+    chunk_indices, NT = chunk_grid(T, BT, cu_seqlens, chunk_indices)
     BK = block_k or min(max(triton.next_power_of_2(K), 16), 128)
     BV = block_v or min(max(triton.next_power_of_2(V), 16), 128)
     NK = triton.cdiv(K, BK)

@@ -38,17 +38,18 @@ import os
 import torch
 import triton
 import triton.language as tl
+from packaging.version import Version
 
 from attention.ops.autotune import candidates
-from attention.ops.delta_rule.dqkwg import chunk_indices_for
+from attention.ops.delta_rule.dqkwg import chunk_grid
 
 __all__ = ["chunk_kda_bwd_intra", "SPAN_MAX"]
 
 SPAN_MAX = 120.0
 """Largest per-block gate span (log2 units, max over channels of max g - min g) run as tensor-core dots."""
 
-_V = tuple(int(x) for x in triton.__version__.split(".")[:2])
-_DOT_PRECISION = tl.constexpr("bf16x3" if _V >= (3, 6) and os.environ.get("TRITON_INTERPRET") != "1" else "ieee")
+_BF16X3 = Version(triton.__version__.split("+")[0]) >= Version("3.6") and os.environ.get("TRITON_INTERPRET") != "1"
+_DOT_PRECISION = tl.constexpr("bf16x3" if _BF16X3 else "ieee")  # fp32-accurate dots; the interpreter lacks bf16x3
 
 
 def _configs():
@@ -250,7 +251,7 @@ def chunk_kda_bwd_intra(
 
     q, k: [B, T, H, K]; g: [B, T, H, K] float32 chunk-local cumulative log2 decay; beta: [B, T, H];
     dAqk, dAkk: [B, T, H, chunk_size] float32; dq, dk, dg: [B, T, H, K] and db: [B, T, H], the partial gradients.
-    cu_seqlens: [N + 1] (B == 1); chunk_indices: fla's / :func:`chunk_indices_for`'s (computed when None).
+    cu_seqlens: [N + 1] (B == 1); chunk_indices: fla's / :func:`dqkwg.chunk_indices_for`'s (computed when None).
     span_max: per-block gate span (log2) up to which the diagonal blocks run as dots (tests force each path);
     block_k: channel tile (default min(64, next power of two of K); at K = 128 on an H100 BK 64 ran the bounded
     gate's blocks in 0.83 ms against 1.17 at BK 32, fla's width; ``benchmarks/RESULTS.md`` session 10).
@@ -265,9 +266,7 @@ def chunk_kda_bwd_intra(
     BT, BC = chunk_size, 16
     if BT % BC:
         raise ValueError(f"chunk_kda_bwd_intra: chunk_size={BT} must be a multiple of {BC}")
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = chunk_indices_for(cu_seqlens, BT)
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else chunk_indices.shape[0]
+    chunk_indices, NT = chunk_grid(T, BT, cu_seqlens, chunk_indices)
     BK = block_k or min(64, max(triton.next_power_of_2(K), 16))
     NK, NC = triton.cdiv(K, BK), BT // BC
     ins = [t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, dg)]
