@@ -10,7 +10,7 @@ Departures from the softmax baseline (same Qwen3 projections ``wq wk wv wo q_nor
 - λ → ∞ is exactly softmax attention.
 
 Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "triton",
-"chunked", "reference"; ``[attention.lla] kernel`` picks the Triton version ("v0", "v1"). Decoding keeps a
+"chunked", "reference"; ``[attention.lla] kernel`` picks the Triton version ("v0", "v1", "v2"). Decoding keeps a
 KV cache (LLA has no recurrent state) and uses the single-pass D×D-accumulator decode of spec §8.
 """
 
@@ -75,7 +75,12 @@ class LLAOptions:
     v1 was opt-in because its bf16 roundings were amplified by Σ|a|/δ on ill-conditioned rows; CG on the
     k̄-centred Σ_c (``naive.from_centred``) removed the 1/δ from the output pass. It is the default since a
     GPU training smoke (0.6B LLA config, 20 steps, H100): loss 6.53 at step 20 with v1 (v0: 6.49),
-    5,277 tok/s (v0: 1,905). Switching back is ``attention.lla.kernel = "v0"`` or
+    5,277 tok/s (v0: 1,905).
+
+    "v2" (``triton_v2.py``, the default since session 11) runs v1's math with one launch per CG iteration and
+    the CG state in global memory, so no key loop carries it in registers, and a new dk/dv kernel (bench as
+    above, H100, same run): v1 21.8 / 59.6 ms (29.5x SDPA), v2 12.3 / 30.7 ms (15.2x), same forward error;
+    peak memory 1.5 -> 2.1 GiB. Switching back is ``attention.lla.kernel = "v1"`` (or "v0"), or
     ``attention.ops.lla.DEFAULT_KERNEL``."""
 
 

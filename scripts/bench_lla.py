@@ -1,12 +1,12 @@
 """LLA (and affine family) benchmark against SDPA softmax attention on one GPU.
 
-    python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1 LLA-8, 2 tiles
+    python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1/v2 LLA-8, 2 tiles
     python scripts/bench_lla.py --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
     python scripts/bench_lla.py --ptxas 64x64x8,64x32x8 --variant v1   # no GPU: sm_90 registers / spills
     python scripts/bench_lla.py             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
     python scripts/bench_lla.py --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
 
-``--variant v0,v1`` (default) times the first Triton kernels (``triton_v0.py``, fp32/TF32 tiles (32, 32)) and
+``--variant v0,v1,v2`` (default) times the first Triton kernels (``triton_v0.py``, fp32/TF32 tiles (32, 32)) and
 the current ones (``triton.py``: bf16 operands, autotuned tiles; rows "tiles (BR, BC)" pin a tile; "precise"
 (``--precise``): ``triton.PRECISE``, fp32/TF32 statistics and Σ·p products) in one run. Each CG count and
 each PRECISE value compiles and autotunes its own kernels (3 configs × 3 kernels), so split long sweeps:
@@ -19,9 +19,10 @@ memory (GiB) of fwd+bwd, and for LLA the relative error of the output against th
 δ_i ≪ ω_i, and truncated CG errors there are amplified by ω/δ (expected, not a kernel bug; float64 CG on
 this data: 8 iterations 0.26 all rows / 0.086 rows ≥ 256, 16: 0.028 / 0.002, 32: 3e-4). Inputs bf16, q/k
 RMS-normalised (as after the model's RMSNorm), λ = 0.1 per head.
-FLOPs, in units of one causal Q·Kᵀ (softmax: fwd 2, fwd+bwd 7): v1 forward 2 + 3·iters + 3 (stats, CG,
-output), backward 3 + 3·iters + 5 (q kernel) + 8 (kv kernel): LLA-8 = 29 + 40 = 69 units ≈ 9.9× softmax
-fwd+bwd, so ≤ 10× softmax time needs v1 to run as efficiently as cuDNN/FA3 softmax does.
+FLOPs, in units of one causal Q·Kᵀ (softmax: fwd 2, fwd+bwd 7): v1 and v2 forward 2 + 3·iters + 3 (stats, CG,
+output), backward 3 + 3·iters + 5 (q kernel / passes A, B) + 8 (kv kernel): LLA-8 = 29 + 40 = 69 units ≈ 9.9×
+softmax fwd+bwd, so ≤ 10× softmax time needs every pass to run as efficiently as cuDNN/FA3 softmax does.
+``--profile`` prints each LLA row's GPU kernels; ``--variant v2`` times the one-launch-per-CG-step kernels.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.ops.affine import affine_attention  # noqa: E402
 from attention.ops.lla import lla_attention, naive_lla  # noqa: E402
+from scripts.bench_common import kernel_table  # noqa: E402
 from scripts.bench_common import timeit as timed  # noqa: E402
 
 
@@ -109,7 +111,6 @@ def lla_error(op, q, k, v):
 def ptxas_report(tiles, iters, variant):
     """Compile the LLA kernels for sm_90 without a GPU (Triton's bundled ptxas) and print registers, stack
     (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
-    import importlib
     import inspect
     import re
     import subprocess
@@ -118,10 +119,14 @@ def ptxas_report(tiles, iters, variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    mod = importlib.import_module("attention.ops.lla.triton" + ("_v0" if variant == "v0" else ""))
+    from attention.ops.lla import _triton_ops
+
+    mod = _triton_ops(variant)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False}
-    for name in os.environ.get("LLA_KERNELS", "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel").split(","):
+    names = ("_stats_kernel,_cg_step_kernel,_out_kernel,_bwd_a_kernel,_bwd_b_kernel,_bwd_kv_kernel" if variant == "v2"
+             else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
+    for name in os.environ.get("LLA_KERNELS", names).split(","):
         fn = getattr(mod, name)
         params = list(inspect.signature(fn.fn).parameters)
         for br, bc, nw in tiles:
@@ -130,7 +135,7 @@ def ptxas_report(tiles, iters, variant):
                 if n in ("BR", "BC") or (n in const and not (variant == "v0" and n == "D")):
                     sig[n] = "constexpr"
                     cex[(i,)] = {"BR": br, "BC": bc}.get(n, const.get(n))
-                elif n in ("Q", "K", "V", "DO") and not (variant == "v0" and n == "DO"):
+                elif n in ("Q", "K", "V", "DO", "P", "RB", "UB", "DMB") and not (variant == "v0" and n == "DO"):
                     sig[n] = "*bf16"
                 elif n in ("DS", "DE"):
                     sig[n] = "*i32"
@@ -155,8 +160,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variant", default="v0,v1", help="comma list of Triton kernel versions (lla_attention's "
-                    "kernel=, attention.lla.kernel): v0 (first), v1")
+    ap.add_argument("--variant", default="v0,v1,v2", help="comma list of Triton kernel versions (lla_attention's "
+                    "kernel=, attention.lla.kernel): v0 (first), v1, v2 (one launch per CG iteration)")
+    ap.add_argument("--profile", action="store_true", help="print each LLA row's GPU kernels (torch.profiler, "
+                    "2 fwd+bwd calls)")
     ap.add_argument("--iters", default=None, help="comma list of CG iteration counts (default 8 with --quick, "
                     "else 4,8,16); every count compiles (and autotunes) its own kernels")
     ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x32,64x64 with "
@@ -199,6 +206,10 @@ def main():
         for name, op, with_err in cases:
             try:
                 f, fb, mem = measure(op, q, k, v, args.reps)
+                if args.profile:
+                    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                    print(f"-- {name}: GPU kernels of 2 fwd+bwd\n" + kernel_table(lambda: op(*xs).sum().backward(), 2, 12),
+                          flush=True)
                 e_all, e_tail = lla_error(op, q, k, v) if with_err else ("", "")
                 e_all, e_tail = (f"{e:.3g}" if e != "" else "" for e in (e_all, e_tail))
                 rows.append((shape, name, f, fb, fb / base, mem, e_all, e_tail))

@@ -112,15 +112,16 @@ def test_bad_options_raise(name, key):
 
 
 def test_lla_bad_kernel_raises():
-    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v2'; choose from \['v0', 'v1'\]"):
-        make("lla", kernel="v2")
+    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v9'; choose from \['v0', 'v1', 'v2'\]"):
+        make("lla", kernel="v9")
 
 
-@pytest.mark.parametrize("kernel", ["v0", "v1"])
+@pytest.mark.parametrize("kernel", ["v0", "v1", "v2"])
 def test_lla_kernel_option_reaches_the_op(kernel, monkeypatch):
     """attention.lla.kernel picks the Triton kernels the module runs, in training and in the decode prefill."""
     import attention.ops.lla.triton as v1
     import attention.ops.lla.triton_v0 as v0
+    import attention.ops.lla.triton_v2 as v2
 
     class Reached(Exception):
         pass
@@ -132,6 +133,7 @@ def test_lla_kernel_option_reaches_the_op(kernel, monkeypatch):
 
     monkeypatch.setattr(v0, "lla_fwd_triton", stop("v0"))
     monkeypatch.setattr(v1, "lla_fwd_triton", stop("v1"))
+    monkeypatch.setattr(v2, "lla_fwd_triton", stop("v2"))
     m = make("lla", impl="triton", kernel=kernel)
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     with pytest.raises(Reached, match=f"^{kernel}$"):

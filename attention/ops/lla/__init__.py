@@ -5,7 +5,7 @@ Implementations (``impl``):
 - "reference": :func:`naive_lla` (explicit Σ_i and ``torch.linalg.solve``; exact solve, O(T²·D) memory);
 - "chunked":   blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
 - "triton":    the blockwise Triton kernels, forward and backward with the adjoint solve, in two versions
-               (``kernel``): "v0" (``triton_v0.py``) and "v1" (``triton.py``);
+               (``kernel``): "v0" (``triton_v0.py``), "v1" (``triton.py``) and "v2" (``triton_v2.py``);
 - "auto":      Triton on CUDA, chunked elsewhere.
 
 All non-reference paths use the λω ridge (shift-invariant, spec §5.3), compute in fp32 (float64 inputs:
@@ -28,10 +28,12 @@ from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # 
 Tensor = torch.Tensor
 
 IMPLS = ("auto", "triton", "chunked", "reference")
-KERNELS = ("v0", "v1")
+KERNELS = ("v0", "v1", "v2")
 """Triton kernel versions (``lla_attention(kernel=...)``, ``attention.lla.kernel``; compared in LLAOptions.kernel):
-"v0" ``triton_v0.py`` (fp32/TF32 tiles), "v1" ``triton.py`` (bf16 tensor-core operands, autotuned tiles)."""
-DEFAULT_KERNEL = "v1"
+"v0" ``triton_v0.py`` (fp32/TF32 tiles), "v1" ``triton.py`` (bf16 tensor-core operands, autotuned tiles, one
+program per query tile for the whole solve), "v2" ``triton_v2.py`` (v1's math, one launch per CG iteration with the
+CG state in global memory)."""
+DEFAULT_KERNEL = "v2"
 """Default of ``lla_attention(kernel=...)`` and of ``attention.lla.kernel``: switching is this one line."""
 
 
@@ -43,7 +45,8 @@ def check_kernel(kernel: str) -> None:
 def _triton_ops(kernel: str):
     import importlib
 
-    return importlib.import_module({"v0": "attention.ops.lla.triton_v0", "v1": "attention.ops.lla.triton"}[kernel])
+    return importlib.import_module({"v0": "attention.ops.lla.triton_v0", "v1": "attention.ops.lla.triton",
+                                    "v2": "attention.ops.lla.triton_v2"}[kernel])
 
 
 def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,10 +197,11 @@ def lla_attention(
     scale: kernel exp(scale·q·k), default D**-0.5. cg_iters: CG iterations (paper: 16 suffice in bf16).
     jacobi: Jacobi-preconditioned CG. rtol: CG stops per row at ‖r‖ ≤ rtol·‖b‖.
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
-    block: (query, key) tile sizes; default: autotuned for Triton (v1; v0: (32, 32) at D > 64, else (64, 64)),
+    block: (query, key) tile sizes; default: autotuned for Triton (v1, v2; v0: (32, 32) at D > 64, else (64, 64)),
     (128, ·) for the chunked path.
-    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v1" (the default: bf16 tensor-core operands,
-    3.8x faster fwd+bwd on an H100) or "v0" (fp32/TF32 tiles, the more accurate gradients); measurements in
+    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v2" (the default: v1's math, one launch per CG
+    iteration, 1.9x faster fwd+bwd than v1 on an H100), "v1" (bf16 tensor-core operands, 3.8x faster than v0) or
+    "v0" (fp32/TF32 tiles, the more accurate gradients); measurements in
     ``attention.lla.LLAOptions.kernel``. Validated on every path; the chunked and reference paths ignore it.
     Returns o: [B, T, HQ, D] in q's dtype.
     """

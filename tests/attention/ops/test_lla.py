@@ -237,18 +237,19 @@ def test_impl_validation():
 def test_kernel_validation(impl):
     """kernel is checked on every path (a typo fails on a CPU too, not first on the GPU)."""
     q, k, v, lam = inputs(1, 4, 1, 1, 2)
-    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v2'; choose from \['v0', 'v1'\]"):
-        lla_attention(q, k, v, lam, impl=impl, kernel="v2")
+    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v9'; choose from \['v0', 'v1', 'v2'\]"):
+        lla_attention(q, k, v, lam, impl=impl, kernel="v9")
 
 
-@pytest.mark.parametrize("kernel", ["v0", "v1"])
+@pytest.mark.parametrize("kernel", ["v0", "v1", "v2"])
 def test_kernel_selects_the_triton_module(kernel, monkeypatch):
     """lla_attention(kernel=...) runs that version's forward and backward (through attnlab::lla_fwd / lla_bwd)."""
     import attention.ops.lla.triton as v1
     import attention.ops.lla.triton_v0 as v0
+    import attention.ops.lla.triton_v2 as v2
 
     calls = []
-    for name, mod in (("v0", v0), ("v1", v1)):
+    for name, mod in (("v0", v0), ("v1", v1), ("v2", v2)):
         for fn in ("lla_fwd_triton", "lla_bwd_triton"):
             real = getattr(mod, fn)
             monkeypatch.setattr(mod, fn, lambda *a, _r=real, _c=(name, fn): (calls.append(_c), _r(*a))[1])
@@ -259,8 +260,9 @@ def test_kernel_selects_the_triton_module(kernel, monkeypatch):
 
 # ----- Triton (interpreter on CPU; tiny shapes) -----
 
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("jacobi", [False, True])
-def test_triton_matches_float64_reference_varlen_gqa(jacobi):
+def test_triton_matches_float64_reference_varlen_gqa(jacobi, kernel):
     B, T, HQ, HKV, D = 1, 21, 2, 1, 6  # D padded to 16, T not a multiple of the tile, 3 unequal documents
     cu = torch.tensor([0, 5, 16, 21], dtype=torch.int32)
     q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
@@ -269,7 +271,8 @@ def test_triton_matches_float64_reference_varlen_gqa(jacobi):
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 2, rtol=0.0, jacobi=jacobi, block=(16, 16))
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 2, rtol=0.0, jacobi=jacobi, block=(16, 16),
+                        kernel=kernel)
     out.backward(go)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=2e-4, atol=2e-4)
@@ -279,11 +282,12 @@ def test_triton_matches_float64_reference_varlen_gqa(jacobi):
         assert err < 1e-3, (name, err.item())
 
 
-def test_triton_truncated_cg_matches_chunked():
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_triton_truncated_cg_matches_chunked(kernel):
     """Same number of CG iterations (4 < D): the Triton and PyTorch paths run the same iterates."""
     q, k, v, lam = inputs(2, 18, 2, 2, 8, dtype=torch.float32)
     lam = lam + 1.0  # well-conditioned: truncated CG on nearly rank-deficient Σ amplifies rounding through 1/δ
-    a = lla_attention(q, k, v, lam, impl="triton", cg_iters=4, block=(16, 16))
+    a = lla_attention(q, k, v, lam, impl="triton", cg_iters=4, block=(16, 16), kernel=kernel)
     b = lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunked", cg_iters=4, block=(16, 16))
     # rows that converge exactly at the last iteration are rounding-sensitive (fp32 vs fp64 differ by ~1e-3)
     torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-3)
@@ -291,13 +295,15 @@ def test_triton_truncated_cg_matches_chunked():
                                        cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
 
 
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, monkeypatch):
+def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, kernel, monkeypatch):
     """v1 splits each query tile's key range into masked head / unmasked body / masked diagonal (and the kv
     kernel masks only where needed): T = 37 with 16-tiles and a document starting at 3 exercises all three.
     fp16 inputs run the low-precision-operand path (bf16 on GPU; the CPU interpreter mis-reads bf16 loads as
     fp16, so bf16 itself can only be tested on a GPU) against float64 on the same rounded inputs.
-    The fp32 case runs CG with x, r in global scratch (triton.SCRATCH), the fp16 case in registers."""
+    v1: the fp32 case runs CG with x, r in global scratch (triton.SCRATCH), the fp16 case in registers. v2 (one
+    launch per CG step, the same tile helpers) keeps its CG state in global memory in both."""
     import attention.ops.lla.triton as v1
 
     monkeypatch.setattr(v1, "SCRATCH", dtype == torch.float32)
@@ -312,7 +318,7 @@ def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, monkeypatch
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=(16, 16), kernel="v1")
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=(16, 16), kernel=kernel)
     out.backward(go.to(dtype))
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16 measured: o 2e-3, grads 2e-3 .. 1e-2 (dλ)
     for name, a, b in [("o", out, ref)] + [(n, y.grad, x.grad) for n, y, x in zip("qkvλ", ys, xs)]:
@@ -466,7 +472,7 @@ def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v0"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128])
 def test_triton_gpu_matches_chunked(D, dtype, variant):
@@ -486,9 +492,9 @@ def test_triton_gpu_matches_chunked(D, dtype, variant):
     cu = torch.tensor([0, 300, 1000, 1013, 2000], dtype=torch.int32, device=dev)
     go = torch.randn(B, T, HQ, D, device=dev)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    # v1 pinned (no autotuning inside the test); fp32 at D = 128 needs the 32-row tile (64 rows: 256 KiB of shared
+    # v1/v2 pinned (no autotuning inside the test); fp32 at D = 128 needs the 32-row tile (64 rows: 256 KiB of shared
     # memory in the dq kernel, over the H100's 227 KiB)
-    block = ((32, 64) if dtype == torch.float32 and D == 128 else (64, 64)) if variant == "v1" else None
+    block = ((32, 64) if dtype == torch.float32 and D == 128 else (64, 64)) if variant != "v0" else None
     res = []
     for impl, dt in (("triton", dtype), ("chunked", f64)):
         xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v)] + [lam.to(dt).clone().requires_grad_()]
@@ -513,9 +519,10 @@ def test_triton_gpu_matches_chunked(D, dtype, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("precise", [False, True])
-def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, monkeypatch):
-    """v1 in bf16: o_1 = v_1 in each document (scores sum to 1 exactly by construction of δ), finite grads,
+def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, kernel, monkeypatch):
+    """v1 and v2 in bf16: o_1 = v_1 in each document (scores sum to 1 exactly by construction of δ), finite grads,
     and agreement with the float64 reference on a short T with λ = 1 (well-conditioned)."""
     import attention.ops.lla.triton as v1
 
@@ -534,7 +541,7 @@ def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, monkeypatch):
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v)]
     o = lla_attention(*ys, 1.0, cu_seqlens=cu, impl="triton", cg_iters=16, block=(64, 64),  # kernels shared
-                      kernel="v1")
+                      kernel=kernel)
     o.backward(go.bfloat16())
     for s in (0, 7, 150):
         torch.testing.assert_close(o[0, s].float(), v[0, s].float().repeat_interleave(2, 0), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,471 @@
+"""Blockwise LLA in Triton, v2: v1's math (``triton.py``) with every CG iteration its own launch.
+
+v1 runs a query tile's whole solve in one program: the statistics pass, ``CG_ITERS`` streamed passes over K
+and the output pass, with the CG vectors (x, r, the right-hand side, the centre k̄, the Jacobi diagonal, 5-7
+fp32 [BR, D] tiles) live in registers across every key loop. On sm_90 that kernel sits at 255 registers and
+spills 1.3-2.8 KB per thread (``bench_lla.py --ptxas``), inside the key loops. v2 keeps the CG state of every
+row in global memory between launches, so a key loop holds only what a flash-attention loop holds (q, the
+direction p, one accumulator and the score tiles):
+
+- forward: ``_stats_kernel`` (pass (i): m, ω, μ̃ and the CG start), ``CG_ITERS`` × ``_cg_step_kernel``
+  (one matrix-free Σ·p pass over K, then the CG update of its rows), ``_out_kernel`` (pass (iii));
+- backward: ``_bwd_a_kernel`` (pass A: τ, Σ c k, μ̃ and the adjoint CG start), ``CG_ITERS`` ×
+  ``_cg_step_kernel``, ``_bwd_b_kernel`` (pass B: dq, u, β, dλ, and ρ, u, Δμ in the operand dtype with their
+  row scalars), ``_bwd_kv_kernel`` (dk, dv: v1's products on 32-query tiles, from those precomputed operands).
+
+H100, B4 T4096 16/8 heads D128 bf16, LLA-8 (session 11): fwd 12.3 ms (v1 21.8), fwd+bwd 30.7 ms (v1 59.6); per
+fwd+bwd the 16 CG steps take 19.3 ms, dk/dv 3.6 (v1's kernel: 13.0), the four passes 5.6.
+
+The iterates are v1's (same normalised right-hand side, same rounded direction p, same active mask), so v2
+computes v1's function up to the order of floating-point sums. Each kernel is autotuned on its own (a row's
+state does not depend on the tile that produced it); kernels that update state in place restore it while
+the autotuner times them. The state costs ~26 bytes per (row, head, channel) of HBM traffic per iteration
+(q, p, k̄, x, r in and x, r, p out), and peak memory of fwd+bwd grows from 1.51 to 2.11 GiB at the shape below.
+
+State buffers ([B, T, HQ, D], rows as q's): x (fp32; the ρ / u output buffer), r (fp32; the o / dq output
+buffer), p (operand dtype), k̄ (fp32), the Jacobi diagonal (fp32, only with JACOBI); per row ([9, B, T, HQ]
+fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row scalars of dk/dv.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.ops.autotune import candidates
+from attention.ops.lla.triton import (LOG2E, _bwd_a_tiles, _bwd_b_tiles, _launch, _out_tiles, _rows, _sigma_tiles,
+                                      _stats_tiles, _tile_setup)
+from attention.ops.lla.triton_v0 import _centre, _strides
+
+# row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
+# and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
+_RZ, _THR, _QP, _BN, _RID, _TAU, _LT, _RQ, _UQ = (tl.constexpr(i) for i in range(9))
+N_ROWS = 9
+
+
+@triton.jit
+def _addr(b, h, o_r, T, HQ, D: tl.constexpr, BD: tl.constexpr):
+    """Offsets of a tile's rows in the [B, T, HQ, D] state / output buffers, their mask, and the row-scalar
+    offsets in [B, T, HQ]."""
+    o_d = tl.arange(0, BD)
+    row_ok = o_r < T
+    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
+    ok2 = row_ok[:, None] & (o_d[None, :] < D)
+    return p_o, ok2, (b * T + o_r) * HQ + h, row_ok
+
+
+@triton.jit
+def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows, rtol2, JACOBI: tl.constexpr):
+    """CG state for Σ_c x = b at x_0 = 0, solved for b/‖b‖ (v1's ``_cg``): x, r, p, rᵀz, threshold, k̄·p, ‖b‖, λω."""
+    bn = tl.sqrt(tl.sum(bvec * bvec, 1))
+    bn = tl.where(bn > 0, bn, 1.0)
+    r = bvec / bn[:, None]
+    if JACOBI:
+        z = r / diag
+    else:
+        z = r
+    p = z.to(P.dtype.element_ty)
+    tl.store(X + p_o, tl.zeros_like(r), mask=ok2)
+    tl.store(R + p_o, r, mask=ok2)
+    tl.store(P + p_o, p, mask=ok2)
+    tl.store(ROWS + _RZ * n_rows + st, tl.sum(r * z, 1), mask=row_ok)
+    tl.store(ROWS + _THR * n_rows + st, rtol2 * tl.sum(r * r, 1), mask=row_ok)
+    tl.store(ROWS + _QP * n_rows + st, tl.sum(ctr * p.to(tl.float32), 1), mask=row_ok)
+    tl.store(ROWS + _BN * n_rows + st, bn, mask=row_ok)
+    tl.store(ROWS + _RID * n_rows + st, rid, mask=row_ok)
+
+
+@triton.jit
+def _cg_step_kernel(Q, K, DS, M, X, R, P, CTR, DIAG, ROWS,
+                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                    T, HQ, qk_scale,
+                    D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                    BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """One CG iteration for the rows of a query tile: Σ_c p streamed over K (v1's ``_matvec``), then
+    α, x, r, z, β, p updated in place (v1's ``_cg_regs``, iteration body)."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
+    K += b * s_kb + (h // G) * s_kh
+    p = tl.load(P + p_o, mask=ok2, other=0.0)
+    m2 = tl.load(M + st, mask=row_ok, other=0.0)
+    qp = tl.load(ROWS + _QP * n_rows + st, mask=row_ok, other=0.0)
+    acc = tl.zeros([BR, BD], tl.float32)
+    rs = tl.zeros([BR], tl.float32)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
+    # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
+    # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
+    rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
+    pf = tl.load(P + p_o, mask=ok2, other=0.0).to(tl.float32)  # reloaded: the loop's p stays a dot operand only
+    ap = acc - rs[:, None] * tl.load(CTR + p_o, mask=ok2, other=0.0) + rid[:, None] * pf
+    pap = tl.sum(pf * ap, 1)
+    r = tl.load(R + p_o, mask=ok2, other=0.0)
+    rz = tl.load(ROWS + _RZ * n_rows + st, mask=row_ok, other=0.0)
+    thr = tl.load(ROWS + _THR * n_rows + st, mask=row_ok, other=0.0)
+    active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thr)
+    alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
+    r -= alpha[:, None] * ap
+    tl.store(R + p_o, r, mask=ok2)
+    tl.store(X + p_o, tl.load(X + p_o, mask=ok2, other=0.0) + alpha[:, None] * pf, mask=ok2)
+    if JACOBI:
+        z = r / tl.load(DIAG + p_o, mask=ok2, other=1.0)
+    else:
+        z = r
+    rz_new = tl.sum(r * z, 1)
+    beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
+    p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(p.dtype)
+    tl.store(P + p_o, p, mask=ok2)
+    tl.store(ROWS + _RZ * n_rows + st, tl.where(active, rz_new, rz), mask=row_ok)
+    tl.store(ROWS + _QP * n_rows + st, tl.sum(tl.load(CTR + p_o, mask=ok2, other=0.0) * p.to(tl.float32), 1),
+             mask=row_ok)
+
+
+@triton.jit
+def _stats_kernel(Q, K, LAM, DS, M, OMEGA, X, R, P, CTR, DIAG, ROWS,
+                  s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
+                  T, HQ, qk_scale, rtol2,
+                  D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Forward pass (i) (online m, ω, μ̃, Jacobi diagonal) and the CG start for Σ_c ρ_c = μ."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
+    K += b * s_kb + (h // G) * s_kh
+    m2 = tl.full([BR], float("-inf"), tl.float32)
+    om = tl.zeros([BR], tl.float32)
+    mut = tl.zeros([BR, BD], tl.float32)
+    ksq = tl.zeros([BR, BD], tl.float32)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, PRECISE, False, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
+    m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    rid = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0) * om  # λω ridge (spec §5.3)
+    om1, ctr, diag = _centre(mut, om, ksq, rid)
+    tl.store(M + st, m2, mask=row_ok)
+    tl.store(OMEGA + st, om, mask=row_ok)
+    tl.store(CTR + p_o, ctr, mask=ok2)
+    if JACOBI:
+        tl.store(DIAG + p_o, diag, mask=ok2)
+    _cg_start(mut - om[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
+              rtol2, JACOBI)
+
+
+@triton.jit
+def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                T, HQ, qk_scale,
+                D: tl.constexpr, G: tl.constexpr, PRECISE: tl.constexpr,
+                BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Forward pass (iii) (v1's output pass) from ρ_c = x‖μ‖ (x in RHO, replaced by ρ)."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
+    K += b * s_kb + (h // G) * s_kh
+    V += b * s_kb + (h // G) * s_kh
+    m2 = tl.load(M + st, mask=row_ok, other=0.0)
+    om = tl.load(OMEGA + st, mask=row_ok, other=0.0)
+    bn = tl.load(ROWS + _BN * n_rows + st, mask=row_ok, other=1.0)
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0) * bn[:, None]
+    ctr = tl.load(CTR + p_o, mask=ok2, other=0.0)
+    om1 = tl.where(om > 0, om, 1.0)
+    t1 = 1 + om * tl.sum((ctr - q.to(tl.float32)) * rho, 1) / om1  # 1 + μ·ρ_c/ω, μ = ω(k̄ − q)
+    if PRECISE:
+        rho_b = rho
+    else:
+        rho_b = rho.to(q.dtype)
+    rq = tl.sum(rho_b.to(tl.float32) * ctr, 1)
+    acc = tl.zeros([BR, BD], tl.float32)
+    den = tl.zeros([BR], tl.float32)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    tl.store(O + p_o, acc / den[:, None], mask=ok2)
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0) * (bn / t1)[:, None]  # reloaded: not live through the loop
+    tl.store(RHO + p_o, rho, mask=ok2)
+    tl.store(DELTA + st, om / t1, mask=row_ok)
+
+
+@triton.jit
+def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, X, R, P, CTR, DIAG, ROWS, BETA,
+                  s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
+                  T, HQ, qk_scale, rtol2,
+                  D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Backward pass A (v1's: τ = Σ c, Σ c k, μ̃, Jacobi diagonal; β) and the CG start for Σ_c u_c = y."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    o_d = tl.arange(0, BD)
+    q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+    g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+    K += b * s_kb + (h // G) * s_kh
+    V += b * s_kb + (h // G) * s_kh
+    inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
+    m2 = tl.load(M + st, mask=row_ok, other=0.0)
+    beta = tl.sum(g.to(tl.float32) * tl.load(O + p_o, mask=ok2, other=0.0), 1) * inv_d
+    g = g.to(q.dtype)
+    tau = tl.zeros([BR], tl.float32)
+    ck = tl.zeros([BR, BD], tl.float32)
+    mut = tl.zeros([BR, BD], tl.float32)
+    ksq = tl.zeros([BR, BD], tl.float32)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
+                                     D, JACOBI, PRECISE, True, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
+                                     T, D, JACOBI, PRECISE, False, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
+                                     D, JACOBI, PRECISE, True, BC, BD)
+    om = tl.load(OMEGA + st, mask=row_ok, other=1.0)
+    rid = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0) * om
+    om1, ctr, diag = _centre(mut, om, ksq, rid)
+    tl.store(CTR + p_o, ctr, mask=ok2)
+    if JACOBI:
+        tl.store(DIAG + p_o, diag, mask=ok2)
+    tl.store(BETA + st, beta, mask=row_ok)
+    tl.store(ROWS + _TAU * n_rows + st, tau, mask=row_ok)
+    _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
+              rtol2, JACOBI)
+
+
+@triton.jit
+def _bwd_b_kernel(Q, K, V, LAM, DS, DO, RHO, DELTA, M, OMEGA, CTR, ROWS, BETA, DQ, U, DLAM, RB, UB, DMB,
+                  s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
+                  T, HQ, scale, qk_scale,
+                  D: tl.constexpr, G: tl.constexpr,
+                  BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Backward pass B (v1's) from u_c = x‖y‖ (x in U, replaced by u = Σ⁻¹y): dq, dλ; and for the dk/dv kernel
+    ρ, u and Δμ = 2βρ − u in the operand dtype (RB, UB, DMB) with the row scalars λ·tr, ρ̂·q, û·q."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    o_d = tl.arange(0, BD)
+    q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+    g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True).to(q.dtype)
+    K += b * s_kb + (h // G) * s_kh
+    V += b * s_kb + (h // G) * s_kh
+    inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
+    m2 = tl.load(M + st, mask=row_ok, other=0.0)
+    om = tl.load(OMEGA + st, mask=row_ok, other=1.0)
+    beta = tl.load(BETA + st, mask=row_ok, other=0.0)
+    lam = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0)
+    qf = q.to(tl.float32)
+    om1 = tl.where(om > 0, om, 1.0)
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
+    u = tl.load(U + p_o, mask=ok2, other=0.0) * tl.load(ROWS + _BN * n_rows + st, mask=row_ok, other=1.0)[:, None]
+    mu = om[:, None] * (tl.load(CTR + p_o, mask=ok2, other=0.0) - qf)
+    u -= rho * (tl.sum(mu * u, 1) / om1)[:, None]  # Σ⁻¹y from Σ_c⁻¹y (Sherman–Morrison)
+    tl.store(U + p_o, u, mask=ok2)
+    trg = tl.sum(u * rho, 1) - beta * tl.sum(rho * rho, 1)
+    rho_b = rho.to(q.dtype)
+    u_b = u.to(q.dtype)
+    rq = tl.sum(rho_b.to(tl.float32) * qf, 1)
+    uq = tl.sum(u_b.to(tl.float32) * qf, 1)
+    lt = lam * trg
+    tl.store(RB + p_o, rho_b, mask=ok2)
+    tl.store(UB + p_o, u_b, mask=ok2)
+    tl.store(ROWS + _LT * n_rows + st, lt, mask=row_ok)
+    tl.store(ROWS + _RQ * n_rows + st, rq, mask=row_ok)
+    tl.store(ROWS + _UQ * n_rows + st, uq, mask=row_ok)
+    acc = tl.zeros([BR, BD], tl.float32)
+    umu = tl.zeros([BR], tl.float32)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
+                            qk_scale, T, D, True, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
+                            mid2, qk_scale, T, D, False, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
+                            qk_scale, T, D, True, BC, BD)
+    rho = tl.load(RHO + p_o, mask=ok2, other=0.0)  # reloaded: not live through the loop
+    u = tl.load(U + p_o, mask=ok2, other=0.0)
+    tau = tl.load(ROWS + _TAU * n_rows + st, mask=row_ok, other=0.0)
+    dmu = 2 * beta[:, None] * rho - u
+    tl.store(DMB + p_o, dmu.to(DMB.dtype.element_ty), mask=ok2)
+    dq = scale * acc + tau[:, None] * rho - (1.0 / inv_d)[:, None] * dmu - umu[:, None] * rho
+    tl.store(DQ + p_o, dq, mask=ok2)
+    tl.store(DLAM + st, trg * om, mask=row_ok)
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, DV,
+                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                   T, HQ, HKV, scale, qk_scale,
+                   D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """dk, dv of a key tile over all q heads of its GQA group and all query tiles of its documents at or below
+    the diagonal (v1's ``_lla_bwd_kv_kernel``, same products). The vectors ρ, u, Δμ come in the operand dtype
+    and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
+    complete, so the loop holds two accumulators, the key/value tiles and ~6 score tiles."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    b, hk = i_bh // HKV, i_bh % HKV
+    c0 = i_c * BC
+    o_c = c0 + tl.arange(0, BC)
+    col_ok = o_c < T
+    o_d = tl.arange(0, BD)
+    n_rows = T * HQ * tl.num_programs(1) // HKV  # B·T·HQ
+    de = tl.load(DE + b * T + o_c, mask=col_ok, other=0)
+    q_lo = (c0 // BR) * BR
+    q_hi = tl.max(de, 0)  # queries of the same documents only
+    k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    dk = tl.zeros([BC, BD], tl.float32)
+    dv = tl.zeros([BC, BD], tl.float32)
+    for hg in range(G):
+        h = hk * G + hg
+        for start in range(q_lo, q_hi, BR):
+            o_r = start + tl.arange(0, BR)
+            p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+            ds = tl.load(DS + b * T + o_r, mask=row_ok, other=T)
+            m2 = tl.load(M + st, mask=row_ok, other=0.0)
+            q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+            s = tl.dot(k, tl.trans(q)) * qk_scale - m2[None, :]  # tiles transposed: [BC keys, BR queries]
+            need = (start < c0 + BC - 1) | (tl.max(ds, 0) > c0) | (start + BR > T) | (c0 + BC > T)
+            if need:
+                ok = (o_c[:, None] <= o_r[None, :]) & (o_c[:, None] >= ds[None, :]) & row_ok[None, :] & col_ok[:, None]
+                s = tl.where(ok, s, float("-inf"))
+            w = tl.exp2(s)
+            rb = tl.load(RB + p_o, mask=ok2, other=0.0)
+            zr = tl.dot(k, tl.trans(rb)) - tl.load(ROWS + _RQ * n_rows + st, mask=row_ok, other=0.0)[None, :]
+            inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
+            wn = w * (1 - zr)
+            a = wn * inv_d[None, :]
+            g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
+            dv = tl.dot(a.to(g.dtype), g, dv)
+            dk = _dk_tile(dk, k, v, q, g, w, zr, wn, a, rb, inv_d, st, p_o, ok2, row_ok, n_rows, ROWS, UB, DMB, BETA,
+                          scale)
+    p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
+    ok2 = col_ok[:, None] & (o_d[None, :] < D)
+    tl.store(DV + p_k, dv, mask=ok2)
+    tl.store(DK + p_k, dk, mask=ok2)
+
+
+@triton.jit
+def _dk_tile(dk, k, v, q, g, w, zr, wn, a, rb, inv_d, st, p_o, ok2, row_ok, n_rows, ROWS, UB, DMB, BETA, scale):
+    """dk += the [key, query] tile's contribution (v1's f·q + wn·Δμ + x·ρ)."""
+    gam = tl.dot(v, tl.trans(g))
+    zu = tl.dot(k, tl.trans(tl.load(UB + p_o, mask=ok2, other=0.0))) \
+        - tl.load(ROWS + _UQ * n_rows + st, mask=row_ok, other=0.0)[None, :]
+    beta = tl.load(BETA + st, mask=row_ok, other=0.0)[None, :]
+    lt = tl.load(ROWS + _LT * n_rows + st, mask=row_ok, other=0.0)[None, :]
+    f = scale * (gam * a + w * (2 * beta * zr - zu + zu * zr - beta * (1 + zr * zr) + lt))
+    dk = tl.dot(f.to(q.dtype), q, dk)
+    dk = tl.dot(wn.to(q.dtype), tl.load(DMB + p_o, mask=ok2, other=0.0), dk)
+    dk = tl.dot((w * (zu - gam * inv_d[None, :])).to(q.dtype), rb, dk)
+    return dk
+
+
+# ----- tiles: each kernel autotuned on its own, per (D, G, JACOBI, PRECISE, dtypes), never per T -----
+
+def _cfg(br, bc, w, s=2):
+    return triton.Config({"BR": br, "BC": bc}, num_warps=w, num_stages=s)
+
+
+# The CG step holds what a flash-attention forward holds (q, p, one [BR, D] fp32 accumulator, score tiles).
+# H100, same shape, ms per launch: (64, 64, 4, 3 stages) 1.21, (64, 64, 4, 2) 1.28, (128, 64, 8, 3) 1.34,
+# (128, 64, 8, 2) 1.49, (64, 32, 4) 1.50, (128, 32, 8) 1.76, (64, 64, 8) 2.31, (64, 128, 8) 2.24.
+STEP_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 4), _cfg(128, 64, 8, 3)]
+PASS_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 64, 4), _cfg(128, 64, 8)]
+_KEY = ["D", "G", "JACOBI", "PRECISE"]
+_STATE = ["X", "R", "P", "ROWS"]
+_step_tuned = triton.autotune(candidates(STEP_CONFIGS), key=_KEY, restore_value=_STATE)(_cg_step_kernel)
+_stats_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_stats_kernel)
+_out_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G", "PRECISE"], restore_value=["RHO"])(_out_kernel)
+_bwd_a_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_bwd_a_kernel)
+_bwd_b_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G"], restore_value=["U"])(_bwd_b_kernel)
+# dk/dv: BC (keys) is the M dimension of every product, BR (queries) the N or K dimension
+# H100, B4 T4096 16/8 heads D128 bf16, ms per launch (session 11): (32, 64, 4) 3.59, (32, 128, 8) 4.05,
+# (64, 64, 8) 11.3 (v1's kernel: 13.0 autotuned). 64-query tiles spill inside the loop (offline sm_90 SASS);
+# dk and dv in two launches measured slower (1.59 + 3.06 ms at their best tiles).
+KV_CONFIGS = [_cfg(32, 64, 4), _cfg(32, 128, 8)]
+_kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_bwd_kv_kernel)
+
+
+def _cg_buffers(q, jacobi):
+    """p (operand dtype), k̄, Jacobi diagonal (fp32; a 1-element stand-in without Jacobi), row scalars."""
+    B, T, HQ, D = q.shape
+    p = torch.empty(B, T, HQ, D, device=q.device, dtype=q.dtype)
+    ctr = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    diag = torch.empty_like(ctr) if jacobi else ctr.new_empty(1)
+    return p, ctr, diag, ctr.new_empty(N_ROWS, B, T, HQ)
+
+
+def _solve(q, k, ds, m, x, r, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
+    """``cg_iters`` CG steps on the state (x, r, p, rows) that ``_stats_kernel`` / ``_bwd_a_kernel`` started."""
+    B, T, HQ, D = q.shape
+    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    for _ in range(cg_iters):
+        _launch(_step_tuned, _cg_step_kernel, grid, block,
+                (q, k, ds, m, x, r, p, ctr, diag, rows, *strides[:6], T, HQ, qk_scale), {**const, "JACOBI": jacobi})
+
+
+def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
+    """v1's ``lla_fwd_triton`` contract: q [B, T, HQ, D]; k, v [B, T, HKV, D]; lam [B, T, HQ] fp32; doc_start
+    [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
+    from attention.ops.lla import triton as v1
+
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
+    rho, delta, m, om = torch.empty_like(o), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    p, ctr, diag, rows = _cg_buffers(q, jacobi)
+    block = None if block_r is None else (block_r, block_c)
+    qk_scale = scale * LOG2E
+    const = {"D": D, "G": HQ // HKV, "PRECISE": v1.PRECISE, "BD": max(16, triton.next_power_of_2(D))}
+    strides = _strides(q, k, lam)
+    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    # x lives in rho's buffer and r in o's until the output pass writes them
+    _launch(_stats_tuned, _stats_kernel, grid, block,
+            (q, k, lam, doc_start, m, om, rho, o, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
+            {**const, "JACOBI": jacobi})
+    _solve(q, k, doc_start, m, rho, o, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
+    _launch(_out_tuned, _out_kernel, grid, block,
+            (q, k, v, doc_start, m, om, ctr, rows, o, rho, delta, *strides[:6], T, HQ, qk_scale), const)
+    return o, rho, delta, m, om
+
+
+def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
+                   block_r=None, block_c=None):
+    """v1's ``lla_bwd_triton`` contract. Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32), dlam [B, T, HQ]."""
+    from attention.ops.lla import triton as v1
+
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    do = do.to(q.dtype).contiguous()
+    dq = torch.full_like(o, float("nan"))
+    u = torch.empty_like(o)
+    beta, dlam = o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    p, ctr, diag, rows = _cg_buffers(q, jacobi)
+    block = None if block_r is None else (block_r, block_c)
+    qk_scale = scale * LOG2E
+    const = {"D": D, "G": HQ // HKV, "BD": max(16, triton.next_power_of_2(D))}
+    strides = _strides(q, k, lam)
+    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    # x lives in u's buffer and r in dq's until pass B writes them
+    _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
+            (q, k, v, lam, doc_start, o, do, delta, m, om, u, dq, p, ctr, diag, rows, beta, *strides,
+             T, HQ, qk_scale, rtol**2),
+            {**const, "JACOBI": jacobi, "PRECISE": v1.PRECISE})
+    _solve(q, k, doc_start, m, u, dq, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
+           {**const, "PRECISE": v1.PRECISE})
+    rb, ub = torch.empty_like(p), torch.empty_like(p)  # ρ, u in the operand dtype; Δμ goes into p's buffer
+    _launch(_bwd_b_tuned, _bwd_b_kernel, grid, block,
+            (q, k, v, lam, doc_start, do, rho, delta, m, om, ctr, rows, beta, dq, u, dlam, rb, ub, p, *strides,
+             T, HQ, scale, qk_scale), const)
+    dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
+    dv = torch.full_like(dk, float("nan"))
+    _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
+            (q, k, v, doc_start, doc_end, do, m, delta, beta, rows, rb, ub, p, dk, dv, *strides[:6],
+             T, HQ, HKV, scale, qk_scale), const)
+    return dq, dk, dv, dlam
