@@ -79,7 +79,8 @@ class LLAOptions:
 
     "v2" (``triton_v2.py``, the default since session 11) runs v1's math with one launch per CG iteration and
     the CG state in global memory, so no key loop carries it in registers, and a new dk/dv kernel (bench as
-    above, H100, same run): v1 21.8 / 59.6 ms (29.5x SDPA), v2 12.3 / 30.7 ms (15.2x), same forward error;
+    above plus ``--variant v1,v2``, H100, one run): v1 21.76 / 59.82 ms (29.8x SDPA), v2 11.86 / 29.50 ms (14.7x),
+    same forward error;
     peak memory 1.5 -> 2.1 GiB. Switching back is ``attention.lla.kernel = "v1"`` (or "v0"), or
     ``attention.ops.lla.DEFAULT_KERNEL``."""
 

@@ -200,7 +200,7 @@ def lla_attention(
     block: (query, key) tile sizes; default: autotuned for Triton (v1, v2; v0: (32, 32) at D > 64, else (64, 64)),
     (128, ·) for the chunked path.
     kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v2" (the default: v1's math, one launch per CG
-    iteration, 1.9x faster fwd+bwd than v1 on an H100), "v1" (bf16 tensor-core operands, 3.8x faster than v0) or
+    iteration, 2.0x faster fwd+bwd than v1 on an H100), "v1" (bf16 tensor-core operands, 3.8x faster than v0) or
     "v0" (fp32/TF32 tiles, the more accurate gradients); measurements in
     ``attention.lla.LLAOptions.kernel``. Validated on every path; the chunked and reference paths ignore it.
     Returns o: [B, T, HQ, D] in q's dtype.

@@ -126,11 +126,7 @@ def _matvec(p, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, qk_scale, 
     """Σ_c p (eq. 13 in the centred form, keys centred at ``ctr`` = k̄, ``lla.naive.from_centred``; the weights come
     from q) for the rows of the tile, streaming K once. p: [BR, BD] operand dtype."""
     qp = tl.sum(ctr * p.to(tl.float32), 1)
-    acc = tl.zeros([BR, BD], tl.float32)
-    rs = tl.zeros([BR], tl.float32)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
     return acc - rs[:, None] * ctr + rid[:, None] * p.to(tl.float32)
 
 
@@ -277,14 +273,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     q = _rows(Q, o_r, o_d, s_qt, T, D, True)
     lam = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0)
     # -- pass (i): statistics --
-    m2 = tl.full([BR], float("-inf"), tl.float32)
-    om = tl.zeros([BR], tl.float32)
-    mut = tl.zeros([BR, BD], tl.float32)
-    ksq = tl.zeros([BR, BD], tl.float32)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, PRECISE, False, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
-    m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    m2, om, mut, ksq = _stats_pass(q, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, BR, BC, BD)
     rid = lam * om  # λω ridge (spec §5.3): the output does not depend on m
     qf = q.to(tl.float32)
     mu = mut - om[:, None] * qf
@@ -300,11 +289,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     else:
         rho_b = rho.to(q.dtype)
     rq = tl.sum(rho_b.to(tl.float32) * ctr, 1)  # scores w_j (1 − (k_j − k̄)·ρ_c): Σ_j = ω, no 1/δ amplification
-    acc = tl.zeros([BR, BD], tl.float32)
-    den = tl.zeros([BR], tl.float32)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    acc, den = _out_pass(q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, BR, BC, BD)
     o = acc / den[:, None]
     t1 = 1 + tl.sum(mu * rho, 1) / om1  # ρ_c = Σ_c⁻¹μ -> ρ = Σ⁻¹μ, δ = ω − μ·ρ (Sherman–Morrison)
     rho = rho / t1[:, None]
@@ -363,6 +348,90 @@ def _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, 
     return acc, umu
 
 
+# ----- one pass over a query tile's key range: masked head [lo, mid1), unmasked body [mid1, mid2), masked
+# diagonal [mid2, hi) (``_tile_setup``); v1 and v2 (``triton_v2.py``) run every pass through these -----
+
+@triton.jit
+def _stats_pass(q, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr, JACOBI: tl.constexpr,
+                PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Pass (i): row max m (log2 units, 0 on empty rows), ω, μ̃ and Σ_j w_j k_j² (Jacobi; 0 otherwise)."""
+    m2 = tl.full([BR], float("-inf"), tl.float32)
+    om = tl.zeros([BR], tl.float32)
+    mut = tl.zeros([BR, BD], tl.float32)
+    ksq = tl.zeros([BR, BD], tl.float32)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, PRECISE, False, BC, BD)
+    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
+    return tl.where(m2 == float("-inf"), 0.0, m2), om, mut, ksq
+
+
+@triton.jit
+def _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+                PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """(Σ_j t_j k_j, Σ_j t_j) with t_j = w_j (k_j·p − qp) over the whole key range."""
+    acc = tl.zeros([BR, BD], tl.float32)
+    rs = tl.zeros([BR], tl.float32)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
+    return acc, rs
+
+
+@triton.jit
+def _out_pass(q, rho, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Pass (iii): (Σ_j a_j v_j, Σ_j a_j) with the score numerators a_j = w_j (1 − (k_j·ρ − rq))."""
+    acc = tl.zeros([BR, BD], tl.float32)
+    den = tl.zeros([BR], tl.float32)
+    acc, den = _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
+    acc, den = _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    return acc, den
+
+
+@triton.jit
+def _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+                JACOBI: tl.constexpr, PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Backward pass A: τ = Σ c, Σ c k, μ̃ and the Jacobi sum."""
+    tau = tl.zeros([BR], tl.float32)
+    ck = tl.zeros([BR, BD], tl.float32)
+    mut = tl.zeros([BR, BD], tl.float32)
+    ksq = tl.zeros([BR, BD], tl.float32)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
+                                     D, JACOBI, PRECISE, True, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
+                                     T, D, JACOBI, PRECISE, False, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
+                                     D, JACOBI, PRECISE, True, BC, BD)
+    return tau, ck, mut, ksq
+
+
+@triton.jit
+def _bwd_b_pass(q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T,
+                D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """Backward pass B: Σ_j F_ij k_j and u·μ."""
+    acc = tl.zeros([BR, BD], tl.float32)
+    umu = tl.zeros([BR], tl.float32)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
+                            qk_scale, T, D, True, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
+                            mid2, qk_scale, T, D, False, BC, BD)
+    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
+                            qk_scale, T, D, True, BC, BD)
+    return acc, umu
+
+
+@triton.jit
+def _kv_weights(k, q, qk_scale, m2, o_c, o_r, ds, start, c0, T, row_ok, col_ok, BR: tl.constexpr, BC: tl.constexpr):
+    """w transposed ([BC keys, BR queries]) for the dk/dv kernels; masks only tiles that need it."""
+    s = tl.dot(k, tl.trans(q)) * qk_scale - m2[None, :]
+    need = (start < c0 + BC - 1) | (tl.max(ds, 0) > c0) | (start + BR > T) | (c0 + BC > T)
+    if need:
+        ok = (o_c[:, None] <= o_r[None, :]) & (o_c[:, None] >= ds[None, :]) & row_ok[None, :] & col_ok[:, None]
+        s = tl.where(ok, s, float("-inf"))
+    return tl.exp2(s)
+
+
 @triton.jit
 def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA, DLAM,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
@@ -392,16 +461,8 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     beta = tl.sum(g.to(tl.float32) * o, 1) * inv_d
     g = g.to(q.dtype)
     # -- pass A: τ = Σ c, Σ c k (and μ̃, Jacobi diagonal) --
-    tau = tl.zeros([BR], tl.float32)
-    ck = tl.zeros([BR, BD], tl.float32)
-    mut = tl.zeros([BR, BD], tl.float32)
-    ksq = tl.zeros([BR, BD], tl.float32)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
-                                     T, D, JACOBI, PRECISE, False, BC, BD)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI,
+                                    PRECISE, BR, BC, BD)
     rid = lam * om
     qf = q.to(tl.float32)
     y = ck - tau[:, None] * qf
@@ -418,15 +479,8 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     rq = tl.sum(rho_b.to(tl.float32) * qf, 1)
     uq = tl.sum(u_b.to(tl.float32) * qf, 1)
     # -- pass B: Σ_j F_ij k_j and u·μ = Σ_j w_ij z_ij·u --
-    acc = tl.zeros([BR, BD], tl.float32)
-    umu = tl.zeros([BR], tl.float32)
-    lt = lam * trg
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
-                            qk_scale, T, D, True, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
-                            mid2, qk_scale, T, D, False, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
-                            qk_scale, T, D, True, BC, BD)
+    acc, umu = _bwd_b_pass(q, g, rho_b, u_b, rq, uq, beta, inv_d, lam * trg, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2,
+                           hi, qk_scale, T, D, BR, BC, BD)
     dmu = 2 * beta[:, None] * rho - u
     dq = scale * acc + tau[:, None] * rho - delta[:, None] * dmu - umu[:, None] * rho
     tl.store(DQ + p_o, dq, mask=ok2)
@@ -476,13 +530,7 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
             qf = q.to(tl.float32)
             rq = tl.sum(rho_b.to(tl.float32) * qf, 1)
             uq = tl.sum(u_b.to(tl.float32) * qf, 1)
-            # tiles transposed: [BC keys, BR queries]
-            s = tl.dot(k, tl.trans(q)) * qk_scale - m2[None, :]
-            need = (start < c0 + BC - 1) | (tl.max(ds, 0) > c0) | (start + BR > T) | (c0 + BC > T)
-            if need:
-                ok = (o_c[:, None] <= o_r[None, :]) & (o_c[:, None] >= ds[None, :]) & row_ok[None, :] & col_ok[:, None]
-                s = tl.where(ok, s, float("-inf"))
-            w = tl.exp2(s)
+            w = _kv_weights(k, q, qk_scale, m2, o_c, o_r, ds, start, c0, T, row_ok, col_ok, BR, BC)  # [BC keys, BR queries]
             zr = tl.dot(k, tl.trans(rho_b)) - rq[None, :]
             zu = tl.dot(k, tl.trans(u_b)) - uq[None, :]
             gam = tl.dot(v, tl.trans(g))

@@ -2,8 +2,9 @@
 
 v1 runs a query tile's whole solve in one program: the statistics pass, ``CG_ITERS`` streamed passes over K
 and the output pass, with the CG vectors (x, r, the right-hand side, the centre k̄, the Jacobi diagonal, 5-7
-fp32 [BR, D] tiles) live in registers across every key loop. On sm_90 that kernel sits at 255 registers and
-spills 1.3-2.8 KB per thread (``bench_lla.py --ptxas``), inside the key loops. v2 keeps the CG state of every
+fp32 [BR, D] tiles) live in registers across every key loop. On sm_90 its kernels sit at 255 registers with
+1.3-4.7 KB of stack (``bench_lla.py --ptxas``) and spill inside their loops (offline SASS, local loads / stores in
+loops at (64, 64, 8 warps): forward 618 / 258, dk/dv 476 / 325). v2 keeps the CG state of every
 row in global memory between launches, so a key loop holds only what a flash-attention loop holds (q, the
 direction p, one accumulator and the score tiles):
 
@@ -13,8 +14,8 @@ direction p, one accumulator and the score tiles):
   ``_cg_step_kernel``, ``_bwd_b_kernel`` (pass B: dq, u, β, dλ, and ρ, u, Δμ in the operand dtype with their
   row scalars), ``_bwd_kv_kernel`` (dk, dv: v1's products on 32-query tiles, from those precomputed operands).
 
-H100, B4 T4096 16/8 heads D128 bf16, LLA-8 (session 11): fwd 12.3 ms (v1 21.8), fwd+bwd 30.7 ms (v1 59.6); per
-fwd+bwd the 16 CG steps take 19.3 ms, dk/dv 3.6 (v1's kernel: 13.0), the four passes 5.6.
+H100, B4 T4096 16/8 heads D128 bf16, LLA-8, one run (session 11): fwd 11.86 ms (v1 21.76), fwd+bwd 29.50 ms (v1
+59.82); per fwd+bwd the 16 CG steps take 19.8 ms, dk/dv 3.7 (v1's kernel: 12.7), the four passes 5.6.
 
 The iterates are v1's (same normalised right-hand side, same rounded direction p, same active mask), so v2
 computes v1's function up to the order of floating-point sums. Each kernel is autotuned on its own (a row's
@@ -34,8 +35,9 @@ import triton
 import triton.language as tl
 
 from attention.ops.autotune import candidates
-from attention.ops.lla.triton import (LOG2E, _bwd_a_tiles, _bwd_b_tiles, _launch, _out_tiles, _rows, _sigma_tiles,
-                                      _stats_tiles, _tile_setup)
+from attention.ops.lla import triton as v1
+from attention.ops.lla.triton import (LOG2E, _bwd_a_pass, _bwd_b_pass, _kv_weights, _launch, _out_pass, _rows,
+                                      _sigma_pass, _stats_pass, _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
@@ -53,6 +55,17 @@ def _addr(b, h, o_r, T, HQ, D: tl.constexpr, BD: tl.constexpr):
     p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
     ok2 = row_ok[:, None] & (o_d[None, :] < D)
     return p_o, ok2, (b * T + o_r) * HQ + h, row_ok
+
+
+@triton.jit
+def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """A query-tile kernel's rows (program (query tile, b·HQ + h)): batch, head, rows, doc starts, the split key
+    range of ``_tile_setup``, state offsets / mask / row-scalar offsets (``_addr``) and the row-slot stride."""
+    i_bh = tl.program_id(1)
+    b, h = i_bh // HQ, i_bh % HQ
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
+    return b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, T * tl.num_programs(1)  # slot stride B·T·HQ
 
 
 @triton.jit
@@ -84,21 +97,13 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, CTR, DIAG, ROWS,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """One CG iteration for the rows of a query tile: Σ_c p streamed over K (v1's ``_matvec``), then
     α, x, r, z, β, p updated in place (v1's ``_cg_regs``, iteration body)."""
-    i_bh = tl.program_id(1)
-    b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
-    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
     p = tl.load(P + p_o, mask=ok2, other=0.0)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
     qp = tl.load(ROWS + _QP * n_rows + st, mask=row_ok, other=0.0)
-    acc = tl.zeros([BR, BD], tl.float32)
-    rs = tl.zeros([BR], tl.float32)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
     # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
     # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
     rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
@@ -133,21 +138,10 @@ def _stats_kernel(Q, K, LAM, DS, M, OMEGA, X, R, P, CTR, DIAG, ROWS,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                   BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Forward pass (i) (online m, ω, μ̃, Jacobi diagonal) and the CG start for Σ_c ρ_c = μ."""
-    i_bh = tl.program_id(1)
-    b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
-    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
-    m2 = tl.full([BR], float("-inf"), tl.float32)
-    om = tl.zeros([BR], tl.float32)
-    mut = tl.zeros([BR, BD], tl.float32)
-    ksq = tl.zeros([BR, BD], tl.float32)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, lo, mid1, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid1, mid2, qk_scale, T, D, JACOBI, PRECISE, False, BC, BD)
-    m2, om, mut, ksq = _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, True, BC, BD)
-    m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    m2, om, mut, ksq = _stats_pass(q, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI, PRECISE, BR, BC, BD)
     rid = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0) * om  # λω ridge (spec §5.3)
     om1, ctr, diag = _centre(mut, om, ksq, rid)
     tl.store(M + st, m2, mask=row_ok)
@@ -166,11 +160,7 @@ def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
                 D: tl.constexpr, G: tl.constexpr, PRECISE: tl.constexpr,
                 BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Forward pass (iii) (v1's output pass) from ρ_c = x‖μ‖ (x in RHO, replaced by ρ)."""
-    i_bh = tl.program_id(1)
-    b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
-    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
     V += b * s_kb + (h // G) * s_kh
@@ -186,11 +176,7 @@ def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
     else:
         rho_b = rho.to(q.dtype)
     rq = tl.sum(rho_b.to(tl.float32) * ctr, 1)
-    acc = tl.zeros([BR, BD], tl.float32)
-    den = tl.zeros([BR], tl.float32)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, True, BC, BD)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, False, BC, BD)
-    acc, den = _out_tiles(acc, den, q, rho_b, rq, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, True, BC, BD)
+    acc, den = _out_pass(q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, BR, BC, BD)
     tl.store(O + p_o, acc / den[:, None], mask=ok2)
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0) * (bn / t1)[:, None]  # reloaded: not live through the loop
     tl.store(RHO + p_o, rho, mask=ok2)
@@ -204,11 +190,7 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, X, R, P, CTR, DIAG, 
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                   BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Backward pass A (v1's: τ = Σ c, Σ c k, μ̃, Jacobi diagonal; β) and the CG start for Σ_c u_c = y."""
-    i_bh = tl.program_id(1)
-    b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
-    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     o_d = tl.arange(0, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
     g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
@@ -218,16 +200,8 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, X, R, P, CTR, DIAG, 
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
     beta = tl.sum(g.to(tl.float32) * tl.load(O + p_o, mask=ok2, other=0.0), 1) * inv_d
     g = g.to(q.dtype)
-    tau = tl.zeros([BR], tl.float32)
-    ck = tl.zeros([BR, BD], tl.float32)
-    mut = tl.zeros([BR, BD], tl.float32)
-    ksq = tl.zeros([BR, BD], tl.float32)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
-                                     T, D, JACOBI, PRECISE, False, BC, BD)
-    tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
+    tau, ck, mut, ksq = _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI,
+                                    PRECISE, BR, BC, BD)
     om = tl.load(OMEGA + st, mask=row_ok, other=1.0)
     rid = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0) * om
     om1, ctr, diag = _centre(mut, om, ksq, rid)
@@ -248,11 +222,7 @@ def _bwd_b_kernel(Q, K, V, LAM, DS, DO, RHO, DELTA, M, OMEGA, CTR, ROWS, BETA, D
                   BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """Backward pass B (v1's) from u_c = x‖y‖ (x in U, replaced by u = Σ⁻¹y): dq, dλ; and for the dk/dv kernel
     ρ, u and Δμ = 2βρ − u in the operand dtype (RB, UB, DMB) with the row scalars λ·tr, ρ̂·q, û·q."""
-    i_bh = tl.program_id(1)
-    b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
-    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    n_rows = T * tl.num_programs(1)  # B·T·HQ
+    b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     o_d = tl.arange(0, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
     g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True).to(q.dtype)
@@ -281,14 +251,8 @@ def _bwd_b_kernel(Q, K, V, LAM, DS, DO, RHO, DELTA, M, OMEGA, CTR, ROWS, BETA, D
     tl.store(ROWS + _LT * n_rows + st, lt, mask=row_ok)
     tl.store(ROWS + _RQ * n_rows + st, rq, mask=row_ok)
     tl.store(ROWS + _UQ * n_rows + st, uq, mask=row_ok)
-    acc = tl.zeros([BR, BD], tl.float32)
-    umu = tl.zeros([BR], tl.float32)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
-                            qk_scale, T, D, True, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
-                            mid2, qk_scale, T, D, False, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
-                            qk_scale, T, D, True, BC, BD)
+    acc, umu = _bwd_b_pass(q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi,
+                           qk_scale, T, D, BR, BC, BD)
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0)  # reloaded: not live through the loop
     u = tl.load(U + p_o, mask=ok2, other=0.0)
     tau = tl.load(ROWS + _TAU * n_rows + st, mask=row_ok, other=0.0)
@@ -330,12 +294,7 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
             ds = tl.load(DS + b * T + o_r, mask=row_ok, other=T)
             m2 = tl.load(M + st, mask=row_ok, other=0.0)
             q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
-            s = tl.dot(k, tl.trans(q)) * qk_scale - m2[None, :]  # tiles transposed: [BC keys, BR queries]
-            need = (start < c0 + BC - 1) | (tl.max(ds, 0) > c0) | (start + BR > T) | (c0 + BC > T)
-            if need:
-                ok = (o_c[:, None] <= o_r[None, :]) & (o_c[:, None] >= ds[None, :]) & row_ok[None, :] & col_ok[:, None]
-                s = tl.where(ok, s, float("-inf"))
-            w = tl.exp2(s)
+            w = _kv_weights(k, q, qk_scale, m2, o_c, o_r, ds, start, c0, T, row_ok, col_ok, BR, BC)  # [BC keys, BR queries]
             rb = tl.load(RB + p_o, mask=ok2, other=0.0)
             zr = tl.dot(k, tl.trans(rb)) - tl.load(ROWS + _RQ * n_rows + st, mask=row_ok, other=0.0)[None, :]
             inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
@@ -386,7 +345,7 @@ _bwd_a_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_bwd_a_kernel
 _bwd_b_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G"], restore_value=["U"])(_bwd_b_kernel)
 # dk/dv: BC (keys) is the M dimension of every product, BR (queries) the N or K dimension
 # H100, B4 T4096 16/8 heads D128 bf16, ms per launch (session 11): (32, 64, 4) 3.59, (32, 128, 8) 4.05,
-# (64, 64, 8) 11.3 (v1's kernel: 13.0 autotuned). 64-query tiles spill inside the loop (offline sm_90 SASS);
+# (64, 64, 8) 11.3 (v1's kernel, autotuned: 12.6-13.0 across calls). 64-query tiles spill inside the loop (offline sm_90 SASS);
 # dk and dv in two launches measured slower (1.59 + 3.06 ms at their best tiles).
 KV_CONFIGS = [_cfg(32, 64, 4), _cfg(32, 128, 8)]
 _kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_bwd_kv_kernel)
@@ -413,8 +372,6 @@ def _solve(q, k, ds, m, x, r, p, ctr, diag, rows, strides, qk_scale, cg_iters, j
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
     """v1's ``lla_fwd_triton`` contract: q [B, T, HQ, D]; k, v [B, T, HKV, D]; lam [B, T, HQ] fp32; doc_start
     [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
-    from attention.ops.lla import triton as v1
-
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
@@ -438,8 +395,6 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
 def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
                    block_r=None, block_c=None):
     """v1's ``lla_bwd_triton`` contract. Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32), dlam [B, T, HQ]."""
-    from attention.ops.lla import triton as v1
-
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     do = do.to(q.dtype).contiguous()
