@@ -99,6 +99,30 @@ def test_packed_documents_window_unknown_max_seqlen():
     check_against_reference(*make_inputs(1, 61, 2, 1, 16, True), cu=cu, window=7, max_seqlen=0)
 
 
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("layout", ["dense", "docs-window"])
+def test_score_jumps(probe, layout):
+    """Keys whose scores jump by ~5, ~16 and ~22 log2 units (the online max moves by that much inside one key
+    block), then one by ~200, which overflows fp32 (2^128) unless the accumulators are rescaled to the new max:
+    forward and gradients within the fp32 budget, then the forward finite and within budget."""
+    T, D = 100, 16
+    q, k, v, r = make_inputs(1, T, 2, 1, D, probe)
+    u = torch.ones(D) / D**0.5
+    q = q * 0.3 + 4.0 * u
+    k = k * 0.5
+    per_unit = 4.0 * D**-0.5 * 1.4426950408889634  # log2 units added to q·k·scale per unit of u in a key
+    for j, jump in ((20, 5.0), (45, 16.0), (80, 22.0)):
+        k[:, j] += jump / per_unit * u
+    cu, window = (torch.tensor([0, 37, 100], dtype=torch.int32), 30) if layout == "docs-window" else (None, None)
+    max_seqlen = T if cu is not None else 0
+    check_against_reference(q, k, v, r, cu=cu, window=window, max_seqlen=max_seqlen)
+    k[:, 60] += 196.0 / per_unit * u
+    out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window, max_seqlen=max_seqlen)
+    ref = naive_parallax(*(t.double() if t is not None else None for t in (q, k, v, r)), cu_seqlens=cu,
+                         window_size=window)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < BUDGET[torch.float32][0]
+
+
 def test_half_precision_fp16():
     """bf16 is tested on the GPU only: the Triton interpreter's tl.dot mis-reads bf16 tiles (wrong by 1e10)."""
     check_against_reference(*make_inputs(1, 33, 4, 2, 16, True, dtype=torch.float16))

@@ -163,11 +163,11 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
             b_g2 = b_pt * (beta[None, :] - b_at)  # −p δ
             b_g1 = b_pt * (b_at - tau[None, :]) - b_dt * b_g2  # p (a − τ + (t̄ − t) δ)
             dk += tl.dot(b_g2.to(b_r.dtype), b_r, input_precision=DOT_PREC)
-        else:
+            dk += tl.dot((b_g1 * scale).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+        else:  # dk is scaled once in the epilogue
             dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
             b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
-            b_g1 = b_pt * (b_at - tau[None, :])
-        dk += tl.dot((b_g1 * scale).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+            dk += tl.dot((b_pt * (b_at - tau[None, :])).to(b_q.dtype), b_q, input_precision=DOT_PREC)
     return dk, dv
 
 
@@ -212,5 +212,7 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
                             scale, qk_scale, HQ, D, BM, HAS_PROBE, False, WINDOW, DOT_PREC, LONG_OFF)
         dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, c_lo, end, L, W,
                             scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC, LONG_OFF)
+    if not HAS_PROBE:  # the softmax column pass leaves the scale of dK = scale·Σ g1 q to here
+        dk *= scale
     tl.store(DK + off_kv, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + off_kv, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
