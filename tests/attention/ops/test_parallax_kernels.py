@@ -429,3 +429,27 @@ def test_gpu_decode_fused_merge_graph_replay(B, HQ, HKV, L, splits):
         torch.cuda.synchronize()
         assert torch.equal(out, fused)  # the merging program reads the splits in a fixed order: deterministic
         assert counters.eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_gpu_decode_two_launch_graph_replay(pdl, monkeypatch):
+    """The default two-launch merge, its merge kernel launched as a programmatic dependent (Hopper) or not: equal
+    to the fp32 reference, and inside a CUDA graph (captured with the dependency edge) replayed 3 times after the
+    inputs change between replays, so a merge that ran before the split kernel's stores landed would show."""
+    monkeypatch.setattr(kops, "DECODE_PDL", pdl)
+    B, HQ, HKV, L, D, dt = 2, 16, 8, 8192, 128, torch.bfloat16
+    q, r = torch.randn(B, 1, HQ, D, device="cuda", dtype=dt), 0.3 * torch.randn(B, 1, HQ, D, device="cuda", dtype=dt)
+    kc, vc = (torch.randn(B, L, HKV, D, device="cuda", dtype=dt) for _ in range(2))
+    lens = torch.tensor([L, L // 3], device="cuda", dtype=torch.int32)
+    assert kops.decode_splits(B, HKV, L, q.device) > 1
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = parallax_decode_triton(q, kc, vc, lens, r, merge="kernel")
+    for _ in range(3):
+        q.normal_(); vc.normal_()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = naive_parallax_decode(q.float(), kc.float(), vc.float(), lens, r.float())
+        assert rel_err(out, ref) < 1e-2

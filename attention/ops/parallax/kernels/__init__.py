@@ -6,8 +6,9 @@ probe branch: with ``r`` it computes Parallax (two extra accumulators d2, O2 on 
 K/V, packed documents (fla's ``cu_seqlens``), sliding windows, head dims 16–256 (powers of two), any T.
 
 - :func:`parallax_triton`: training op with autograd (custom ops ``parallax_kernels::fwd``/``bwd``).
-- :func:`parallax_decode_triton`: new tokens against a fixed-shape KV cache, split over the cache length; one
-  launch (the last split program of each row merges the partials, ``decode.py``).
+- :func:`parallax_decode_triton`: new tokens against a fixed-shape KV cache, split over the cache length; a second
+  kernel merges the partials (a programmatic dependent launch on Hopper), or with ``merge="fused"`` the last split
+  program of each row does (``decode.py``).
 
 Layout follows Tri Dao's FlashAttention-2 and the Triton fused-attention tutorial; the probe branch follows
 the authors' description (Zuo et al., 2026, Algorithm 1 and Appendix C/D).

@@ -30,9 +30,14 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
                             B, LMAX, TQ: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                             BR: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr, WINDOW: tl.constexpr,
                             SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
-                            RR: tl.constexpr = 2, SC: tl.constexpr = 1, LONG_OFF: tl.constexpr = False):
+                            RR: tl.constexpr = 2, SC: tl.constexpr = 1, LONG_OFF: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
     """Grid (S, B·HKV). CNT: int32 [≥ B·HKV] zeros, used only when SPLIT and FUSED_MERGE (RR, SC: see
-    ``_merge_splits``). K/V tile offsets within a cache row are int32 unless LONG_OFF (LMAX·HKV·D ≥ 2^31)."""
+    ``_merge_splits``). K/V tile offsets within a cache row are int32 unless LONG_OFF (LMAX·HKV·D ≥ 2^31).
+    PDL: let the merge kernel (launched as a programmatic dependent) launch now; it waits for this grid's
+    partials itself (``gdc_wait``), so its launch latency hides behind this kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = HQ // HKV
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -157,7 +162,9 @@ def _merge_splits(O, PM, PD1, PD2, PO1, PO2, i_b, i_kh, n_split, B, TQ: tl.const
 
 @triton.jit
 def _parallax_decode_merge_kernel(O, PM, PD1, PD2, PO1, PO2, NROWS, S: tl.constexpr, BS: tl.constexpr,
-                                  D: tl.constexpr, HAS_PROBE: tl.constexpr):
+                                  D: tl.constexpr, HAS_PROBE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched before the split kernel finished: wait for its grid to complete and its stores to land
+        tl.extra.cuda.gdc_wait()
     i_row = tl.program_id(0).to(tl.int64)  # over B * TQ * HQ
     o_s = tl.arange(0, BS)
     s_ok = o_s < S

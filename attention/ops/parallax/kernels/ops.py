@@ -195,7 +195,9 @@ parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
 DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 """Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64
+"""Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
+Parallax): B1 L1k 8.8 -> 6.5 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11; 32 was slower (8.6 µs at B1 L1k)."""
 WAVES = 1
 DECODE_MERGES = ("fused", "kernel")
 DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
@@ -203,6 +205,26 @@ DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
 of a row merges, one launch). Measured on an H100 (2026-11-22, CUDA-graph replay, 16/8 heads, D=128): fused is
 1.06–1.24× *slower* at B ≤ 8 (B1 L1k 9.9 vs 8.6 µs; the last arriver's serial merge outlasts a launch) and equal
 at B ≥ 32, so it is not the default. Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)``."""
+
+DECODE_PDL = os.environ.get("PARALLAX_DECODE_PDL", "1") == "1"
+"""Two-launch merge with a small merge grid (fewer programs than a quarter of the SMs): launch the merge kernel as
+a programmatic dependent of the split kernel (Hopper and newer; CUDA-graph capturable), which lets it launch as the
+split kernel starts and wait for its partials on the GPU. H100, session 12 (µs, no PDL -> PDL): B1 L1k 6.5 -> 6.3,
+L4k 10.5 -> 10.2, L16k 30.8 -> 30.4, L32k 53.7 -> 53.0; but B8 L1k (128 merge programs) 11.9 -> 13.3, hence the
+grid limit. Triggering at the end of the split kernel instead gained nothing. Env ``PARALLAX_DECODE_PDL``."""
+
+
+def _pdl(device: torch.device, merge_programs: int) -> bool:
+    if not DECODE_PDL or INTERPRET or device.type != "cuda":
+        return False
+    i = device.index or 0
+    return _capability(i) >= 9 and 4 * merge_programs < _sm_count(i)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
 
 MERGE_TILE = 4096
 """fp32 elements of one [splits, rows, D] partial tile the fused merge loads at once (64 KB per O tile)."""
@@ -231,7 +253,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
-    """Power-of-two KV split count from static shapes only: about WAVES waves of programs, ≥ 256 keys each."""
+    """Power-of-two KV split count from static shapes only: about WAVES waves of programs, ≥ MIN_KEYS_PER_SPLIT
+    keys each."""
     n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
     s = 1
     while 2 * s * MIN_KEYS_PER_SPLIT <= cache_len and batch * n_kv_heads * s < WAVES * n_sm:
@@ -263,16 +286,17 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     RR = max(2, triton.next_power_of_2((HQ // HKV) * TQ))  # rows of the fused merge
     SC = min(triton.next_power_of_2(S), max(1, MERGE_TILE // (RR * D)))  # splits it loads at once
     cnt = decode_counters(q.device, B * HKV) if fused else cache_seqlens
+    pdl = S > 1 and not fused and _pdl(q.device, B * TQ * HQ)
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
         FUSED_MERGE=fused, RR=RR, SC=SC, LONG_OFF=(LMAX + BN) * HKV * D >= 2**31, DOT_PREC=_dot_prec(q.dtype),
-        num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        PDL=pdl, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1 and not fused:
         _parallax_decode_merge_kernel[(B * TQ * HQ,)](
             o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
-            num_warps=1 if INTERPRET else 2)
+            PDL=pdl, num_warps=1 if INTERPRET else 2, **({"launch_pdl": True} if pdl else {}))
     return o
 
 
