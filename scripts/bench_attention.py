@@ -344,7 +344,7 @@ def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 40
     for bn in (64, 128):
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                for min_keys, waves in ((256, 2), (128, 2), (512, 2), (256, 4), (256, 1)):
+                for min_keys, waves in ((64, 1), (128, 1), (256, 1), (64, 2), (256, 2)):
                     kops.DECODE_CFG.update(BN=bn, num_warps=warps, num_stages=stages)
                     kops.MIN_KEYS_PER_SPLIT, kops.WAVES = min_keys, waves
                     cells_us = []
