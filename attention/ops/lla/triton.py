@@ -224,6 +224,46 @@ def _cg_scratch(b, diag, q, ctr, rid, m2, ds, o_r, K, s_kt, lo, mid1, mid2, hi, 
 
 
 @triton.jit
+def _addr(b, h, o_r, T, HQ, D: tl.constexpr, BD: tl.constexpr):
+    """Offsets of a tile's rows in the [B, T, HQ, D] state / output buffers, their mask, and the row-scalar
+    offsets in [B, T, HQ]."""
+    o_d = tl.arange(0, BD)
+    row_ok = o_r < T
+    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
+    ok2 = row_ok[:, None] & (o_d[None, :] < D)
+    return p_o, ok2, (b * T + o_r) * HQ + h, row_ok
+
+
+@triton.jit
+def _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+              BD: tl.constexpr):
+    """A dk/dv kernel's key tile (program (key tile, b·HKV + kv head)): batch, kv head, first key, keys, their mask,
+    channels, the query range [q_lo, q_hi) that can see them (their documents, from the diagonal's query tile on),
+    and the key / value rows."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    b, hk = i_bh // HKV, i_bh % HKV
+    c0 = i_c * BC
+    o_c = c0 + tl.arange(0, BC)
+    col_ok = o_c < T
+    o_d = tl.arange(0, BD)
+    de = tl.load(DE + b * T + o_c, mask=col_ok, other=0)
+    q_lo = (c0 // BR) * BR
+    q_hi = tl.max(de, 0)  # queries of the same documents only
+    k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    return b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v
+
+
+@triton.jit
+def _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D: tl.constexpr):
+    """dk, dv of a key tile into the [B, T, HKV, D] gradients."""
+    p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
+    ok2 = col_ok[:, None] & (o_d[None, :] < D)
+    tl.store(DK + p_k, dk, mask=ok2)
+    tl.store(DV + p_k, dv, mask=ok2)
+
+
+@triton.jit
 def _tile_setup(DS, b, T, BR: tl.constexpr, BC: tl.constexpr):
     """Query tile (heaviest first) and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
     [mid2, hi) masked (every bound but hi a multiple of BC)."""
@@ -294,7 +334,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
     t1 = 1 + tl.sum(mu * rho, 1) / om1  # ρ_c = Σ_c⁻¹μ -> ρ = Σ⁻¹μ, δ = ω − μ·ρ (Sherman–Morrison)
     rho = rho / t1[:, None]
     den = om / t1
-    st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics
+    st = (b * T + o_r) * HQ + h  # [B, T, HQ] fp32 row statistics (computed here: not live through the passes)
     tl.store(O + p_o, o, mask=ok2)
     tl.store(RHO + p_o, rho, mask=ok2)
     tl.store(DELTA + st, den, mask=row_ok)
@@ -449,9 +489,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
     V += b * s_kb + (h // G) * s_kh
     q = _rows(Q, o_r, o_d, s_qt, T, D, True)
     g = _rows(DO, o_r, o_d, s_qt, T, D, True)
-    st = (b * T + o_r) * HQ + h
-    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
-    ok2 = row_ok[:, None] & (o_d[None, :] < D)
+    p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
     o = tl.load(O + p_o, mask=ok2, other=0.0)
     delta = tl.load(DELTA + st, mask=row_ok, other=1.0)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
@@ -493,30 +531,17 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                        T, HQ, HKV, scale, qk_scale,
                        D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    b, hk = i_bh // HKV, i_bh % HKV
-    c0 = i_c * BC
-    o_c = c0 + tl.arange(0, BC)
-    col_ok = o_c < T
-    o_d = tl.arange(0, BD)
-    de = tl.load(DE + b * T + o_c, mask=col_ok, other=0)
-    q_lo = (c0 // BR) * BR
-    q_hi = tl.max(de, 0)  # queries of the same documents only
-    k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
-    v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
+    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):
         h = hk * G + hg
         for start in range(q_lo, q_hi, BR):
             o_r = start + tl.arange(0, BR)
-            row_ok = o_r < T
+            p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
             ds = tl.load(DS + b * T + o_r, mask=row_ok, other=T)
             q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
             g = _rows(DO + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True).to(q.dtype)
-            st = (b * T + o_r) * HQ + h
-            p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
-            ok2 = row_ok[:, None] & (o_d[None, :] < D)
             rho = tl.load(RHO + p_o, mask=ok2, other=0.0)
             u = tl.load(U + p_o, mask=ok2, other=0.0)
             inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
@@ -540,10 +565,7 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
             x = w * zu - gam * w * inv_d[None, :]
             dk += scale * tl.dot(f.to(q.dtype), q) + tl.dot(wn.to(q.dtype), dmu_b) + tl.dot(x.to(q.dtype), rho_b)
             dv += tl.dot(a.to(q.dtype), g)
-    p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
-    ok2 = col_ok[:, None] & (o_d[None, :] < D)
-    tl.store(DK + p_k, dk, mask=ok2)
-    tl.store(DV + p_k, dv, mask=ok2)
+    _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D)
 
 
 PRECISE = False

@@ -36,25 +36,14 @@ import triton.language as tl
 
 from attention.ops.autotune import candidates
 from attention.ops.lla import triton as v1
-from attention.ops.lla.triton import (LOG2E, _bwd_a_pass, _bwd_b_pass, _kv_weights, _launch, _out_pass, _rows,
-                                      _sigma_pass, _stats_pass, _tile_setup)
+from attention.ops.lla.triton import (LOG2E, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile, _kv_weights, _launch,
+                                      _out_pass, _rows, _sigma_pass, _stats_pass, _store_kv, _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
 # and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
 _RZ, _THR, _QP, _BN, _RID, _TAU, _LT, _RQ, _UQ = (tl.constexpr(i) for i in range(9))
 N_ROWS = 9
-
-
-@triton.jit
-def _addr(b, h, o_r, T, HQ, D: tl.constexpr, BD: tl.constexpr):
-    """Offsets of a tile's rows in the [B, T, HQ, D] state / output buffers, their mask, and the row-scalar
-    offsets in [B, T, HQ]."""
-    o_d = tl.arange(0, BD)
-    row_ok = o_r < T
-    p_o = (b * T + o_r[:, None]) * HQ * D + h * D + o_d[None, :]
-    ok2 = row_ok[:, None] & (o_d[None, :] < D)
-    return p_o, ok2, (b * T + o_r) * HQ + h, row_ok
 
 
 @triton.jit
@@ -272,18 +261,8 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
     the diagonal (v1's ``_lla_bwd_kv_kernel``, same products). The vectors ρ, u, Δμ come in the operand dtype
     and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
     complete, so the loop holds two accumulators, the key/value tiles and ~6 score tiles."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    b, hk = i_bh // HKV, i_bh % HKV
-    c0 = i_c * BC
-    o_c = c0 + tl.arange(0, BC)
-    col_ok = o_c < T
-    o_d = tl.arange(0, BD)
+    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
     n_rows = T * HQ * tl.num_programs(1) // HKV  # B·T·HQ
-    de = tl.load(DE + b * T + o_c, mask=col_ok, other=0)
-    q_lo = (c0 // BR) * BR
-    q_hi = tl.max(de, 0)  # queries of the same documents only
-    k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
-    v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):
@@ -304,10 +283,7 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
             dv = tl.dot(a.to(g.dtype), g, dv)
             dk = _dk_tile(dk, k, v, q, g, w, zr, wn, a, rb, inv_d, st, p_o, ok2, row_ok, n_rows, ROWS, UB, DMB, BETA,
                           scale)
-    p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
-    ok2 = col_ok[:, None] & (o_d[None, :] < D)
-    tl.store(DV + p_k, dv, mask=ok2)
-    tl.store(DK + p_k, dk, mask=ok2)
+    _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D)
 
 
 @triton.jit
