@@ -443,6 +443,7 @@ def test_gpu_decode_two_launch_graph_replay(pdl, monkeypatch):
     kc, vc = (torch.randn(B, L, HKV, D, device="cuda", dtype=dt) for _ in range(2))
     lens = torch.tensor([L, L // 3], device="cuda", dtype=torch.int32)
     assert kops.decode_splits(B, HKV, L, q.device) > 1
+    assert kops._pdl(q.device, B * HQ) == (pdl and torch.cuda.get_device_capability()[0] >= 9)  # the path under test
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = parallax_decode_triton(q, kc, vc, lens, r, merge="kernel")

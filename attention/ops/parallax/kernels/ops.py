@@ -197,7 +197,7 @@ DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
 MIN_KEYS_PER_SPLIT = 64
 """Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
-Parallax): B1 L1k 8.8 -> 6.5 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11; 32 was slower (8.6 µs at B1 L1k)."""
+Parallax, two calls): B1 L1k 8.8 -> 6.5-6.7 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11-1.13; 32 was slower (8.6 µs at B1 L1k)."""
 WAVES = 1
 DECODE_MERGES = ("fused", "kernel")
 DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
