@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -109,32 +108,30 @@ def lla_error(op, q, k, v):
 
 
 def ptxas_report(tiles, iters, variant):
-    """Compile the LLA kernels for sm_90 without a GPU (Triton's bundled ptxas) and print registers, stack
-    (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
+    """Compile the LLA kernels for sm_90 without a GPU (as a launch at T=4096 sees them: ``scripts/sm90.py``) and
+    print registers, stack (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
     import inspect
-    import re
-    import subprocess
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from attention.ops.lla import _triton_ops
+    from scripts.sm90 import compile_sm90, loop_local_memory, resources
 
     mod = _triton_ops(variant)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    B, T, HQ, HKV, D = 4, 4096, 16, 8, 128  # the benchmark's shape; λ per head, expanded over (B, T)
+    ints = dict(T=T, HQ=HQ, HKV=HKV, s_qb=T * HQ * D, s_qt=HQ * D, s_qh=D, s_kb=T * HKV * D, s_kt=HKV * D, s_kh=D,
+                s_lb=0, s_lt=0, s_lh=1)
     const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False}
     names = ("_stats_kernel,_cg_step_kernel,_out_kernel,_bwd_a_kernel,_bwd_b_kernel,_bwd_kv_kernel" if variant == "v2"
              else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
     for name in os.environ.get("LLA_KERNELS", names).split(","):
         fn = getattr(mod, name)
+        fn = getattr(fn, "fn", fn) if hasattr(fn, "configs") else fn  # the autotuner's JIT function
         params = list(inspect.signature(fn.fn).parameters)
         for br, bc, nw in tiles:
             sig, cex = {}, {}
-            for i, n in enumerate(params):
+            for n in params:
                 if n in ("BR", "BC") or (n in const and not (variant == "v0" and n == "D")):
                     sig[n] = "constexpr"
-                    cex[(i,)] = {"BR": br, "BC": bc}.get(n, const.get(n))
+                    cex[n] = {"BR": br, "BC": bc}.get(n, const.get(n))
                 elif n in ("Q", "K", "V", "DO", "P", "RB", "UB", "DMB") and not (variant == "v0" and n == "DO"):
                     sig[n] = "*bf16"
                 elif n in ("DS", "DE"):
@@ -144,16 +141,12 @@ def ptxas_report(tiles, iters, variant):
                 else:
                     sig[n] = "fp32" if n in ("scale", "qk_scale", "rtol2") else "i32"
             t0 = time.time()
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cex), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": nw, "num_stages": 2})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-            reg, stack = re.search(r"REG:(\d+) STACK:(\d+)", res).groups()
-            print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={reg} stack={stack}B "
-                  f"smem={k.metadata.shared}B wgmma={'wgmma.mma_async' in k.asm['ptx']}  compile {time.time() - t0:.1f}s",
-                  flush=True)
+            k = compile_sm90(fn, sig, cex, nw, 2, ints={n: v for n, v in ints.items() if n in params})
+            r, (ldl, stl) = resources(k), loop_local_memory(k)
+            print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={r['regs']} stack={r['stack']}B "
+                  f"spill st/ld={r['spill_st']}/{r['spill_ld']}B LDL/STL in loops={ldl}/{stl} smem={r['smem']}B "
+                  f"wgmma={r['wgmma']} "
+                  f"async copies={r['async']}  compile {time.time() - t0:.1f}s", flush=True)
 
 
 def main():

@@ -31,23 +31,14 @@ from scripts.bench_attention import TRAIN  # noqa: E402
 
 
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
-    """Offline sm_90a compile of each candidate config; ptxas -v registers / spill stores / loads / smem."""
-    import re
-    import subprocess
-    import tempfile
-
-    os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
+    """Offline sm_90a compile of each candidate config (as a launch at T=4096 sees it: ``scripts/sm90.py``);
+    ptxas registers / spill stores / loads / smem, and whether the K/V loads became async copies."""
     from attention.ops.parallax.kernels import bwd, common, fwd
+    from scripts.sm90 import compile_sm90, loop_local_memory, resources
 
     kern = {"fwd": (fwd._parallax_fwd_kernel, common.FWD_SPECS + common.TUNE_EXTRA_FWD, ("BM", "BN")),
             "dq": (bwd._parallax_bwd_dq_kernel, common.DQ_SPECS + common.TUNE_EXTRA_DQ, ("BM", "BN")),
             "dkv": (bwd._parallax_bwd_dkv_kernel, common.DKV_SPECS + common.TUNE_EXTRA_DKV, ("BN", "BM"))}
-    ptxas = get_ptxas(90).path
     base = dict(HQ=16, HKV=8, D=D, HAS_PROBE=probe, IS_VARLEN=False, WINDOW=False, DOT_PREC="tf32")
     fp32 = {"LSE", "TBAR", "TAU", "BETA"}
     lines = []
@@ -58,21 +49,18 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
             consts = dict(base, **{tiles[0]: spec[0], tiles[1]: spec[1]})
             if name == "dkv":
                 consts["LONG_OFF"] = False
+            if name == "fwd":  # (BM, BN, warps, stages[, KV_TMA, WS])
+                consts.update(KV_TMA=bool(spec[4:5] and spec[4]), WS=bool(spec[5:6] and spec[5]))
             sig = {a: "constexpr" if a in consts else "fp32" if a in ("qk_scale", "scale") else
                    "i32" if a in ("W", "T", "NT") else "*i32" if a == "CU" else
                    "*fp32" if a in fp32 else f"*{dtype}" for a in fn.arg_names}
             try:
-                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=spec[2], num_stages=spec[3]))
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                    f.write(k.asm["ptx"])
-                log = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                                     text=True).stderr
-                os.unlink(f.name)
-                regs, st, ld = (int(re.search(pat, log).group(1)) for pat in
-                                (r"Used (\d+) registers", r"(\d+) bytes spill stores", r"(\d+) bytes spill loads"))
-                line = (f"{name:3s} D={D} {'parallax' if probe else 'softmax '} {spec}: regs {regs}  spill stores "
-                        f"{st} B  loads {ld} B  smem {k.metadata.shared // 1024} KB")
+                k = compile_sm90(fn, sig, consts, spec[2], spec[3], ints=dict(T=4096, NT=4 * 4096))
+                r, (ldl, stl) = resources(k), loop_local_memory(k)
+                line = (f"{name:3s} D={D} {'parallax' if probe else 'softmax '} {spec}: regs {r['regs']}  spill "
+                        f"stores {r['spill_st']} B  loads {r['spill_ld']} B  LDL/STL in loops {ldl}/{stl}  "
+                        f"smem {r['smem'] // 1024} KB  "
+                        f"async copies {r['async']}")
             except Exception as e:  # noqa: BLE001 — report and go on (e.g. too much shared memory)
                 line = f"{name:3s} D={D} {spec}: {type(e).__name__}: {str(e)[:100]}"
             print(line, flush=True)

@@ -212,6 +212,23 @@ def test_decode_vs_reference(probe, window, splits):
     assert rel_err(out, ref) < 2e-5
 
 
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
+@pytest.mark.parametrize("splits", [1, 4], ids=["S1", "S4"])
+def test_decode_kv_tma(window, splits, monkeypatch):
+    """K/V through device-side tensor descriptors bounded at the split's end (``DECODE_CFG["KV_TMA"]``): rows past
+    a short sequence's end load as zeros, so the NaN left in the cache there must not reach the output."""
+    monkeypatch.setitem(kops.DECODE_CFG, "KV_TMA", True)
+    B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
+    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, True)
+    seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)
+    ref = decode_reference(q, k, v, seqlens, r, window)
+    for i, n in enumerate(seqlens.tolist()):
+        k[i, n:], v[i, n:] = float("nan"), float("nan")
+    out = parallax_decode_triton(q, k, v, seqlens, r, window_size=window, num_splits=splits)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-5
+
+
 # id: (HQ, HKV, TQ, splits, probe); cache LMAX=90 in blocks of 16 (interpreter), so 3/5/7 splits leave some
 # splits empty for the short rows (m = -inf partials) and give chunks that are not a multiple of the split size
 MERGE_CASES = {
@@ -223,17 +240,22 @@ MERGE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(MERGE_CASES), ids=list(MERGE_CASES))
-@pytest.mark.parametrize("merge", ["fused", "fused-chunk2", "kernel"])
+@pytest.mark.parametrize("merge", ["fused", "fused-chunk2", "kernel", "kernel-BD4"])
 def test_decode_merge_paths(case, merge, monkeypatch):
     """Fused (last-arriver) and two-launch merges against float64; the counters are zero afterwards and a second
     call gives the same output bit for bit (nothing left over from the first). fused-chunk2: the fused merge
-    loads 2 splits at a time (several online-merge chunks, the last one partly masked for odd split counts)."""
+    loads 2 splits at a time (several online-merge chunks, the last one partly masked for odd split counts).
+    kernel-BD4: the merge kernel's programs each take 4 of the 16 channels."""
     HQ, HKV, TQ, splits, probe = MERGE_CASES[case]
     B, LMAX, D = 2, 90, 16
     if merge == "fused-chunk2":
         rows = max(2, 1 << ((HQ // HKV) * TQ - 1).bit_length())
         monkeypatch.setattr(kops, "MERGE_TILE", 2 * rows * D)
         merge = "fused"
+    if merge == "kernel-BD4":
+        monkeypatch.setitem(kops.MERGE_CFG, "BD", 4)
+        assert kops.merge_grid(B * TQ * HQ, D) == (B * TQ * HQ, 4)
+        merge = "kernel"
     q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe)
     seqlens = torch.tensor([TQ + 4, 90], dtype=torch.int32)
     ref = decode_reference(q, k, v, seqlens, r)
@@ -438,12 +460,13 @@ def test_gpu_decode_two_launch_graph_replay(pdl, monkeypatch):
     to the fp32 reference, and inside a CUDA graph (captured with the dependency edge) replayed 3 times after the
     inputs change between replays, so a merge that ran before the split kernel's stores landed would show."""
     monkeypatch.setattr(kops, "DECODE_PDL", pdl)
-    B, HQ, HKV, L, D, dt = 2, 16, 8, 8192, 128, torch.bfloat16
+    B, HQ, HKV, L, D, dt = 2, 8, 4, 8192, 128, torch.bfloat16  # a merge grid small enough for the PDL rule
     q, r = torch.randn(B, 1, HQ, D, device="cuda", dtype=dt), 0.3 * torch.randn(B, 1, HQ, D, device="cuda", dtype=dt)
     kc, vc = (torch.randn(B, L, HKV, D, device="cuda", dtype=dt) for _ in range(2))
     lens = torch.tensor([L, L // 3], device="cuda", dtype=torch.int32)
     assert kops.decode_splits(B, HKV, L, q.device) > 1
-    assert kops._pdl(q.device, B * HQ) == (pdl and torch.cuda.get_device_capability()[0] >= 9)  # the path under test
+    rows, blocks = kops.merge_grid(B * HQ, D)
+    assert kops._pdl(q.device, rows * blocks) == (pdl and torch.cuda.get_device_capability()[0] >= 9)  # path under test
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = parallax_decode_triton(q, kc, vc, lens, r, merge="kernel")

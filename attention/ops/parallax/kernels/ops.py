@@ -192,7 +192,7 @@ parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- decode
-DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
+DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3, "KV_TMA": False}
 """Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
 MIN_KEYS_PER_SPLIT = 64
@@ -205,6 +205,15 @@ DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
 of a row merges, one launch). Measured on an H100 (2026-11-22, CUDA-graph replay, 16/8 heads, D=128): fused is
 1.06–1.24× *slower* at B ≤ 8 (B1 L1k 9.9 vs 8.6 µs; the last arriver's serial merge outlasts a launch) and equal
 at B ≥ 32, so it is not the default. Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)``."""
+
+MERGE_CFG = {"BD": 64, "num_warps": 1}
+"""The two-launch merge: channels per program (grid rows × D/BD) and warps."""
+
+
+def merge_grid(rows: int, D: int) -> tuple[int, int]:
+    """Grid of the two-launch merge kernel: (output rows B·TQ·HQ, channel blocks D / BD)."""
+    return rows, D // min(D, MERGE_CFG["BD"])
+
 
 DECODE_PDL = os.environ.get("PARALLAX_DECODE_PDL", "1") == "1"
 """Two-launch merge with a small merge grid (fewer programs than a quarter of the SMs): launch the merge kernel as
@@ -286,17 +295,22 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     RR = max(2, triton.next_power_of_2((HQ // HKV) * TQ))  # rows of the fused merge
     SC = min(triton.next_power_of_2(S), max(1, MERGE_TILE // (RR * D)))  # splits it loads at once
     cnt = decode_counters(q.device, B * HKV) if fused else cache_seqlens
-    pdl = S > 1 and not fused and _pdl(q.device, B * TQ * HQ)
+    grid_m = merge_grid(B * TQ * HQ, D)
+    pdl = S > 1 and not fused and _pdl(q.device, grid_m[0] * grid_m[1])
+    tma = DECODE_CFG["KV_TMA"]
+    if tma:
+        _tma_allocator()
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
         FUSED_MERGE=fused, RR=RR, SC=SC, LONG_OFF=(LMAX + BN) * HKV * D >= 2**31, DOT_PREC=_dot_prec(q.dtype),
-        PDL=pdl, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        PDL=pdl, KV_TMA=tma, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1 and not fused:
-        _parallax_decode_merge_kernel[(B * TQ * HQ,)](
+        _parallax_decode_merge_kernel[grid_m](
             o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
-            PDL=pdl, num_warps=1 if INTERPRET else 2, **({"launch_pdl": True} if pdl else {}))
+            PDL=pdl, BD=D // grid_m[1], num_warps=1 if INTERPRET else MERGE_CFG["num_warps"],
+            **({"launch_pdl": True} if pdl else {}))
     return o
 
 
