@@ -31,7 +31,7 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
                             BR: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr, WINDOW: tl.constexpr,
                             SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PREC: tl.constexpr,
                             RR: tl.constexpr = 2, SC: tl.constexpr = 1, LONG_OFF: tl.constexpr = False,
-                            PDL: tl.constexpr = False, KV_TMA: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
     """Grid (S, B·HKV). CNT: int32 [≥ B·HKV] zeros, used only when SPLIT and FUSED_MERGE (RR, SC: see
     ``_merge_splits``). K/V tile offsets within a cache row are int32 unless LONG_OFF (LMAX·HKV·D ≥ 2^31).
     PDL: let the merge kernel (launched as a programmatic dependent) launch now; it waits for this grid's
@@ -61,9 +61,6 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
         lo = tl.maximum(lo, tl.maximum(L - TQ - W + 1, 0) // BN * BN)
     p_k0 = K + (i_b.to(tl.int64) * LMAX * HKV + i_kh) * D  # this (batch row, kv head) of the cache
     p_v0 = V + (i_b.to(tl.int64) * LMAX * HKV + i_kh) * D
-    if KV_TMA:  # device-side descriptors over this (row, kv head)'s keys [0, hi): rows from hi on load as zeros
-        desc_k = tl.make_tensor_descriptor(p_k0, shape=[hi, D], strides=[HKV * D, 1], block_shape=[BN, D])
-        desc_v = tl.make_tensor_descriptor(p_v0, shape=[hi, D], strides=[HKV * D, 1], block_shape=[BN, D])
     acc1 = tl.zeros([BR, D], dtype=tl.float32)
     acc2 = tl.zeros([BR, D], dtype=tl.float32)
     d1 = tl.zeros([BR], dtype=tl.float32)
@@ -71,16 +68,12 @@ def _parallax_decode_kernel(Q, R, K, V, SEQLENS, O, PM, PD1, PD2, PO1, PO2, CNT,
     m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
-        if KV_TMA:
-            b_k = desc_k.load([start_n, 0])
-            b_v = desc_v.load([start_n, 0])
+        if LONG_OFF:
+            off = o_n[:, None].to(tl.int64) * (HKV * D) + o_d[None, :]
         else:
-            if LONG_OFF:
-                off = o_n[:, None].to(tl.int64) * (HKV * D) + o_d[None, :]
-            else:
-                off = o_n[:, None] * (HKV * D) + o_d[None, :]  # [BN, D] int32: fewer address registers
-            b_k = tl.load(p_k0 + off, mask=o_n[:, None] < hi, other=0.0)
-            b_v = tl.load(p_v0 + off, mask=o_n[:, None] < hi, other=0.0)
+            off = o_n[:, None] * (HKV * D) + o_d[None, :]  # [BN, D] int32: fewer address registers
+        b_k = tl.load(p_k0 + off, mask=o_n[:, None] < hi, other=0.0)
+        b_v = tl.load(p_v0 + off, mask=o_n[:, None] < hi, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BR, BN]
         vis = (o_n[None, :] <= pos[:, None]) & (o_n[None, :] < hi)
         if WINDOW:

@@ -192,7 +192,7 @@ parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- decode
-DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3, "KV_TMA": False}
+DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 """Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
 MIN_KEYS_PER_SPLIT = 64
@@ -207,7 +207,10 @@ of a row merges, one launch). Measured on an H100 (2026-11-22, CUDA-graph replay
 at B ≥ 32, so it is not the default. Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)``."""
 
 MERGE_CFG = {"BD": 64, "num_warps": 1}
-"""The two-launch merge: channels per program (grid rows × D/BD) and warps."""
+"""The two-launch merge: channels per program (grid rows × D/BD) and warps. (64, 1 warp) replaced (D, 2 warps) after
+an H100 sweep (session 13, CUDA-graph replay, 16/8 heads, D=128, Parallax, µs): B1 L1k 6.5 -> 5.4, L4k 10.6 -> 9.0,
+L16k 30.5 -> 29.1, L32k 54.2 -> 52.8; B8 L1k 12.1 -> 11.7. (16–32 channels at 1 warp were as fast; 2–4 warps were
+slower.) The merge kernel alone at B1 L32k: 2.67 µs, cuDNN's split-KV reduction 2.89."""
 
 
 def merge_grid(rows: int, D: int) -> tuple[int, int]:
@@ -297,14 +300,11 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     cnt = decode_counters(q.device, B * HKV) if fused else cache_seqlens
     grid_m = merge_grid(B * TQ * HQ, D)
     pdl = S > 1 and not fused and _pdl(q.device, grid_m[0] * grid_m[1])
-    tma = DECODE_CFG["KV_TMA"]
-    if tma:
-        _tma_allocator()
     _parallax_decode_kernel[(S, B * HKV)](
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
         FUSED_MERGE=fused, RR=RR, SC=SC, LONG_OFF=(LMAX + BN) * HKV * D >= 2**31, DOT_PREC=_dot_prec(q.dtype),
-        PDL=pdl, KV_TMA=tma, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
+        PDL=pdl, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
         num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
     if S > 1 and not fused:
         _parallax_decode_merge_kernel[grid_m](
