@@ -1,0 +1,33 @@
+"""scripts/sm90.py: the offline sm_90 compile sees what a launch sees (pointer / multiple-of-16 marks)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+from scripts.sm90 import compile_sm90, loop_local_memory, resources
+from attention.ops.parallax.kernels import decode
+fn = decode._parallax_decode_kernel
+consts = dict(TQ=1, HQ=16, HKV=8, D=128, BR=16, BN=64, HAS_PROBE=True, WINDOW=False, SPLIT=True, FUSED_MERGE=False,
+              DOT_PREC="tf32", RR=2, SC=1, LONG_OFF=False, PDL=False)
+sig = {a: "constexpr" if a in consts else "fp32" if a == "qk_scale" else "i32" if a in ("W", "CHUNK", "B", "LMAX")
+       else "*i32" if a in ("SEQLENS", "CNT") else "*fp32" if a.startswith("P") else "*bf16" for a in fn.arg_names}
+k = compile_sm90(fn, sig, consts, 4, 3, ints=dict(CHUNK=1024, B=1, LMAX=32768, W=0))
+r = resources(k)
+print("RESULT", r["async"], r["regs"], r["spill_st"], *loop_local_memory(k))
+"""
+
+
+@pytest.mark.slow
+def test_offline_compile_pipelines_the_decode_loop():
+    """With the launcher's marks the decode kernel's K/V loads become async copies (6 at 3 stages) and it fits
+    without spills; without them (the tools before session 13) there were none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    n_async, regs, spill, ldl, stl = (int(x) for x in res.stdout.split("RESULT")[1].split())
+    assert n_async >= 4 and spill == 0 and ldl == stl == 0
+    assert regs < 255
