@@ -212,6 +212,28 @@ def test_decode_vs_reference(probe, window, splits):
     assert rel_err(out, ref) < 2e-5
 
 
+def test_decode_tile_rule(monkeypatch):
+    """The long-program tile only for ≥ LONG_MIN_KEYS keys per program and ≤ LONG_MAX_PROGRAMS_PER_SM programs/SM."""
+    cpu = torch.device("cpu")  # 4 "SMs"
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS, 8, cpu) is kops.DECODE_CFG_LONG
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS - 1, 8, cpu) is kops.DECODE_CFG
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS, 4 * kops.LONG_MAX_PROGRAMS_PER_SM + 1, cpu) is kops.DECODE_CFG
+
+
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
+def test_decode_long_tile(window, monkeypatch):
+    """The long-program tile (BN 32) against float64, 4 splits, per-row lengths, GQA 2:1, TQ=2."""
+    monkeypatch.setattr(kops, "LONG_MIN_KEYS", 0)
+    monkeypatch.setattr(kops, "LONG_MAX_PROGRAMS_PER_SM", float("inf"))
+    B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
+    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, True)
+    seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)
+    ref = decode_reference(q, k, v, seqlens, r, window)
+    out = parallax_decode_triton(q, k, v, seqlens, r, window_size=window, num_splits=4)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-5
+
+
 # id: (HQ, HKV, TQ, splits, probe); cache LMAX=90 in blocks of 16 (interpreter), so 3/5/7 splits leave some
 # splits empty for the short rows (m = -inf partials) and give chunks that are not a multiple of the split size
 MERGE_CASES = {

@@ -195,6 +195,24 @@ parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
 DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 """Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
 ``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
+DECODE_CFG_LONG = {"BN": 32, "num_warps": 2, "num_stages": 3}
+"""Tile for programs that stream at least LONG_MIN_KEYS cache keys, when the grid has at most
+LONG_MAX_PROGRAMS_PER_SM programs per SM (``decode_cfg``). H100, session 13, CUDA-graph replay, 16/8 heads, D=128,
+Parallax / SDPA per cell over the 16-cell table, mean of 2 runs in one call: worst 1.029 (12 cells above 1.0) with
+DECODE_CFG everywhere -> 1.008 (B1 L32k; B8 L1k 1.003, B128 L4k 1.002, the rest ≤ 1.000) with this rule. BN32 w2
+everywhere was 1.11 at B8 L1k (256 keys per program) and 1.016–1.019 at B128 L4k–L32k (1024 programs), hence both
+limits."""
+LONG_MIN_KEYS = 512
+LONG_MAX_PROGRAMS_PER_SM = 2
+
+
+def decode_cfg(keys_per_program: int, programs: int, device: torch.device) -> dict:
+    """The decode tile for a grid of ``programs`` programs that each stream ``keys_per_program`` cache keys."""
+    n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    if keys_per_program >= LONG_MIN_KEYS and programs <= LONG_MAX_PROGRAMS_PER_SM * n_sm:
+        return DECODE_CFG_LONG
+    return DECODE_CFG
+
 MIN_KEYS_PER_SPLIT = 64
 """Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
 Parallax, two calls): B1 L1k 8.8 -> 6.5-6.7 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11-1.13; 32 was slower (8.6 µs at B1 L1k)."""
@@ -281,7 +299,8 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
     probe = r is not None
     S = num_splits
-    BN = DECODE_CFG["BN"]
+    cfg = decode_cfg(triton.cdiv(LMAX, S), S * B * HKV, q.device)
+    BN = cfg["BN"]
     chunk = triton.cdiv(triton.cdiv(LMAX, S), BN) * BN
     W = window_size if 0 < window_size < LMAX else 0
     o = _empty_like(q)
@@ -304,8 +323,7 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
         q, r if probe else q, k_cache, v_cache, cache_seqlens, o, pm, pd1, pd2, po1, po2, cnt, scale * LOG2E, W,
         chunk, B, LMAX, TQ=TQ, HQ=HQ, HKV=HKV, D=D, BR=BR, BN=BN, HAS_PROBE=probe, WINDOW=W > 0, SPLIT=S > 1,
         FUSED_MERGE=fused, RR=RR, SC=SC, LONG_OFF=(LMAX + BN) * HKV * D >= 2**31, DOT_PREC=_dot_prec(q.dtype),
-        PDL=pdl, num_warps=1 if INTERPRET else DECODE_CFG["num_warps"],
-        num_stages=1 if INTERPRET else DECODE_CFG["num_stages"])
+        PDL=pdl, num_warps=1 if INTERPRET else cfg["num_warps"], num_stages=1 if INTERPRET else cfg["num_stages"])
     if S > 1 and not fused:
         _parallax_decode_merge_kernel[grid_m](
             o, pm, pd1, pd2, po1, po2, B * TQ * HQ, S=S, BS=triton.next_power_of_2(S), D=D, HAS_PROBE=probe,
