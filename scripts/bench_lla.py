@@ -124,7 +124,7 @@ def ptxas_report(tiles, iters, variant):
              else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
     for name in os.environ.get("LLA_KERNELS", names).split(","):
         fn = getattr(mod, name)
-        fn = getattr(fn, "fn", fn) if hasattr(fn, "configs") else fn  # the autotuner's JIT function
+        fn = fn.fn if hasattr(fn, "configs") else fn  # an autotuner's JIT function
         params = list(inspect.signature(fn.fn).parameters)
         for br, bc, nw in tiles:
             sig, cex = {}, {}

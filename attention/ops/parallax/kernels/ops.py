@@ -200,7 +200,7 @@ DECODE_CFG_LONG = {"BN": 32, "num_warps": 2, "num_stages": 3}
 LONG_MAX_PROGRAMS_PER_SM programs per SM (``decode_cfg``). H100, session 13, CUDA-graph replay, 16/8 heads, D=128,
 Parallax / SDPA per cell over the 16-cell table, mean of 2 runs in one call: worst 1.029 (12 cells above 1.0) with
 DECODE_CFG everywhere -> 1.008 (B1 L32k; B8 L1k 1.003, B128 L4k 1.002, the rest ≤ 1.000) with this rule. BN32 w2
-everywhere was 1.11 at B8 L1k (256 keys per program) and 1.016–1.019 at B128 L4k–L32k (1024 programs), hence both
+everywhere was 1.11 at B8 L1k (256 keys per program) and 1.013–1.019 at B128 L4k–L32k (1024 programs), hence both
 limits."""
 LONG_MIN_KEYS = 512
 LONG_MAX_PROGRAMS_PER_SM = 2
@@ -208,10 +208,10 @@ LONG_MAX_PROGRAMS_PER_SM = 2
 
 def decode_cfg(keys_per_program: int, programs: int, device: torch.device) -> dict:
     """The decode tile for a grid of ``programs`` programs that each stream ``keys_per_program`` cache keys."""
-    n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    if keys_per_program >= LONG_MIN_KEYS and programs <= LONG_MAX_PROGRAMS_PER_SM * n_sm:
+    if keys_per_program >= LONG_MIN_KEYS and programs <= LONG_MAX_PROGRAMS_PER_SM * _n_sm(device):
         return DECODE_CFG_LONG
     return DECODE_CFG
+
 
 MIN_KEYS_PER_SPLIT = 64
 """Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
@@ -282,10 +282,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _n_sm(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 stands in on CPU (the interpreter), so the split and tile rules still branch."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
 def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
     """Power-of-two KV split count from static shapes only: about WAVES waves of programs, ≥ MIN_KEYS_PER_SPLIT
     keys each."""
-    n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    n_sm = _n_sm(device)
     s = 1
     while 2 * s * MIN_KEYS_PER_SPLIT <= cache_len and batch * n_kv_heads * s < WAVES * n_sm:
         s *= 2
@@ -299,9 +304,10 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     LMAX, HKV = k_cache.shape[1], k_cache.shape[2]
     probe = r is not None
     S = num_splits
-    cfg = decode_cfg(triton.cdiv(LMAX, S), S * B * HKV, q.device)
+    keys = triton.cdiv(LMAX, S)
+    cfg = decode_cfg(keys, S * B * HKV, q.device)
     BN = cfg["BN"]
-    chunk = triton.cdiv(triton.cdiv(LMAX, S), BN) * BN
+    chunk = triton.cdiv(keys, BN) * BN
     W = window_size if 0 < window_size < LMAX else 0
     o = _empty_like(q)
     BR = max(16, triton.next_power_of_2((HQ // HKV) * TQ))
