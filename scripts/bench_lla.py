@@ -119,7 +119,8 @@ def ptxas_report(tiles, iters, variant):
     B, T, HQ, HKV, D = 4, 4096, 16, 8, 128  # the benchmark's shape; λ per head, expanded over (B, T)
     ints = dict(T=T, HQ=HQ, HKV=HKV, s_qb=T * HQ * D, s_qt=HQ * D, s_qh=D, s_kb=T * HKV * D, s_kt=HKV * D, s_kh=D,
                 s_lb=0, s_lt=0, s_lh=1)
-    const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False}
+    const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False,
+             "LAST": os.environ.get("LLA_LAST") == "1"}  # v2 CG step: the last one sums x from the history
     names = ("_stats_kernel,_cg_step_kernel,_out_kernel,_bwd_a_kernel,_bwd_b_kernel,_bwd_kv_kernel" if variant == "v2"
              else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
     for name in os.environ.get("LLA_KERNELS", names).split(","):

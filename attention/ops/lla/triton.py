@@ -45,6 +45,7 @@ import triton.language as tl
 
 from attention.ops.autotune import candidates
 from attention.ops.lla.triton_v0 import _centre, _strides
+from attention.ops.outputs import empty, empty_like
 
 LOG2E = 1.4426950408889634
 
@@ -622,8 +623,8 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     doc_start: [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
-    o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
-    rho, delta, m, om = torch.empty_like(o), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    rho, delta, m, om = empty_like(o), *(empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
     BD = max(16, triton.next_power_of_2(D))
     block = None if block_r is None else (block_r, block_c)
     _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
@@ -640,16 +641,16 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     HKV = k.shape[2]
     BD = max(16, triton.next_power_of_2(D))
     do = do.to(q.dtype).contiguous()
-    dq = torch.full_like(o, float("nan"))
+    dq = empty_like(o)
     u = torch.empty_like(o)
-    beta, dlam = o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    beta, dlam = o.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
     block = None if block_r is None else (block_r, block_c)
     _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
              T, HQ, scale, scale * LOG2E, rtol**2),
             {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
-    dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
-    dv = torch.full_like(dk, float("nan"))
+    dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
+    dv = empty_like(dk)
     _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
              T, HQ, HKV, scale, scale * LOG2E),

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.ops.outputs import empty, empty_like
 
 @triton.jit
 def _weights(q, k, o_r, o_c, ds, m, scale, T):
@@ -317,8 +318,8 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     Returns o, rho: [B, T, HQ, D] fp32; delta, m, omega: [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
-    o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
-    rho, delta, m, om = torch.empty_like(o), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    rho, delta, m, om = empty_like(o), *(empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
     BD = max(16, triton.next_power_of_2(D))
     grid = (triton.cdiv(T, block_r), B * HQ)
     _lla_fwd_kernel[grid](q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam),
@@ -333,16 +334,16 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     BD = max(16, triton.next_power_of_2(D))
-    dq = torch.full_like(o, float("nan"))
+    dq = empty_like(o)
     u = torch.empty_like(o)
-    beta, dlam = o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
+    beta, dlam = o.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
     nw = 4 if BD <= 64 else 8
     _lla_bwd_q_kernel[(triton.cdiv(T, block_r), B * HQ)](
         q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
         T, HQ, D, scale, rtol**2, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi, BR=block_r, BC=block_c, BD=BD,
         num_warps=nw)
-    dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
-    dv = torch.full_like(dk, float("nan"))
+    dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
+    dv = empty_like(dk)
     _lla_bwd_kv_kernel[(triton.cdiv(T, block_c), B * HKV)](
         q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
         T, HQ, HKV, D, scale, G=HQ // HKV, BR=block_r, BC=block_c, BD=BD, num_warps=nw)

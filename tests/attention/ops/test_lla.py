@@ -295,6 +295,24 @@ def test_triton_truncated_cg_matches_chunked(kernel):
                                        cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
 
 
+@pytest.mark.parametrize("cg_iters", [0, 1, 3])
+def test_triton_v2_few_iterations_match_chunked(cg_iters):
+    """v2 forms x once, in the last CG step, from the direction history (x = Σ α_j p_j); 0 steps (x = 0), 1 step
+    (nothing summed from the history) and 3 match the chunked path's iterates, forward and gradients."""
+    q, k, v, lam = inputs(1, 18, 2, 1, 8, dtype=torch.float32)
+    lam = lam + 1.0
+    go = torch.randn(1, 18, 2, 8)
+    res = []
+    for impl, dt in (("triton", torch.float32), ("chunked", f64)):
+        xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v, lam)]
+        o = lla_attention(*xs, impl=impl, cg_iters=cg_iters, rtol=0.0, block=(16, 16), kernel="v2")
+        o.backward(go.to(dt))
+        res.append([o.double()] + [x.grad.double() for x in xs])
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
+        assert torch.isfinite(a).all(), name
+        assert (a - b).abs().max() <= 1e-3 * max(b.abs().max(), 1e-6), (name, cg_iters)  # ρ = 0 at 0 steps: dλ = 0
+
+
 @pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, kernel, monkeypatch):

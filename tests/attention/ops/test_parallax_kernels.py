@@ -2,7 +2,7 @@
 
 CPU runs go through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1; blocks are 16×16 there,
 so T = 17 / 61 / 100 cover partial tiles, several key blocks, and windows below and above the block size).
-Every kernel output is poisoned with NaN before the launch (``ops.POISON_OUTPUTS``), so an element the kernel
+Every kernel output is poisoned with NaN before the launch (``attention/ops/outputs.py``, set in ``tests/conftest.py``), so an element the kernel
 forgets to write fails the comparison.
 
 Error budgets (relative Frobenius norm against float64 on the same input values):
@@ -26,11 +26,6 @@ BUDGET = {  # dtype: (forward, gradients)
     torch.float16: (5e-3, 1e-2),
     torch.bfloat16: (2e-2, 4e-2),
 }
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(kops, "POISON_OUTPUTS", True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -212,19 +207,40 @@ def test_decode_vs_reference(probe, window, splits):
     assert rel_err(out, ref) < 2e-5
 
 
-def test_decode_tile_rule(monkeypatch):
-    """The long-program tile only for ≥ LONG_MIN_KEYS keys per program and ≤ LONG_MAX_PROGRAMS_PER_SM programs/SM."""
+def test_decode_tile_rule():
+    """The long-program tile for ≥ LONG_MIN_KEYS keys per program in grids of ≤ LONG_MAX_PROGRAMS_PER_SM programs
+    per SM; the many-program tile for ≥ MANY_MIN_KEYS keys in larger grids; DECODE_CFG otherwise."""
     cpu = torch.device("cpu")  # 4 "SMs"
-    assert kops.decode_cfg(kops.LONG_MIN_KEYS, 8, cpu) is kops.DECODE_CFG_LONG
-    assert kops.decode_cfg(kops.LONG_MIN_KEYS - 1, 8, cpu) is kops.DECODE_CFG
-    assert kops.decode_cfg(kops.LONG_MIN_KEYS, 4 * kops.LONG_MAX_PROGRAMS_PER_SM + 1, cpu) is kops.DECODE_CFG
+    few, many = 4 * kops.LONG_MAX_PROGRAMS_PER_SM, 4 * kops.LONG_MAX_PROGRAMS_PER_SM + 1
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS, few, cpu) is kops.DECODE_CFG_LONG
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS - 1, few, cpu) is kops.DECODE_CFG
+    assert kops.decode_cfg(kops.LONG_MIN_KEYS, many, cpu) is kops.DECODE_CFG
+    assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cpu) is kops.DECODE_CFG_MANY
+    assert kops.decode_cfg(kops.MANY_MIN_KEYS - 1, many, cpu) is kops.DECODE_CFG
+    assert kops.decode_cfg(kops.MANY_MIN_KEYS, few, cpu) is kops.DECODE_CFG_LONG
 
 
+def test_decode_many_tile_needs_the_shared_memory(monkeypatch):
+    """The many-program tile (192 KB of K/V stages at D=128) only where the GPU has that much per program: an
+    A100 (163 KB) or a consumer GPU (99 KB) falls back to DECODE_CFG at D=128, and still takes it at D=64."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(kops, "_n_sm", lambda device: 4)
+    many = 4 * kops.LONG_MAX_PROGRAMS_PER_SM + 1
+    for smem, d128, d64 in ((227 * 1024, kops.DECODE_CFG_MANY, kops.DECODE_CFG_MANY),
+                            (163 * 1024, kops.DECODE_CFG, kops.DECODE_CFG_MANY), (99 * 1024, kops.DECODE_CFG, kops.DECODE_CFG)):
+        monkeypatch.setattr(kops, "_smem", lambda index, _s=smem: _s)
+        assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, 128) is d128, smem
+        assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, 64) is d64, smem
+
+
+@pytest.mark.parametrize("tile", ["long", "many"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
-def test_decode_long_tile(window, monkeypatch):
-    """The long-program tile (BN 32) against float64, 4 splits, per-row lengths, GQA 2:1, TQ=2."""
+def test_decode_long_tile(window, tile, monkeypatch):
+    """The long-program tile (BN 32) and the many-program tile (BN 128: with 4 splits of 150 keys, splits 2 and 3
+    start past the cache and hold no key) against float64, per-row lengths, GQA 2:1, TQ=2."""
     monkeypatch.setattr(kops, "LONG_MIN_KEYS", 0)
-    monkeypatch.setattr(kops, "LONG_MAX_PROGRAMS_PER_SM", float("inf"))
+    monkeypatch.setattr(kops, "MANY_MIN_KEYS", 0)
+    monkeypatch.setattr(kops, "LONG_MAX_PROGRAMS_PER_SM", float("inf") if tile == "long" else 0)
     B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
     q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, True)
     seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)

@@ -18,26 +18,13 @@ from typing import Optional
 import torch
 import triton
 
+from attention.ops.outputs import empty, empty_like
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
 from attention.ops.parallax.kernels.common import FWD_SPECS, INTERPRET
 from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
 from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
 
 Tensor = torch.Tensor
-
-POISON_OUTPUTS = False
-"""Tests set this to fill every kernel output with NaN before the launch (unwritten elements then show)."""
-
-
-def _empty_like(t: Tensor, **kw) -> Tensor:
-    out = torch.empty_like(t, **kw)
-    return out.fill_(float("nan")) if POISON_OUTPUTS else out
-
-
-def _empty(*shape, device, dtype) -> Tensor:
-    out = torch.empty(*shape, device=device, dtype=dtype)
-    return out.fill_(float("nan")) if POISON_OUTPUTS else out
-
 
 def _geometry(q: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int):
     """(T per program row, number of program rows, longest sequence, varlen flag)."""
@@ -133,10 +120,10 @@ def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlen
                  max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     B, T, HQ, D = q.shape
     probe = r is not None
-    o = _empty_like(q)
-    lse = _empty(HQ, B * T, device=q.device, dtype=torch.float32)
-    vbar = _empty_like(q) if probe else q.new_empty(0)
-    tbar = _empty_like(lse) if probe else lse.new_empty(0)
+    o = empty_like(q)
+    lse = empty(HQ, B * T, device=q.device, dtype=torch.float32)
+    vbar = empty_like(q) if probe else q.new_empty(0)
+    tbar = empty_like(lse) if probe else lse.new_empty(0)
     launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
     return o, lse, vbar, tbar
 
@@ -155,12 +142,12 @@ def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     probe = r is not None
-    dq = _empty_like(q)
-    dk = _empty_like(k)
-    dv = _empty_like(v)
-    dr = _empty_like(q) if probe else q.new_empty(0)
-    tau = _empty_like(lse)
-    beta = _empty_like(lse) if probe else tau
+    dq = empty_like(q)
+    dk = empty_like(k)
+    dv = empty_like(v)
+    dr = empty_like(q) if probe else q.new_empty(0)
+    tau = empty_like(lse)
+    beta = empty_like(lse) if probe else tau
     max_seqlen = _geometry(q, cu_seqlens, max_seqlen)[2]  # one host sync at most, shared by both passes
     args = (do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size)
     launch_dq(*args, dq, dr)
@@ -204,12 +191,34 @@ everywhere was 1.11 at B8 L1k (256 keys per program) and 1.013–1.019 at B128 L
 limits."""
 LONG_MIN_KEYS = 512
 LONG_MAX_PROGRAMS_PER_SM = 2
+DECODE_CFG_MANY = {"BN": 128, "num_warps": 8, "num_stages": 3}
+"""Tile for grids of more than LONG_MAX_PROGRAMS_PER_SM programs per SM whose programs stream at least
+MANY_MIN_KEYS keys (large batches with long caches): one program per SM with three 128-key K/V stages in flight
+(192 KB of shared memory at D=128; used only where the GPU has it, ``_fits``). H100, session 14, CUDA-graph replay,
+16/8 heads, D=128, mean of two runs, / SDPA, DECODE_CFG -> this tile (``.gpu/exp_decode8.py``, ``exp_decode9.py``):
+Parallax B128 L16k 1.010 -> 0.996, L32k 1.009 -> 0.997, B64 L16k 1.006 -> 0.998, L32k 1.006 -> 1.000; softmax
+1.013-1.115 -> 0.992-0.994 in the same cells. Below 16k keys it did not pay for Parallax (B128 L4k 0.996 -> 0.999,
+B256 L8k 1.010 -> 1.015); (128, 4 warps, 2 stages) was within ±0.006 of it for Parallax and worse for softmax."""
+MANY_MIN_KEYS = 16384
 
 
-def decode_cfg(keys_per_program: int, programs: int, device: torch.device) -> dict:
+def _fits(cfg: dict, D: int, device: torch.device) -> bool:
+    """Whether the split kernel's K/V stages (num_stages × BN × D × 2 tensors × 2 bytes, plus 16 KB) fit in one
+    program's shared memory on ``device`` (always on CPU, where the interpreter runs)."""
+    return device.type != "cuda" or cfg["num_stages"] * cfg["BN"] * D * 4 + 16 * 1024 <= _smem(device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: int = 128) -> dict:
     """The decode tile for a grid of ``programs`` programs that each stream ``keys_per_program`` cache keys."""
-    if keys_per_program >= LONG_MIN_KEYS and programs <= LONG_MAX_PROGRAMS_PER_SM * _n_sm(device):
-        return DECODE_CFG_LONG
+    if programs <= LONG_MAX_PROGRAMS_PER_SM * _n_sm(device):
+        return DECODE_CFG_LONG if keys_per_program >= LONG_MIN_KEYS else DECODE_CFG
+    if keys_per_program >= MANY_MIN_KEYS and _fits(DECODE_CFG_MANY, D, device):
+        return DECODE_CFG_MANY
     return DECODE_CFG
 
 
@@ -305,18 +314,18 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     probe = r is not None
     S = num_splits
     keys = triton.cdiv(LMAX, S)
-    cfg = decode_cfg(keys, S * B * HKV, q.device)
+    cfg = decode_cfg(keys, S * B * HKV, q.device, D)
     BN = cfg["BN"]
     chunk = triton.cdiv(keys, BN) * BN
     W = window_size if 0 < window_size < LMAX else 0
-    o = _empty_like(q)
+    o = empty_like(q)
     BR = max(16, triton.next_power_of_2((HQ // HKV) * TQ))
     if S > 1:
         nrows = B * TQ * HQ
-        pm = _empty(S, nrows, device=q.device, dtype=torch.float32)
-        pd1 = _empty_like(pm)
-        po1 = _empty(S, nrows, D, device=q.device, dtype=torch.float32)
-        pd2, po2 = (_empty_like(pm), _empty_like(po1)) if probe else (pm, po1)
+        pm = empty(S, nrows, device=q.device, dtype=torch.float32)
+        pd1 = empty_like(pm)
+        po1 = empty(S, nrows, D, device=q.device, dtype=torch.float32)
+        pd2, po2 = (empty_like(pm), empty_like(po1)) if probe else (pm, po1)
     else:
         pm = pd1 = pd2 = po1 = po2 = o
     fused = S > 1 and fused_merge
