@@ -218,31 +218,34 @@ def test_decode_tile_rule():
     assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cpu) is kops.DECODE_CFG_MANY
     assert kops.decode_cfg(kops.MANY_MIN_KEYS - 1, many, cpu) is kops.DECODE_CFG
     assert kops.decode_cfg(kops.MANY_MIN_KEYS, few, cpu) is kops.DECODE_CFG_LONG
+    assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cpu, probe=False) is kops.DECODE_CFG_MANY_SOFTMAX
 
 
 def test_decode_many_tile_needs_the_shared_memory(monkeypatch):
-    """The many-program tile (192 KB of K/V stages at D=128) only where the GPU has that much per program: an
-    A100 (163 KB) or a consumer GPU (99 KB) falls back to DECODE_CFG at D=128, and still takes it at D=64."""
+    """The many-program tiles only where the GPU has their shared memory per program (Parallax 128 KB of K/V stages
+    at D=128, softmax 192 KB): an A100 (163 KB) keeps Parallax's, a consumer GPU (99 KB) only the D=64 one."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(kops, "_n_sm", lambda device: 4)
     many = 4 * kops.LONG_MAX_PROGRAMS_PER_SM + 1
-    for smem, d128, d64 in ((227 * 1024, kops.DECODE_CFG_MANY, kops.DECODE_CFG_MANY),
-                            (163 * 1024, kops.DECODE_CFG, kops.DECODE_CFG_MANY), (99 * 1024, kops.DECODE_CFG, kops.DECODE_CFG)):
+    px, sm, base = kops.DECODE_CFG_MANY, kops.DECODE_CFG_MANY_SOFTMAX, kops.DECODE_CFG
+    # shared memory: (Parallax D=128, D=64, softmax D=128, D=64)
+    for smem, want in ((227 * 1024, (px, px, sm, sm)), (163 * 1024, (px, px, base, sm)),
+                       (99 * 1024, (base, px, base, base))):
         monkeypatch.setattr(kops, "_smem", lambda index, _s=smem: _s)
-        assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, 128) is d128, smem
-        assert kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, 64) is d64, smem
+        got = tuple(kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, D, probe) for probe in (True, False) for D in (128, 64))
+        assert all(g is w for g, w in zip(got, want)), smem
 
 
-@pytest.mark.parametrize("tile", ["long", "many"])
+@pytest.mark.parametrize("tile", ["long", "many", "many-softmax"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
 def test_decode_long_tile(window, tile, monkeypatch):
-    """The long-program tile (BN 32) and the many-program tile (BN 128: with 4 splits of 150 keys, splits 2 and 3
+    """The long-program tile (BN 32) and the many-program tiles (BN 128: with 4 splits of 150 keys, splits 2 and 3
     start past the cache and hold no key) against float64, per-row lengths, GQA 2:1, TQ=2."""
     monkeypatch.setattr(kops, "LONG_MIN_KEYS", 0)
     monkeypatch.setattr(kops, "MANY_MIN_KEYS", 0)
     monkeypatch.setattr(kops, "LONG_MAX_PROGRAMS_PER_SM", float("inf") if tile == "long" else 0)
     B, LMAX, HQ, HKV, D, TQ = 3, 150, 4, 2, 16, 2
-    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, True)
+    q, k, v, r = decode_inputs(B, LMAX, HQ, HKV, D, TQ, tile != "many-softmax")
     seqlens = torch.tensor([5, 150, 77], dtype=torch.int32)
     ref = decode_reference(q, k, v, seqlens, r, window)
     out = parallax_decode_triton(q, k, v, seqlens, r, window_size=window, num_splits=4)

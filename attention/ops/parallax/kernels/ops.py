@@ -191,14 +191,18 @@ everywhere was 1.11 at B8 L1k (256 keys per program) and 1.013–1.019 at B128 L
 limits."""
 LONG_MIN_KEYS = 512
 LONG_MAX_PROGRAMS_PER_SM = 2
-DECODE_CFG_MANY = {"BN": 128, "num_warps": 8, "num_stages": 3}
-"""Tile for grids of more than LONG_MAX_PROGRAMS_PER_SM programs per SM whose programs stream at least
-MANY_MIN_KEYS keys (large batches with long caches): one program per SM with three 128-key K/V stages in flight
-(192 KB of shared memory at D=128; used only where the GPU has it, ``_fits``). H100, session 14, CUDA-graph replay,
-16/8 heads, D=128, mean of two runs, / SDPA, DECODE_CFG -> this tile (``.gpu/exp_decode8.py``, ``exp_decode9.py``):
-Parallax B128 L16k 1.010 -> 0.996, L32k 1.009 -> 0.997, B64 L16k 1.006 -> 0.998, L32k 1.006 -> 1.000; softmax
-1.013-1.115 -> 0.992-0.994 in the same cells. Below 16k keys it did not pay for Parallax (B128 L4k 0.996 -> 0.999,
-B256 L8k 1.010 -> 1.015); (128, 4 warps, 2 stages) was within ±0.006 of it for Parallax and worse for softmax."""
+DECODE_CFG_MANY = {"BN": 128, "num_warps": 4, "num_stages": 2}
+"""Parallax tile for grids of more than LONG_MAX_PROGRAMS_PER_SM programs per SM whose programs stream at least
+MANY_MIN_KEYS keys (large batches, long caches): one program per SM with two 128-key K/V stages in flight (128 KB
+of shared memory at D=128; used only where the GPU has it, ``_fits``). H100, session 14, CUDA-graph replay, 16/8
+heads, D=128, Parallax / SDPA, DECODE_CFG -> this tile, on two machines (means of 2 and 3 runs;
+``.gpu/exp_decode9.py``, ``exp_decode10.py``): B128 L16k 1.010 -> 0.998 and 1.003 -> 0.991, L32k 1.009 -> 0.995 and
+0.996 -> 0.984; B64 L32k 1.006 -> 1.006 and 0.998 -> 0.996. (128, 8 warps, 3 stages) was 0.996-0.997 on one machine
+and 1.007-1.013 on the other; below 16k keys this tile stopped paying (B128 L4k 0.996 -> 1.001)."""
+DECODE_CFG_MANY_SOFTMAX = {"BN": 128, "num_warps": 8, "num_stages": 3}
+"""The same for softmax (no probe): 192 KB at D=128. Our softmax / SDPA, DECODE_CFG -> this tile, same runs: B128
+L16k 1.014 -> 0.992 and 1.017 -> 1.000, L32k 1.013 -> 0.992 and 1.038 -> 0.991, B64 L32k 1.110 -> 0.994 and
+1.094 -> 0.975 ((128, 4, 2): 1.002-1.083)."""
 MANY_MIN_KEYS = 16384
 
 
@@ -213,13 +217,12 @@ def _smem(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: int = 128) -> dict:
+def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: int = 128, probe: bool = True) -> dict:
     """The decode tile for a grid of ``programs`` programs that each stream ``keys_per_program`` cache keys."""
     if programs <= LONG_MAX_PROGRAMS_PER_SM * _n_sm(device):
         return DECODE_CFG_LONG if keys_per_program >= LONG_MIN_KEYS else DECODE_CFG
-    if keys_per_program >= MANY_MIN_KEYS and _fits(DECODE_CFG_MANY, D, device):
-        return DECODE_CFG_MANY
-    return DECODE_CFG
+    many = DECODE_CFG_MANY if probe else DECODE_CFG_MANY_SOFTMAX
+    return many if keys_per_program >= MANY_MIN_KEYS and _fits(many, D, device) else DECODE_CFG
 
 
 MIN_KEYS_PER_SPLIT = 64
@@ -314,7 +317,7 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     probe = r is not None
     S = num_splits
     keys = triton.cdiv(LMAX, S)
-    cfg = decode_cfg(keys, S * B * HKV, q.device, D)
+    cfg = decode_cfg(keys, S * B * HKV, q.device, D, probe)
     BN = cfg["BN"]
     chunk = triton.cdiv(keys, BN) * BN
     W = window_size if 0 < window_size < LMAX else 0
