@@ -95,7 +95,7 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
                     LAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """CG iteration ``it`` for the rows of a query tile: Σ_c p_it streamed over K (v1's ``_matvec``), then α, r,
     z, β updated (v1's ``_cg_regs``, iteration body) and p_it+1 written to the next slot of the direction history
-    P ([iterations, B, T, HQ, D]), α_it to ALPHA ([iterations, B, T, HQ]). x = Σ α_j p_j is formed once, by the
+    P ([iterations, B, T, HQ, D]), α_it to ALPHA ([iterations − 1, B, T, HQ]). x = Σ α_j p_j is formed once, by the
     LAST step (which stores x and nothing else), instead of being read and written by every step."""
     b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
