@@ -26,8 +26,9 @@ the autotuner times them.
 x is not part of the per-step state: each step writes its direction p_j to its own slot of a history and α_j to
 another, and the last step forms x = Σ α_j p_j once (the same products v1 adds, in another order). That
 replaced a read and a write of fp32 x in every step (0.14 ms of a 1.21 ms step, H100, session 13) with
-(iterations − 1) bf16 direction slots read once. A step now moves ~18 bytes per (row, head, channel): q, p, k̄, r
-in, r and the next p out. The history costs (iterations − 1) operand-dtype copies of q while a solve runs.
+(iterations − 1) bf16 direction slots read once. By our count (not measured) a step now moves ~18 bytes per (row,
+head, channel): q, p, k̄, r in, r and the next p out. The history costs (iterations − 1) operand-dtype copies of q
+while a solve runs.
 
 State buffers ([B, T, HQ, D], rows as q's): r (fp32; the o / dq output buffer), the direction history
 ([iterations, B, T, HQ, D], operand dtype), k̄ (fp32), the Jacobi diagonal (fp32, only with JACOBI); x (fp32)

@@ -14,6 +14,8 @@ Error budgets (relative Frobenius norm against float64 on the same input values)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -231,8 +233,9 @@ def test_decode_many_tile_needs_the_shared_memory(monkeypatch):
     # shared memory: (Parallax D=128, D=64, softmax D=128, D=64)
     for smem, want in ((227 * 1024, (px, px, sm, sm)), (163 * 1024, (px, px, base, sm)),
                        (99 * 1024, (base, px, base, base))):
-        monkeypatch.setattr(kops, "_smem", lambda index, _s=smem: _s)
-        got = tuple(kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, D, probe) for probe in (True, False) for D in (128, 64))
+        monkeypatch.setattr(kops, "_props", lambda index, _s=smem: SimpleNamespace(shared_memory_per_block_optin=_s))
+        got = tuple(kops.decode_cfg(kops.MANY_MIN_KEYS, many, cuda, D, probe)
+                    for probe in (True, False) for D in (128, 64))
         assert all(g is w for g, w in zip(got, want)), smem
 
 

@@ -198,23 +198,21 @@ of shared memory at D=128; used only where the GPU has it, ``_fits``). H100, ses
 heads, D=128, Parallax / SDPA, DECODE_CFG -> this tile, on two machines (means of 2 and 3 runs;
 ``.gpu/exp_decode9.py``, ``exp_decode10.py``): B128 L16k 1.010 -> 0.998 and 1.003 -> 0.991, L32k 1.009 -> 0.995 and
 0.996 -> 0.984; B64 L32k 1.006 -> 1.006 and 0.998 -> 0.996. (128, 8 warps, 3 stages) was 0.996-0.997 on one machine
-and 1.007-1.013 on the other; below 16k keys this tile stopped paying (B128 L4k 0.996 -> 1.001)."""
+and 1.007-1.013 on the other. At 4k keys this tile lost (B128 L4k 0.996 -> 1.001) and at 1k it did not help
+(0.994 -> 0.996); at 8k it paid once (B256 L8k 1.010 -> 1.000, one machine), so 16k, where it paid on both
+machines, is the limit."""
 DECODE_CFG_MANY_SOFTMAX = {"BN": 128, "num_warps": 8, "num_stages": 3}
 """The same for softmax (no probe): 192 KB at D=128. Our softmax / SDPA, DECODE_CFG -> this tile, same runs: B128
 L16k 1.014 -> 0.992 and 1.017 -> 1.000, L32k 1.013 -> 0.992 and 1.038 -> 0.991, B64 L32k 1.110 -> 0.994 and
-1.094 -> 0.975 ((128, 4, 2): 1.002-1.083)."""
+1.094 -> 0.975 ((128, 4, 2): 1.002-1.082)."""
 MANY_MIN_KEYS = 16384
 
 
 def _fits(cfg: dict, D: int, device: torch.device) -> bool:
     """Whether the split kernel's K/V stages (num_stages × BN × D × 2 tensors × 2 bytes, plus 16 KB) fit in one
     program's shared memory on ``device`` (always on CPU, where the interpreter runs)."""
-    return device.type != "cuda" or cfg["num_stages"] * cfg["BN"] * D * 4 + 16 * 1024 <= _smem(device.index or 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    need = cfg["num_stages"] * cfg["BN"] * D * 4 + 16 * 1024
+    return device.type != "cuda" or need <= _props(device.index or 0).shared_memory_per_block_optin
 
 
 def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: int = 128, probe: bool = True) -> dict:
@@ -227,7 +225,8 @@ def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: in
 
 MIN_KEYS_PER_SPLIT = 64
 """Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
-Parallax, two calls): B1 L1k 8.8 -> 6.5-6.7 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11-1.13; 32 was slower (8.6 µs at B1 L1k)."""
+Parallax, two calls): B1 L1k 8.8 -> 6.5-6.7 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11-1.13; 32 was slower
+(8.6 µs at B1 L1k)."""
 WAVES = 1
 DECODE_MERGES = ("fused", "kernel")
 DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
@@ -259,13 +258,8 @@ grid limit. Triggering at the end of the split kernel instead gained nothing. En
 def _pdl(device: torch.device, merge_programs: int) -> bool:
     if not DECODE_PDL or INTERPRET or device.type != "cuda":
         return False
-    i = device.index or 0
-    return _capability(i) >= 9 and 4 * merge_programs < _sm_count(i)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+    props = _props(device.index or 0)
+    return props.major >= 9 and 4 * merge_programs < props.multi_processor_count
 
 
 MERGE_TILE = 4096
@@ -290,13 +284,14 @@ def decode_counters(device: torch.device, n: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _props(device_index: int):
+    """The CUDA device's properties (compute capability, SMs, shared memory per program), read once."""
+    return torch.cuda.get_device_properties(device_index)
 
 
 def _n_sm(device: torch.device) -> int:
     """SMs of a CUDA device; 4 stands in on CPU (the interpreter), so the split and tile rules still branch."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+    return _props(device.index or 0).multi_processor_count if device.type == "cuda" else 4
 
 
 def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
