@@ -143,9 +143,10 @@ def ptxas_report(tiles, iters, variant):
                     sig[n] = "fp32" if n in ("scale", "qk_scale", "rtol2") else "i32"
             t0 = time.time()
             k = compile_sm90(fn, sig, cex, nw, 2, ints={n: v for n, v in ints.items() if n in params})
-            r, (ldl, stl) = resources(k), loop_local_memory(k)
+            r, (ldl, stl), (ldl1, stl1) = resources(k), loop_local_memory(k), loop_local_memory(k, innermost=True)
             print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={r['regs']} stack={r['stack']}B "
-                  f"spill st/ld={r['spill_st']}/{r['spill_ld']}B LDL/STL in loops={ldl}/{stl} smem={r['smem']}B "
+                  f"spill st/ld={r['spill_st']}/{r['spill_ld']}B LDL/STL in loops={ldl}/{stl} "
+                  f"(innermost {ldl1}/{stl1}) smem={r['smem']}B "
                   f"wgmma={r['wgmma']} "
                   f"async copies={r['async']}  compile {time.time() - t0:.1f}s", flush=True)
 

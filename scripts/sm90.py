@@ -62,9 +62,8 @@ def resources(kernel) -> dict:
             "async": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")}
 
 
-def loop_local_memory(kernel) -> tuple[int, int]:
-    """(LDL, STL) instructions inside loops of the kernel's SASS (a loop: the address range of a backward branch);
-    spills there cost every iteration, spills outside cost once."""
+def loop_local_memory(kernel, innermost: bool = False) -> tuple[int, int]:
+    """(LDL, STL) instructions inside loops of the kernel's SASS (``sass_loop_local_memory``)."""
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -72,8 +71,17 @@ def loop_local_memory(kernel) -> tuple[int, int]:
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sass_loop_local_memory(sass, innermost)
+
+
+def sass_loop_local_memory(sass: str, innermost: bool = False) -> tuple[int, int]:
+    """(LDL, STL) instructions inside loops of a SASS listing (a loop: the address range of a backward branch);
+    spills there cost every iteration, spills outside cost once. ``innermost``: only inside loops that contain no
+    other loop (the key loops of a kernel that nests them in a CG iteration loop)."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(b.group(1), 16), a) for a, i in ins
              if (b := re.search(r"BRA[^0]*0x([0-9a-f]+)", i)) and int(b.group(1), 16) < a]
+    if innermost:
+        loops = [(lo, hi) for lo, hi in loops if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in loops)]
     inside = [i for a, i in ins if any(lo <= a <= hi for lo, hi in loops)]
     return sum(bool(re.search(r"\bLDL", i)) for i in inside), sum(bool(re.search(r"\bSTL", i)) for i in inside)

@@ -31,3 +31,23 @@ def test_offline_compile_pipelines_the_decode_loop():
     n_async, regs, spill, ldl, stl = (int(x) for x in res.stdout.split("RESULT")[1].split())
     assert n_async >= 4 and spill == 0 and ldl == stl == 0
     assert regs < 255
+
+
+def test_sass_loop_counts_nested_loops():
+    """Local loads / stores are counted inside loops only; ``innermost`` keeps the loops that contain no other loop
+    (a spill reloaded once per CG iteration is not one reloaded per key tile)."""
+    from scripts.sm90 import sass_loop_local_memory
+
+    sass = "\n".join(f"        /*{a:04x}*/    {i} ;" for a, i in [
+        (0x00, "LDL R1, [R2]"),  # before every loop
+        (0x10, "IADD R3, R3, 1"),  # outer loop starts
+        (0x20, "LDL R4, [R5]"),  # outer only
+        (0x30, "HGMMA.64x64x16 R0, gdesc[UR4], R0"),  # inner loop starts
+        (0x40, "LDL R6, [R7]"),
+        (0x50, "@P0 BRA 0x30"),  # inner back-edge
+        (0x60, "STL [R8], R9"),  # outer only
+        (0x70, "@P1 BRA 0x10"),  # outer back-edge
+        (0x80, "STL [R8], R9"),  # after every loop
+    ])
+    assert sass_loop_local_memory(sass) == (2, 1)
+    assert sass_loop_local_memory(sass, innermost=True) == (1, 0)
