@@ -189,26 +189,29 @@ def test_fla_forward_matches_chunk(gate, varlen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", GATES)
 def test_fla_backward_matches_chunk(gate):
+    """fla's gradients against the float64 chunk path on the same bf16 values (fla-core 0.6.0's
+    ``chunk_delta_rule`` refuses float32 inputs; the gated ones are refused on Hopper with Triton < 3.7.1)."""
     _fla_or_skip()
     from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
 
     B, T, H, K, V = 2, 200, 4, 64, 64
     q, k, v, beta, g = make_inputs(B, T, H, K, V, gate, dtype=torch.float32, device="cuda")
+    q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))
     why = fla_unavailable_reason(q, gate != "none", needs_grad=True)
     if why:
         pytest.skip(f"fla backward not allowed here: {why}")
-    do = torch.randn(B, T, H, V, device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.float64)
     grads = []
-    for f in (fla_delta_rule, chunk_delta_rule):
-        ins = _leaf(q, k, v, beta, g)
+    for f, dt in ((fla_delta_rule, None), (chunk_delta_rule, torch.float64)):
+        ins = _leaf(*(t if t is None or dt is None else t.to(dt) for t in (q, k, v, beta, g)))
         o, _ = f(*ins)
-        (o.float() * do).sum().backward()
-        grads.append([None if t is None else t.grad for t in ins])
+        (o.double() * do).sum().backward()
+        grads.append([None if t is None else t.grad.double() for t in ins])
     for name, a, b in zip(["dq", "dk", "dv", "dbeta", "dg"], *grads):
         if b is None:
             continue
         err = (a - b).abs().max() / b.abs().max()
-        assert err < 1e-2, f"{name}: fla vs chunk relative error {err:.3g}"
+        assert err < 3e-2, f"{name}: fla vs chunk relative error {err:.3g}"  # bf16 inputs and gradients
 
 
 @pytest.mark.gpu

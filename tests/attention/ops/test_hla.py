@@ -286,6 +286,13 @@ def test_triton_gla_primitive_vs_float64():
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
+def test_triton_gla_tiles_are_square():
+    """The K and V tiles are equal (16-bit inputs with BK != BV came out wrong on an H100; see ``_blocks``)."""
+    for K, V in [(16, 17), (16, 64), (64, 17), (128, 129), (8, 5), (20, 9)]:
+        bk, bv = triton_gla._blocks(K, V)
+        assert bk == bv and 16 <= bk <= 64 and (bk >= max(K, V) or bk == 64)
+
+
 @pytest.mark.parametrize("case", [(2, "symmetric"), (3, "symmetric")], ids=["hla2", "hla3"])
 def test_triton_hla_vs_naive_float64(case):
     """HLA through the Triton kernels == the float64 naive definition, output and gradients (decay + norm)."""
@@ -369,3 +376,21 @@ def test_triton_hla_gpu(case, dtype):
     assert (o.float() - ref).abs().max() <= tol * scale
     for a, b in zip(gt, gr):
         assert (a.float() - b).abs().max() <= tol * b.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("K, V", [(16, 17), (16, 64), (64, 17)], ids=["16-17", "16-64", "64-17"])
+def test_triton_gla_gpu_unequal_head_dims(K, V, dtype):
+    """CALA's normalised linear attention at small heads (V = head_dim + 1): K != V at 16-bit, varlen. With BK != BV
+    tiles these came out wrong on an H100 (relative error 1.3-4.1) and CALA's fullgraph GPU test faulted."""
+    B, T, H = 2, 40, 4
+    q, k = (torch.rand(B, T, H, K, device="cuda") for _ in range(2))
+    v = torch.randn(B, T, H, V, device="cuda")
+    doc = torch.tensor([[0] * 17 + [1] * 23, [2] * 40], dtype=torch.int32, device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda")
+    o, gt = _grads(lambda q, k, v: triton_gla.gla_triton(q, k, v, None, doc=doc), [x.to(dtype) for x in (q, k, v)],
+                   do.to(dtype))
+    ref, gr = _grads(lambda q, k, v: gla_chunk(q, k, v, None, doc=doc), [x.double() for x in (q, k, v)], do.double())
+    for a, b in zip([o, *gt], [ref, *gr]):
+        assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max()
