@@ -113,7 +113,7 @@ def ptxas_report(tiles, iters, variant):
     import inspect
 
     from attention.ops.lla import _triton_ops
-    from scripts.sm90 import compile_sm90, loop_local_memory, resources
+    from scripts.sm90 import compile_sm90, resources, sass, sass_loop_local_memory
 
     mod = _triton_ops(variant)
     B, T, HQ, HKV, D = 4, 4096, 16, 8, 128  # the benchmark's shape; λ per head, expanded over (B, T)
@@ -143,7 +143,9 @@ def ptxas_report(tiles, iters, variant):
                     sig[n] = "fp32" if n in ("scale", "qk_scale", "rtol2") else "i32"
             t0 = time.time()
             k = compile_sm90(fn, sig, cex, nw, 2, ints={n: v for n, v in ints.items() if n in params})
-            r, (ldl, stl), (ldl1, stl1) = resources(k), loop_local_memory(k), loop_local_memory(k, innermost=True)
+            listing = sass(k)
+            r, (ldl, stl) = resources(k), sass_loop_local_memory(listing)
+            ldl1, stl1 = sass_loop_local_memory(listing, innermost=True)
             print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={r['regs']} stack={r['stack']}B "
                   f"spill st/ld={r['spill_st']}/{r['spill_ld']}B LDL/STL in loops={ldl}/{stl} "
                   f"(innermost {ldl1}/{stl1}) smem={r['smem']}B "

@@ -62,16 +62,20 @@ def resources(kernel) -> dict:
             "async": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local")}
 
 
-def loop_local_memory(kernel, innermost: bool = False) -> tuple[int, int]:
-    """(LDL, STL) instructions inside loops of the kernel's SASS (``sass_loop_local_memory``)."""
+def sass(kernel) -> str:
+    """The kernel's SASS listing (cuobjdump on its cubin)."""
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return sass_loop_local_memory(sass, innermost)
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_local_memory(kernel, innermost: bool = False) -> tuple[int, int]:
+    """(LDL, STL) instructions inside loops of the kernel's SASS (``sass_loop_local_memory``)."""
+    return sass_loop_local_memory(sass(kernel), innermost)
 
 
 def sass_loop_local_memory(sass: str, innermost: bool = False) -> tuple[int, int]:

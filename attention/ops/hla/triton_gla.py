@@ -208,9 +208,10 @@ def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
 
 def _blocks(K: int, V: int):
     """(BK, BV), always equal. With BK != BV and 16-bit inputs the kernels returned wrong values on an H100
-    (Triton 3.6; relative error 1.3-4.1 at K/V = 16/17, 16/32, 16/64, 64/17, bf16 and fp16; one case faulted
-    with an illegal address in ``_bwd_dqk_kernel``), while fp32 and the interpreter were right and every equal
-    pair tried (16, 32, 64) was right; which kernel miscompiles was not isolated (session 15, .gpu/gla_ima.py)."""
+    (Triton 3.6; relative error 1.3-4.1 at K/V = 16/17, 16/32, 16/64, 64/17, bf16 and fp16), and CALA's fullgraph
+    GPU test at K/V = 16/17 faulted with an illegal address in ``_bwd_dqk_kernel``. fp32, the interpreter and every
+    equal pair tried (16, 32, 64) were right; which kernel miscompiles was not isolated (benchmarks/RESULTS.md,
+    session 15)."""
     B = min(64, max(16, triton.next_power_of_2(max(K, V))))
     return B, B
 
