@@ -79,7 +79,7 @@ def _configs(spec, names):
 # D=64/128, probe and softmax) plus one neighbour; see benchmarks/RESULTS.md "Attention kernels".
 FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3, 1, 1),
              (128, 128, 8, 3, 1, 1)]
-# The last entry of DQ_SPECS / DKV_SPECS is the 8-warp, low-spill candidate from the note below (not yet timed).
+# The last entry of DQ_SPECS / DKV_SPECS is the 8-warp, low-spill candidate from the note below.
 DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2)]
 DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2)]  # (BN, BM, ...)
 # Candidates against the backward's register spills (issue 8: on an H100 at D=128 with a probe, the dkv pick
