@@ -78,11 +78,11 @@ def loop_local_memory(kernel, innermost: bool = False) -> tuple[int, int]:
     return sass_loop_local_memory(sass(kernel), innermost)
 
 
-def sass_loop_local_memory(sass: str, innermost: bool = False) -> tuple[int, int]:
+def sass_loop_local_memory(listing: str, innermost: bool = False) -> tuple[int, int]:
     """(LDL, STL) instructions inside loops of a SASS listing (a loop: the address range of a backward branch);
     spills there cost every iteration, spills outside cost once. ``innermost``: only inside loops that contain no
     other loop (the key loops of a kernel that nests them in a CG iteration loop)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", listing)]
     loops = [(int(b.group(1), 16), a) for a, i in ins
              if (b := re.search(r"BRA[^0]*0x([0-9a-f]+)", i)) and int(b.group(1), 16) < a]
     if innermost:
