@@ -103,15 +103,20 @@ def _stats_tiles(q, K, s_kt, o_r, ds, m2, om, mut, ksq, a, b, qk_scale, T, D: tl
 
 @triton.jit
 def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
-                 PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """acc += Σ_j t_j k_j, rs += Σ_j t_j with t_j = w_j (k_j·p − q·p), over key tiles [a, b)."""
+                 PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                 QUAD: tl.constexpr = False):
+    """acc += Σ_j t_j k_j, rs += Σ_j t_j with t_j = w_j (k_j·p − q·p), over key tiles [a, b).
+    QUAD: only rs += Σ_j t_j (k_j·p − q·p) = pᵀΣ_c p − λω‖p‖² (two products per tile, acc untouched)."""
     o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
         k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        t = w * (tl.dot(p, tl.trans(k)) - qp[:, None])
-        if PRECISE:  # fp32 t (TF32 dot on GPU)
+        s = tl.dot(p, tl.trans(k)) - qp[:, None]
+        t = w * s
+        if QUAD:
+            rs += tl.sum(t * s, 1)
+        elif PRECISE:  # fp32 t (TF32 dot on GPU)
             acc += tl.dot(t, k.to(tl.float32))
             rs += tl.sum(t, 1)
         else:
@@ -408,13 +413,17 @@ def _stats_pass(q, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.cons
 
 @triton.jit
 def _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
-                PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """(Σ_j t_j k_j, Σ_j t_j) with t_j = w_j (k_j·p − qp) over the whole key range."""
+                PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                QUAD: tl.constexpr = False):
+    """(Σ_j t_j k_j, Σ_j t_j) with t_j = w_j (k_j·p − qp) over the whole key range; QUAD: (0, Σ_j t_j (k_j·p − qp))."""
     acc = tl.zeros([BR, BD], tl.float32)
     rs = tl.zeros([BR], tl.float32)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
-    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD,
+                           QUAD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD,
+                           QUAD)
+    acc, rs = _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD,
+                           QUAD)
     return acc, rs
 
 

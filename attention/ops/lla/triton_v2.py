@@ -106,13 +106,18 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
     p = tl.load(P_it + p_o, mask=ok2, other=0.0)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
     qp = tl.load(ROWS + _QP * n_rows + st, mask=row_ok, other=0.0)
-    acc, rs = _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD)
+    # the last step needs only pᵀΣ_c p (for α), a row sum: two products per key tile instead of three
+    acc, rs = _sigma_pass(q, p, qp, m2, K, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, PRECISE, BR, BC, BD,
+                          LAST)
     # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
     # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
     rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
     pf = tl.load(P_it + p_o, mask=ok2, other=0.0).to(tl.float32)  # reloaded: the loop's p stays a dot operand only
-    ap = acc - rs[:, None] * tl.load(CTR + p_o, mask=ok2, other=0.0) + rid[:, None] * pf
-    pap = tl.sum(pf * ap, 1)
+    if LAST:
+        pap = rs + rid * tl.sum(pf * pf, 1)
+    else:
+        ap = acc - rs[:, None] * tl.load(CTR + p_o, mask=ok2, other=0.0) + rid[:, None] * pf
+        pap = tl.sum(pf * ap, 1)
     r = tl.load(R + p_o, mask=ok2, other=0.0)
     rz = tl.load(ROWS + _RZ * n_rows + st, mask=row_ok, other=0.0)
     thr = tl.load(ROWS + _THR * n_rows + st, mask=row_ok, other=0.0)
