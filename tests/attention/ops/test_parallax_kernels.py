@@ -74,6 +74,7 @@ CASES = {
     "B1-T61-H4-KV2-D16-probe-W5": (1, 61, 4, 2, 16, True, 5),
     "B1-T61-H4-KV2-D16-softmax-W5": (1, 61, 4, 2, 16, False, 5),
     "B1-T100-H2-KV1-D16-probe-W40": (1, 100, 2, 1, 16, True, 40),
+    "B1-T40-H2-KV1-D128-probe-W20": (1, 40, 2, 1, 128, True, 20),  # D >= 128: the column pass's EARLY products
 }
 
 

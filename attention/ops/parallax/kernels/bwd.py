@@ -122,7 +122,13 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
                HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_PROBE: tl.constexpr,
                MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
     """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
-    per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF."""
+    per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF.
+
+    EARLY (probe, D ≥ 128): the R and dO products are issued with Q·Kᵀ, before the exponentials. H100, session 17,
+    kernel alone, T=4096 B4 16/8 heads bf16, ms, late -> early at D=128: (BN, BM, warps, stages) (64, 32, 4, 2) 1.928
+    -> 1.877, (64, 64, 4, 2) 3.717 -> 2.986, (64, 64, 4, 3) 3.823 -> 3.585, (128, 64, 8, 3) 2.947 -> 2.967; at D=64
+    mixed ((64, 64, 4, 2) 1.062 -> 1.104, (64, 32, 4, 2) 1.278 -> 1.267), so D=64 keeps the late issue."""
+    EARLY: tl.constexpr = D >= 128
     o_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         o_m = start_m + tl.arange(0, BM)
@@ -142,13 +148,8 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
             lse = tl.load(LSE + off_row)
             tau = tl.load(TAU + off_row)
         # transposed orientation: [BN keys, BM queries]
-        b_pt = tl.math.exp2(tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * qk_scale - lse[None, :])
-        if MASK:
-            vis = (o_m[None, :] >= o_n[:, None]) & (o_m[None, :] < L)
-            if WINDOW:
-                vis = vis & (o_m[None, :] - o_n[:, None] < W)
-            b_pt = tl.where(vis, b_pt, 0.0)
-        if HAS_PROBE:  # ordered so few [BN, BM] tiles are live at once: P, t̄ − t, then a; g1 reuses g2
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)
+        if HAS_PROBE:
             if MASK:
                 b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
                 beta = tl.load(BETA + off_row, mask=row_ok, other=0.0)
@@ -157,9 +158,22 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
                 b_r = tl.load(R + off_q)
                 beta = tl.load(BETA + off_row)
                 tbar = tl.load(TBAR + off_row)
-            b_dt = tbar[None, :] - tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)  # t̄_i − t_ij
+            if EARLY:  # all three score products before the exponentials: they overlap them
+                b_tt = tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)
+                b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        b_pt = tl.math.exp2(b_st * qk_scale - lse[None, :])
+        if MASK:
+            vis = (o_m[None, :] >= o_n[:, None]) & (o_m[None, :] < L)
+            if WINDOW:
+                vis = vis & (o_m[None, :] - o_n[:, None] < W)
+            b_pt = tl.where(vis, b_pt, 0.0)
+        if HAS_PROBE:  # ordered so few [BN, BM] tiles are live at once: P, t̄ − t, then a; g1 reuses g2
+            if not EARLY:
+                b_tt = tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)
+            b_dt = tbar[None, :] - b_tt  # t̄_i − t_ij
             dv += tl.dot((b_pt * (1.0 + b_dt)).to(b_do.dtype), b_do, input_precision=DOT_PREC)  # s_ij of eq. (8)
-            b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
+            if not EARLY:
+                b_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # a_ij = dO_i·v_j
             b_g2 = b_pt * (beta[None, :] - b_at)  # −p δ
             b_g1 = b_pt * (b_at - tau[None, :]) - b_dt * b_g2  # p (a − τ + (t̄ − t) δ)
             dk += tl.dot(b_g2.to(b_r.dtype), b_r, input_precision=DOT_PREC)
