@@ -357,8 +357,9 @@ def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, 
         o_c = start + tl.arange(0, BC)
         k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
         v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        c = tl.dot(g, tl.trans(v))  # issued before the exponentials, which it overlaps (H100: pass A 1.43 -> 1.29 ms)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        c = tl.dot(g, tl.trans(v)) * w * inv_d[:, None]
+        c = c * w * inv_d[:, None]
         if PRECISE:
             kf = k.to(tl.float32)
             wb = w

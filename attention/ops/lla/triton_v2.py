@@ -299,9 +299,9 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
             ds = tl.load(DS + b * T + o_r, mask=row_ok, other=T)
             m2 = tl.load(M + st, mask=row_ok, other=0.0)
             q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
-            w = _kv_weights(k, q, qk_scale, m2, o_c, o_r, ds, start, c0, T, row_ok, col_ok, BR, BC)  # [BC keys, BR queries]
-            rb = tl.load(RB + p_o, mask=ok2, other=0.0)
+            rb = tl.load(RB + p_o, mask=ok2, other=0.0)  # k·ρ issued before the exponentials (3.58 -> 3.52 ms)
             zr = tl.dot(k, tl.trans(rb)) - tl.load(ROWS + _RQ * n_rows + st, mask=row_ok, other=0.0)[None, :]
+            w = _kv_weights(k, q, qk_scale, m2, o_c, o_r, ds, start, c0, T, row_ok, col_ok, BR, BC)  # [BC keys, BR queries]
             inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
             wn = w * (1 - zr)
             a = wn * inv_d[None, :]
