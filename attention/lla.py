@@ -82,7 +82,8 @@ class LLAOptions:
     above plus ``--variant v1,v2``, H100, one run): v1 21.76 / 59.82 ms (29.8x SDPA), v2 11.86 / 29.50 ms (14.7x),
     same forward error;
     peak memory 1.5 -> 2.1 GiB. Since session 14 its CG steps keep a history of the directions and form x once in
-    the last step: 27.7 ms (13.6x) against 29.6-30.2 in the same run, peak memory +0.45-0.48 GiB. Switching back
+    the last step: 27.7 ms (13.6x) against 29.6-30.2 in the same run, peak memory +0.45-0.48 GiB. Session 17 (a
+    two-product last step, two passes' products before their exponentials): 26.3 ms (12.9x SDPA). Switching back
     is ``attention.lla.kernel = "v1"`` (or "v0"), or
     ``attention.ops.lla.DEFAULT_KERNEL``."""
 

@@ -17,9 +17,11 @@ direction p, one accumulator and the score tiles):
 H100, B4 T4096 16/8 heads D128 bf16, LLA-8 (session 11): fwd 11.86 ms (v1 21.76), fwd+bwd 29.50 ms (v1 59.82); per
 fwd+bwd the 16 CG steps took 19.8 ms, dk/dv 3.7 (v1's kernel: 12.7), the four passes 5.6. Session 14, with the
 direction history below, in one run against that code: fwd+bwd 27.7 ms (29.6-30.2), a CG step 1.075 ms (1.21).
+Session 17: the last step of a solve needs only pᵀΣ_c p (two products per key tile): 26.5-27.1 ms (27.4-27.6).
 
-The iterates are v1's (same normalised right-hand side, same rounded direction p, same active mask), so v2
-computes v1's function up to the order of floating-point sums. Each kernel is autotuned on its own (a row's
+The iterates are v1's (same normalised right-hand side, same rounded direction p, same active mask; the last
+step's pᵀΣ_c p is a row sum of w·s², s = p·(k − k̄), instead of pᵀ(Σ_c p): equal in exact arithmetic), so v2
+computes v1's function up to floating-point rounding. Each kernel is autotuned on its own (a row's
 state does not depend on the tile that produced it); kernels that update state in place restore it while
 the autotuner times them.
 
