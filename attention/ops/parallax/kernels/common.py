@@ -87,6 +87,9 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # D=128; `scripts/profile_attention.py --spills`), bytes of spill stores of the dkv kernel as it is now (int32
 # tile offsets, reordered probe terms; it was 5280 at (64, 64, 4, 3) before): (64, 64, 4, 3) 2256 |
 # (128, 32, 8, 2) 1152 | (64, 64, 8, 2) 1124 | (64, 32, 8, 2) 536 | (64, 32, 4, 2) 468 | (32, 32, 4, 2) 8.
+# Re-counted in session 17 (same tool, launch specialisation applied by scripts/sm90.py), before -> after the column
+# pass's EARLY products: (64, 64, 4, 3) 1416 -> 1968 | (64, 64, 4, 2) 1480 -> 1328 | (64, 32, 4, 2) 192 -> 180 |
+# (128, 64, 8, 3) 1356 -> 1228 | (64, 32, 8, 2) 108 -> 108 | (64, 64, 8, 2) 308 -> 388 | (32, 32, 4, 2) 0 -> 0.
 # dq: (64, 64, 4, 3) 2232 | (64, 32, 4, 2) 1884 | (64, 64, 8, 2) 300 | (64, 32, 8, 2) 248. 8 warps halve the
 # per-thread share of the two [BM|BN, D] fp32 accumulators; BM = 32 halves every score tile.
 # `scripts/bench_attention.py --tune-report` times each alone (fwd, dq, dkv) to re-pick the short lists.
