@@ -124,7 +124,7 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
     """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
     per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF.
 
-    EARLY (probe, D ≥ 128): the R and dO products are issued with Q·Kᵀ, before the exponentials. H100, session 17,
+    EARLY (probe, D ≥ 128): K·Rᵀ and V·dOᵀ are issued right after K·Qᵀ, before the exponentials. H100, session 17,
     kernel alone, T=4096 B4 16/8 heads bf16, ms, late -> early at D=128: (BN, BM, warps, stages) (64, 32, 4, 2) 1.928
     -> 1.877, (64, 64, 4, 2) 3.717 -> 2.986, (64, 64, 4, 3) 3.823 -> 3.585, (128, 64, 8, 3) 2.947 -> 2.967; at D=64
     mixed ((64, 64, 4, 2) 1.062 -> 1.104, (64, 32, 4, 2) 1.278 -> 1.267), so D=64 keeps the late issue."""
@@ -167,7 +167,7 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
             if WINDOW:
                 vis = vis & (o_m[None, :] - o_n[:, None] < W)
             b_pt = tl.where(vis, b_pt, 0.0)
-        if HAS_PROBE:  # ordered so few [BN, BM] tiles are live at once: P, t̄ − t, then a; g1 reuses g2
+        if HAS_PROBE:  # without EARLY, ordered so few [BN, BM] tiles are live at once: P, t̄ − t, then a; g1 reuses g2
             if not EARLY:
                 b_tt = tl.dot(b_k, tl.trans(b_r), input_precision=DOT_PREC)
             b_dt = tbar[None, :] - b_tt  # t̄_i − t_ij
