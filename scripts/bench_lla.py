@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.ops.affine import affine_attention  # noqa: E402
 from attention.ops.lla import lla_attention, naive_lla  # noqa: E402
+from attention.ops.parallax.kernels import parallax_triton  # noqa: E402
 from scripts.bench_common import kernel_table  # noqa: E402
 from scripts.bench_common import timeit as timed  # noqa: E402
 
@@ -79,8 +80,6 @@ def sdpa(q, k, v):
 
 
 def ours_softmax(q, k, v):
-    from attention.ops.parallax.kernels import parallax_triton
-
     return parallax_triton(q, k, v, None)
 
 
@@ -194,10 +193,10 @@ def main():
         shape = f"B{B}_T{T}_H{HQ}/{HKV}_D{D}"
         f, fb, mem = measure(sdpa, q, k, v, 10)
         base = fb
-        rows.append((shape, "softmax (SDPA)", f, fb, 1.0, mem, "", ""))
+        rows.append((shape, "softmax (SDPA)", f, fb, 1.0, mem, "", "", None))
         f, fb, mem = measure(ours_softmax, q, k, v, 10)
         ours = fb
-        rows.append((shape, "softmax (ours)", f, fb, fb / base, mem, "", ""))
+        rows.append((shape, "softmax (ours)", f, fb, fb / base, mem, "", "", None))
         cases = [(f"{var} LLA-{i}", lla_op(i, variant=var), True) for var in variants for i in iters]
         if "v1" in variants:
             cases += [(f"v1 LLA-8 tiles {b[0]}x{b[1]}", lla_op(8, block=b), False) for b in tiles]
@@ -222,13 +221,14 @@ def main():
                 e_all, e_tail = (f"{e:.3g}" if e != "" else "" for e in (e_all, e_tail))
                 rows.append((shape, name, f, fb, fb / base, mem, e_all, e_tail, fb / ours))
             except Exception as e:  # keep the table when one configuration fails to compile or run
-                rows.append((shape, name, float("nan"), float("nan"), float("nan"), float("nan"), type(e).__name__, ""))
+                nan = float("nan")
+                rows.append((shape, name, nan, nan, nan, nan, type(e).__name__, "", nan))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
     print(f"\n{'shape':<22} {'mechanism':<24} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x SDPA':>8} {'x ours':>8} "
           f"{'peak GiB':>9} {'err':>9} {'err>=2D':>9}")
-    for shape, name, f, fb, ratio, mem, err, err2, *vs_ours in rows:
-        x_ours = f"{vs_ours[0]:8.2f}" if vs_ours else f"{'':8}"
+    for shape, name, f, fb, ratio, mem, err, err2, vs_ours in rows:
+        x_ours = f"{'':8}" if vs_ours is None else f"{vs_ours:8.2f}"
         print(f"{shape:<22} {name:<24} {f:9.2f} {fb:11.2f} {ratio:8.2f} {x_ours} {mem:9.2f} {err:>9} {err2:>9}")
 
 

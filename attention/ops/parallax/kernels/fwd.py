@@ -22,10 +22,6 @@ import triton.language as tl
 from attention.ops.parallax.kernels.common import _row_phases, fwd_configs, prune_fwd
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
-# EARLY_T: the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials, except in the warp-specialised loop.
-# H100, session 17, kernel alone, T=4096 B4 16/8 heads bf16, ms, issued late -> early: D=64 (64, 64, 4, 3) 0.657 ->
-# 0.606, (128, 64, 8, 3) 0.686 -> 0.666; D=128 (128, 64, 8, 3) 1.089 -> 1.072, (64, 64, 4, 3) 1.277 -> 1.287; the
-# warp-specialised (128, 64, 8, 3, TMA, WS) 1.065 -> 1.072, so it keeps the late issue.
 
 
 @triton.jit
@@ -33,6 +29,11 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
                qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
                MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr,
                WS: tl.constexpr):
+    """EARLY (not WS): the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials. H100, session 17,
+    kernel alone, T=4096 B4 16/8 heads bf16, ms, late -> early: D=64 (64, 64, 4, 3) 0.657 -> 0.606, (128, 64, 8, 3)
+    0.686 -> 0.666; D=128 (128, 64, 8, 3) 1.089 -> 1.072, (64, 64, 4, 3) 1.277 -> 1.287; the warp-specialised
+    (128, 64, 8, 3, TMA, WS) 1.065 -> 1.072, so it keeps the late issue."""
+    EARLY: tl.constexpr = not WS
     o_d = tl.arange(0, D)
     for start_n in tl.range(lo, hi, BN, warp_specialize=WS):
         o_n = start_n + tl.arange(0, BN)
@@ -50,7 +51,7 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
         # -- scores, log2 units --
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
         if HAS_PROBE:
-            if not WS:  # EARLY_T (above)
+            if EARLY:
                 b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)  # t_ij = ρ_i·k_j, unscaled
         if MASK:
             vis = (o_m[:, None] >= o_n[None, :]) & (o_n[None, :] < L)
@@ -67,7 +68,7 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
         d1 = d1 * alpha + tl.sum(b_p, 1)
         acc1 = acc1 * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
         if HAS_PROBE:
-            if WS:
+            if not EARLY:
                 b_t = tl.dot(b_r, tl.trans(b_k), input_precision=DOT_PREC)
             b_p2 = b_p * b_t
             d2 = d2 * alpha + tl.sum(b_p2, 1)
