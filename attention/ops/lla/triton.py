@@ -27,7 +27,8 @@ for speed on tensor cores:
   in pass B, so pass A needs no μ̃ GEMM (3 instead of 4 GEMMs, 4 with Jacobi).
 - masks (causal, document start, T) only on the key tiles that need them: the key range of a query tile is
   split into masked head [lo, mid1), unmasked body [mid1, mid2), masked diagonal [mid2, hi).
-- exp2 with log2(e) folded into the logit scale; heaviest (last) query tiles scheduled first.
+- exp2 with log2(e) folded into the logit scale; heaviest tiles first: the query tiles of one (batch, head) after
+  another's, the dk/dv key tiles in groups of (batch, kv head) pairs (``attention/ops/tiles.py``).
 - tiles autotuned per (D, G, CG_ITERS, JACOBI, dtypes), not per T; ``block=(BR, BC)`` pins a tile.
 
 Varlen documents enter as ``doc_start``/``doc_end`` per token ([B, T] int32): query i sees keys
@@ -46,6 +47,7 @@ import triton.language as tl
 from attention.ops.autotune import candidates
 from attention.ops.lla.triton_v0 import _centre, _strides
 from attention.ops.outputs import empty, empty_like
+from attention.ops.tiles import GROUP_PROGRAMS, tile_grid, tile_program
 
 LOG2E = 1.4426950408889634
 
@@ -246,7 +248,7 @@ def _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D: tl.constexpr, BR: tl.conste
     """A dk/dv kernel's key tile (program (key tile, b·HKV + kv head)): batch, kv head, first key, keys, their mask,
     channels, the query range [q_lo, q_hi) that can see them (their documents, from the diagonal's query tile on),
     and the key / value rows."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_bh, _, _ = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most queries: heaviest first
     b, hk = i_bh // HKV, i_bh % HKV
     c0 = i_c * BC
     o_c = c0 + tl.arange(0, BC)
@@ -273,7 +275,7 @@ def _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D: tl.constexpr):
 def _tile_setup(DS, b, T, BR: tl.constexpr, BC: tl.constexpr):
     """Query tile (heaviest first) and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
     [mid2, hi) masked (every bound but hi a multiple of BC)."""
-    i_r = tl.cdiv(T, BR) - 1 - tl.program_id(0)
+    i_r = tl.cdiv(T, BR) - 1 - tile_program(0)[0]
     row0 = i_r * BR
     o_r = row0 + tl.arange(0, BR)
     row_ok = o_r < T
@@ -309,7 +311,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tl.program_id(1)
+    i_bh = tile_program(0)[1]
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)
@@ -490,7 +492,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
                       D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tl.program_id(1)
+    i_bh = tile_program(0)[1]
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)
@@ -637,7 +639,7 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     rho, delta, m, om = empty_like(o), *(empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
     BD = max(16, triton.next_power_of_2(D))
     block = None if block_r is None else (block_r, block_c)
-    _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
+    _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam), T, HQ, scale * LOG2E, rtol**2),
             {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
     return o, rho, delta, m, om
@@ -655,13 +657,13 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     u = torch.empty_like(o)
     beta, dlam = o.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
     block = None if block_r is None else (block_r, block_c)
-    _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: (triton.cdiv(T, br), B * HQ), block,
+    _launch(_bwd_q_tuned, _lla_bwd_q_kernel, lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, do, rho, delta, m, om, dq, u, beta, dlam, *_strides(q, k, lam),
              T, HQ, scale, scale * LOG2E, rtol**2),
             {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
     dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
     dv = empty_like(dk)
-    _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
+    _launch(_bwd_kv_tuned, _lla_bwd_kv_kernel, lambda br, bc: tile_grid(triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, lam, doc_start, doc_end, do, rho, delta, m, u, beta, dk, dv, *_strides(q, k, lam),
              T, HQ, HKV, scale, scale * LOG2E),
             {"D": D, "G": HQ // HKV, "BD": BD})

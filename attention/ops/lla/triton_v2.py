@@ -51,6 +51,7 @@ from attention.ops.lla.triton import (LOG2E, _addr, _bwd_a_pass, _bwd_b_pass, _k
                                       _out_pass, _rows, _sigma_pass, _stats_pass, _store_kv, _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
 from attention.ops.outputs import empty, empty_like
+from attention.ops.tiles import GROUP_PROGRAMS, tile_grid, tile_program
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
 # and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
@@ -62,11 +63,11 @@ N_ROWS = 9
 def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """A query-tile kernel's rows (program (query tile, b·HQ + h)): batch, head, rows, doc starts, the split key
     range of ``_tile_setup``, state offsets / mask / row-scalar offsets (``_addr``) and the row-slot stride."""
-    i_bh = tl.program_id(1)
+    _, i_bh, _, n_bh = tile_program(0)
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
-    return b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, T * tl.num_programs(1)  # slot stride B·T·HQ
+    return b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, T * n_bh  # slot stride B·T·HQ
 
 
 @triton.jit
@@ -290,7 +291,7 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
     and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
     complete, so the loop holds two accumulators, the key/value tiles and ~6 score tiles."""
     b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
-    n_rows = T * HQ * tl.num_programs(1) // HKV  # B·T·HQ
+    n_rows = T * HQ * tile_program(GROUP_PROGRAMS)[3] // HKV  # B·T·HQ
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):
@@ -373,7 +374,7 @@ def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_i
     if cg_iters == 0:
         x.zero_()
         return
-    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     for it in range(cg_iters):
         _launch(_step_tuned, _cg_step_kernel, grid, block,
                 (q, k, ds, m, x, r, p, alpha, ctr, diag, rows, *strides[:6], T, HQ, qk_scale, it),
@@ -392,7 +393,7 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "PRECISE": v1.PRECISE, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
-    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     # r lives in o's buffer until the output pass writes o; the solve's x goes into rho's
     _launch(_stats_tuned, _stats_kernel, grid, block,
             (q, k, lam, doc_start, m, om, o, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
@@ -417,7 +418,7 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
-    grid = lambda br, bc: (triton.cdiv(T, br), B * HQ)  # noqa: E731
+    grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     # r lives in dq's buffer until pass B writes dq; the solve's x goes into u's
     _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
             (q, k, v, lam, doc_start, o, do, delta, m, om, dq, p, ctr, diag, rows, beta, *strides,
@@ -432,7 +433,7 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, s
              T, HQ, scale, qk_scale), const)
     dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
     dv = empty_like(dk)
-    _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: (triton.cdiv(T, bc), B * HKV), block,
+    _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: tile_grid(triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, doc_start, doc_end, do, m, delta, beta, rows, rb, ub, p, dk, dv, *strides[:6],
              T, HQ, HKV, scale, qk_scale), const)
     return dq, dk, dv, dlam

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from attention.ops.parallax.kernels.common import _col_phases, _row_phases, dkv_configs, dq_configs, prune_bwd
+from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 
 @triton.jit
@@ -64,9 +65,10 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
                             BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
     tl.static_assert(BM % BN == 0)
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    rank, pair, n_m, _ = tile_program(GROUP_PROGRAMS)
+    i_m = n_m - 1 - rank  # longest (diagonal-heavy) tiles first
+    i_h = pair % HQ
+    i_b = pair // HQ
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
@@ -193,9 +195,9 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
                              BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
                              WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
     tl.static_assert(BN % BM == 0)
-    i_n = tl.program_id(0)
-    i_kh = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_n, pair, _, _ = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most query rows: heaviest first
+    i_kh = pair % HKV
+    i_b = pair // HKV
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from attention.ops.parallax.kernels.common import _row_phases, fwd_configs, prune_fwd
+from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
@@ -86,9 +87,10 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
                          WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr = False,
                          WS: tl.constexpr = False):
     tl.static_assert(BM % BN == 0)
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (diagonal-heavy) tiles first
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    rank, pair, n_m, _ = tile_program(GROUP_PROGRAMS)
+    i_m = n_m - 1 - rank  # longest (diagonal-heavy) tiles first
+    i_h = pair % HQ
+    i_b = pair // HQ
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)

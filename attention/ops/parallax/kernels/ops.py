@@ -23,6 +23,7 @@ from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parall
 from attention.ops.parallax.kernels.common import FWD_SPECS, INTERPRET
 from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
 from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
+from attention.ops.tiles import tile_grid
 
 Tensor = torch.Tensor
 
@@ -81,7 +82,7 @@ def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, wi
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
     W = _window(window_size, Tmax)
     probe = r is not None
-    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
             cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T)
     _launch(_parallax_fwd_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
@@ -94,7 +95,7 @@ def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, 
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
     W = _window(window_size, Tmax)
     probe = r is not None
-    grid = lambda META: (triton.cdiv(Tmax, META["BM"]), HQ, NB)  # noqa: E731
+    grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
             dq, dr if probe else dq, cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
     _launch(_parallax_bwd_dq_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
@@ -108,7 +109,7 @@ def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale,
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
     W = _window(window_size, Tmax)
     probe = r is not None
-    grid = lambda META: (triton.cdiv(Tmax, META["BN"]), HKV, NB)  # noqa: E731
+    grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BN"]), HKV * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv,
             cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
     long_off = (Tmax + 256) * q.shape[2] * q.shape[3] >= 2**31  # the column pass's per-document int32 offsets

@@ -1,0 +1,54 @@
+"""The order in which a causal tile kernel's programs run: heaviest tiles first, in groups of (batch, head) pairs.
+
+A causal query tile's work grows with its index (a key tile's shrinks), so the order of a grid's programs decides
+how long the last ones run on their own. The GPU starts a grid's programs in launch order (x fastest), each as a
+slot frees up. A list-scheduling model (programs as jobs of length key blocks + 0.5, greedy on free slots; Parallax
+forward at T=4096: 64 (batch, head) pairs × 32 tiles on 132 slots) gives the makespan over the work's lower bound:
+
+- tiles fastest, one pair's tiles after another's (the order before session 18): 1.069. The heaviest tile of the
+  last pair starts near the end and runs alone.
+- pairs fastest, every pair's heaviest tile first: 1.005. But the programs running together then read the K/V of
+  every pair, so each key tile comes from DRAM once per query tile instead of once per pair. On an H100 the LLA CG
+  step ran 1.048 -> 1.104 ms that way.
+- groups of GROUP // tiles pairs, one group after another, inside a group the pairs fastest and the tiles from the
+  heaviest down (``tile_program``): 1.001 at 4 or 8 pairs per group, with the K/V of one group in flight.
+
+The grid is ``tile_grid(tiles, pairs)``; a kernel maps its program with ``tile_program(GROUP)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+GROUP_PROGRAMS = tl.constexpr(256)
+"""Programs per group of ``tile_program``: H100, T=4096, B4, 16/8 heads, bf16, each kernel alone at its autotuned tile
+(session 18): Parallax D=128 fwd + dq + dkv 4.215-4.252 ms in HEAD's order (tiles fastest) -> 4.073-4.081 (128 and
+512: 4.066, 4.051); softmax D=128 2.513-2.633 -> 2.399-2.491; LLA's dk/dv 3.63 -> 3.35-3.44 ms."""
+
+
+def tile_grid(n_tiles: int, n_pairs: int) -> tuple[int, int]:
+    """Launch grid of ``n_tiles`` tiles of each of ``n_pairs`` (batch or document, head) pairs."""
+    return n_pairs, n_tiles
+
+
+@triton.jit
+def tile_program(GROUP: tl.constexpr):
+    """(rank, pair, tiles, pairs) of this program in a ``tile_grid``: rank 0 is the heaviest tile of its pair.
+
+    GROUP: programs per group (``GROUP_PROGRAMS``), or 0 for one pair's tiles after another's (the LLA row kernels:
+    their CG step ran 3-5 % slower grouped, 0.98 -> 1.00-1.03 ms, H100, session 18)."""
+    n_p = tl.num_programs(0)
+    n_t = tl.num_programs(1)
+    lin = tl.program_id(1) * n_p + tl.program_id(0)  # launch order
+    if GROUP == 0:
+        rank = lin % n_t
+        pair = lin // n_t
+    else:
+        gp = tl.minimum(tl.maximum(GROUP // n_t, 1), n_p)  # pairs per group
+        g = lin // (gp * n_t)
+        r = lin - g * gp * n_t
+        gs = tl.minimum(gp, n_p - g * gp)  # the last group may be smaller
+        rank = r // gs
+        pair = g * gp + r % gs
+    return rank, pair, n_t, n_p
