@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 GROUP_PROGRAMS = tl.constexpr(256)
-"""Programs per group of ``tile_program``: H100, T=4096, B4, 16/8 heads, bf16, each kernel alone at its autotuned tile
-(session 18): Parallax D=128 fwd + dq + dkv 4.215-4.252 ms in HEAD's order (tiles fastest) -> 4.073-4.081 (128 and
-512: 4.066, 4.051); softmax D=128 2.513-2.633 -> 2.399-2.491; LLA's dk/dv 3.63 -> 3.35-3.44 ms."""
+"""Programs per group of ``tile_program``. H100, T=4096, B4, 16/8 heads, bf16, each kernel alone at its autotuned
+tile (session 18), tiles fastest (the order before) -> groups of 256 programs: Parallax D=128 fwd + dq + dkv
+4.215-4.252 -> 4.073-4.081 ms (groups of 128 and 512: 4.066, 4.051); softmax D=128 2.513-2.633 -> 2.399-2.491; LLA's
+dk/dv 3.63 -> 3.35-3.44. Parallax D=128 at T = 1k / 4k / 8k / 16k: -18 / -6 / -1.4 / -0.6 % (benchmarks/RESULTS.md)."""
 
 
 def tile_grid(n_tiles: int, n_pairs: int) -> tuple[int, int]:
@@ -37,7 +38,7 @@ def tile_program(GROUP: tl.constexpr):
     """(rank, pair, tiles, pairs) of this program in a ``tile_grid``: rank 0 is the heaviest tile of its pair.
 
     GROUP: programs per group (``GROUP_PROGRAMS``), or 0 for one pair's tiles after another's (the LLA row kernels:
-    their CG step ran 3-5 % slower grouped, 0.98 -> 1.00-1.03 ms, H100, session 18)."""
+    their CG step ran 2-6 % slower grouped, 0.98 -> 1.00-1.03 ms, H100, session 18)."""
     n_p = tl.num_programs(0)
     n_t = tl.num_programs(1)
     lin = tl.program_id(1) * n_p + tl.program_id(0)  # launch order
