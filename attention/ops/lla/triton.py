@@ -28,7 +28,8 @@ for speed on tensor cores:
 - masks (causal, document start, T) only on the key tiles that need them: the key range of a query tile is
   split into masked head [lo, mid1), unmasked body [mid1, mid2), masked diagonal [mid2, hi).
 - exp2 with log2(e) folded into the logit scale; heaviest tiles first: the query tiles of one (batch, head) after
-  another's, the dk/dv key tiles in groups of (batch, kv head) pairs (``attention/ops/tiles.py``).
+  another's but for a last group of pairs, the dk/dv key tiles in groups of (batch, kv head) pairs
+  (``attention/ops/tiles.py``).
 - tiles autotuned per (D, G, CG_ITERS, JACOBI, dtypes), not per T; ``block=(BR, BC)`` pins a tile.
 
 Varlen documents enter as ``doc_start``/``doc_end`` per token ([B, T] int32): query i sees keys
@@ -47,7 +48,7 @@ import triton.language as tl
 from attention.ops.autotune import candidates
 from attention.ops.lla.triton_v0 import _centre, _strides
 from attention.ops.outputs import empty, empty_like
-from attention.ops.tiles import GROUP_PROGRAMS, tile_grid, tile_program
+from attention.ops.tiles import GROUP_PROGRAMS, TAIL_PROGRAMS, tile_grid, tile_program
 
 LOG2E = 1.4426950408889634
 
@@ -275,7 +276,7 @@ def _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D: tl.constexpr):
 def _tile_setup(DS, b, T, BR: tl.constexpr, BC: tl.constexpr):
     """Query tile (heaviest first) and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
     [mid2, hi) masked (every bound but hi a multiple of BC)."""
-    i_r = tl.cdiv(T, BR) - 1 - tile_program(0)[0]
+    i_r = tl.cdiv(T, BR) - 1 - tile_program(TAIL_PROGRAMS, True)[0]
     row0 = i_r * BR
     o_r = row0 + tl.arange(0, BR)
     row_ok = o_r < T
@@ -311,7 +312,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tile_program(0)[1]
+    i_bh = tile_program(TAIL_PROGRAMS, True)[1]
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)
@@ -492,7 +493,7 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
                       D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tile_program(0)[1]
+    i_bh = tile_program(TAIL_PROGRAMS, True)[1]
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     o_d = tl.arange(0, BD)

@@ -51,7 +51,7 @@ from attention.ops.lla.triton import (LOG2E, _addr, _bwd_a_pass, _bwd_b_pass, _k
                                       _out_pass, _rows, _sigma_pass, _stats_pass, _store_kv, _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
 from attention.ops.outputs import empty, empty_like
-from attention.ops.tiles import GROUP_PROGRAMS, tile_grid, tile_program
+from attention.ops.tiles import GROUP_PROGRAMS, TAIL_PROGRAMS, tile_grid, tile_program
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
 # and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
@@ -63,7 +63,7 @@ N_ROWS = 9
 def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """A query-tile kernel's rows (program (query tile, b·HQ + h)): batch, head, rows, doc starts, the split key
     range of ``_tile_setup``, state offsets / mask / row-scalar offsets (``_addr``) and the row-slot stride."""
-    _, i_bh, _, n_bh = tile_program(0)
+    _, i_bh, _, n_bh = tile_program(TAIL_PROGRAMS, True)
     b, h = i_bh // HQ, i_bh % HQ
     o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
     p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)

@@ -1,6 +1,6 @@
 """Program order of the causal tile kernels (``attention/ops/tiles.py``): every (tile, pair) exactly once, heaviest
-tiles first inside each group of pairs, groups one after another. Runs the order itself through a Triton kernel
-(the interpreter on CPU)."""
+tiles first inside each group of pairs, groups one after another; or one pair after another with only the last pairs
+grouped (TAIL). Runs the order itself through a Triton kernel (the interpreter on CPU)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from attention.ops.tiles import tile_grid, tile_program
 
 
 @triton.jit
-def _order_kernel(OUT, GROUP: tl.constexpr):
-    rank, pair, n_t, n_p = tile_program(GROUP)
+def _order_kernel(OUT, GROUP: tl.constexpr, TAIL: tl.constexpr):
+    rank, pair, n_t, n_p = tile_program(GROUP, TAIL)
     lin = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tl.store(OUT + lin * 4, rank)
     tl.store(OUT + lin * 4 + 1, pair)
@@ -20,11 +20,11 @@ def _order_kernel(OUT, GROUP: tl.constexpr):
     tl.store(OUT + lin * 4 + 3, n_p)
 
 
-def _launch_order(n_tiles: int, n_pairs: int, group: int) -> list[tuple[int, int]]:
+def _launch_order(n_tiles: int, n_pairs: int, group: int, tail: bool = False) -> list[tuple[int, int]]:
     """(rank, pair) of each program, in launch order."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out = torch.full((n_tiles * n_pairs, 4), -1, dtype=torch.int32, device=dev)
-    _order_kernel[tile_grid(n_tiles, n_pairs)](out, GROUP=group)
+    _order_kernel[tile_grid(n_tiles, n_pairs)](out, GROUP=group, TAIL=tail)
     assert (out[:, 2] == n_tiles).all() and (out[:, 3] == n_pairs).all()
     return [tuple(r) for r in out[:, :2].tolist()]
 
@@ -44,5 +44,12 @@ def test_grouped_order_is_a_permutation_heaviest_first(n_tiles, n_pairs, group):
         assert progs[:len(pairs)] == [(0, p) for p in sorted(pairs)]
 
 
-def test_ungrouped_order_is_tiles_fastest():
-    assert _launch_order(3, 4, 0) == [(t, p) for p in range(4) for t in range(3)]
+@pytest.mark.parametrize("n_tiles, n_pairs, group", [(3, 5, 6), (4, 6, 8), (2, 3, 64), (5, 4, 1)])
+def test_tail_order_groups_only_the_last_pairs(n_tiles, n_pairs, group):
+    order = _launch_order(n_tiles, n_pairs, group, tail=True)
+    in_tail = min(max(group // n_tiles, 1), n_pairs)
+    head = n_pairs - in_tail
+    # the pairs before the last group: one after another, heaviest tile first
+    assert order[:head * n_tiles] == [(t, p) for p in range(head) for t in range(n_tiles)]
+    # the last group: every pair's heaviest tile, then the next
+    assert order[head * n_tiles:] == [(t, p) for t in range(n_tiles) for p in range(head, n_pairs)]
