@@ -246,10 +246,10 @@ def _addr(b, h, o_r, T, HQ, D: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
               BD: tl.constexpr):
-    """A dk/dv kernel's key tile (program (key tile, b·HKV + kv head)): batch, kv head, first key, keys, their mask,
-    channels, the query range [q_lo, q_hi) that can see them (their documents, from the diagonal's query tile on),
-    and the key / value rows."""
-    i_c, i_bh, _, _ = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most queries: heaviest first
+    """A dk/dv kernel's key tile (program (key tile, b·HKV + kv head), in groups of pairs, ``tiles.GROUP_PROGRAMS``):
+    batch, kv head, first key, keys, their mask, channels, the query range [q_lo, q_hi) that can see them (their
+    documents, from the diagonal's query tile on), the key / value rows, and the number of (batch, kv head) pairs."""
+    i_c, i_bh, _, n_bh = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most queries: heaviest first
     b, hk = i_bh // HKV, i_bh % HKV
     c0 = i_c * BC
     o_c = c0 + tl.arange(0, BC)
@@ -260,7 +260,7 @@ def _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D: tl.constexpr, BR: tl.conste
     q_hi = tl.max(de, 0)  # queries of the same documents only
     k = _rows(K + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
     v = _rows(V + b * s_kb + hk * s_kh, o_c, o_d, s_kt, T, D, True)
-    return b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v
+    return b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v, n_bh
 
 
 @triton.jit
@@ -273,10 +273,17 @@ def _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D: tl.constexpr):
 
 
 @triton.jit
-def _tile_setup(DS, b, T, BR: tl.constexpr, BC: tl.constexpr):
-    """Query tile (heaviest first) and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
+def _row_program():
+    """(query tile, b·H + h, B·H) of a row kernel's program: the heaviest (last) tile first, one (batch, head) pair's
+    tiles after another's but for a last group of pairs (``tiles.TAIL_PROGRAMS``)."""
+    rank, i_bh, n_t, n_bh = tile_program(TAIL_PROGRAMS, True)
+    return n_t - 1 - rank, i_bh, n_bh
+
+
+@triton.jit
+def _tile_setup(DS, i_r, b, T, BR: tl.constexpr, BC: tl.constexpr):
+    """Query tile i_r's rows and its key range split [lo, mid1) masked, [mid1, mid2) unmasked,
     [mid2, hi) masked (every bound but hi a multiple of BC)."""
-    i_r = tl.cdiv(T, BR) - 1 - tile_program(TAIL_PROGRAMS, True)[0]
     row0 = i_r * BR
     o_r = row0 + tl.arange(0, BR)
     row_ok = o_r < T
@@ -312,9 +319,9 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
                     D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tile_program(TAIL_PROGRAMS, True)[1]
+    i_r, i_bh, _ = _row_program()
     b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, i_r, b, T, BR, BC)
     o_d = tl.arange(0, BD)
     Q += b * s_qb + h * s_qh
     K += b * s_kb + (h // G) * s_kh
@@ -493,9 +500,9 @@ def _lla_bwd_q_kernel(Q, K, V, LAM, DS, O, DO, RHO, DELTA, M, OMEGA, DQ, U, BETA
                       D: tl.constexpr, G: tl.constexpr, CG_ITERS: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                     SCRATCH: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    i_bh = tile_program(TAIL_PROGRAMS, True)[1]
+    i_r, i_bh, _ = _row_program()
     b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, i_r, b, T, BR, BC)
     o_d = tl.arange(0, BD)
     Q += b * s_qb + h * s_qh
     DO += b * s_qb + h * s_qh
@@ -545,7 +552,7 @@ def _lla_bwd_kv_kernel(Q, K, V, LAM, DS, DE, DO, RHO, DELTA, M, U, BETA, DK, DV,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                        T, HQ, HKV, scale, qk_scale,
                        D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
+    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v, _ = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):

@@ -48,10 +48,11 @@ import triton.language as tl
 from attention.ops.autotune import candidates
 from attention.ops.lla import triton as v1
 from attention.ops.lla.triton import (LOG2E, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile, _kv_weights, _launch,
-                                      _out_pass, _rows, _sigma_pass, _stats_pass, _store_kv, _tile_setup)
+                                      _out_pass, _row_program, _rows, _sigma_pass, _stats_pass, _store_kv,
+                                      _tile_setup)
 from attention.ops.lla.triton_v0 import _centre, _strides
 from attention.ops.outputs import empty, empty_like
-from attention.ops.tiles import GROUP_PROGRAMS, TAIL_PROGRAMS, tile_grid, tile_program
+from attention.ops.tiles import tile_grid
 
 # row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
 # and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
@@ -63,9 +64,9 @@ N_ROWS = 9
 def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """A query-tile kernel's rows (program (query tile, b·HQ + h)): batch, head, rows, doc starts, the split key
     range of ``_tile_setup``, state offsets / mask / row-scalar offsets (``_addr``) and the row-slot stride."""
-    _, i_bh, _, n_bh = tile_program(TAIL_PROGRAMS, True)
+    i_r, i_bh, n_bh = _row_program()
     b, h = i_bh // HQ, i_bh % HQ
-    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, b, T, BR, BC)
+    o_r, row_ok, ds, lo, mid1, mid2, hi = _tile_setup(DS, i_r, b, T, BR, BC)
     p_o, ok2, st, row_ok = _addr(b, h, o_r, T, HQ, D, BD)
     return b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, T * n_bh  # slot stride B·T·HQ
 
@@ -290,8 +291,9 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
     the diagonal (v1's ``_lla_bwd_kv_kernel``, same products). The vectors ρ, u, Δμ come in the operand dtype
     and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
     complete, so the loop holds two accumulators, the key/value tiles and ~6 score tiles."""
-    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC, BD)
-    n_rows = T * HQ * tile_program(GROUP_PROGRAMS)[3] // HKV  # B·T·HQ
+    b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v, n_kv = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC,
+                                                                       BD)
+    n_rows = T * HQ * n_kv // HKV  # B·T·HQ
     dk = tl.zeros([BC, BD], tl.float32)
     dv = tl.zeros([BC, BD], tl.float32)
     for hg in range(G):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import _col_phases, _row_phases, dkv_configs, dq_configs, prune_bwd
+from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, dkv_configs, dq_configs,
+                                                   prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 
@@ -65,10 +66,7 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
                             BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
     tl.static_assert(BM % BN == 0)
-    rank, pair, n_m, _ = tile_program(GROUP_PROGRAMS)
-    i_m = n_m - 1 - rank  # longest (diagonal-heavy) tiles first
-    i_h = pair % HQ
-    i_b = pair // HQ
+    i_m, i_h, i_b = _row_program(HQ)
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)

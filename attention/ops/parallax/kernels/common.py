@@ -21,8 +21,17 @@ import triton
 import triton.language as tl
 
 from attention.ops.autotune import candidates
+from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _row_program(HQ: tl.constexpr):
+    """(query tile, q head, batch row or document) of a row kernel's program in a ``tiles.tile_grid`` of (document,
+    head) pairs: the longest (diagonal-heavy) tiles first, in groups of pairs (``tiles.GROUP_PROGRAMS``)."""
+    rank, pair, n_m, _ = tile_program(GROUP_PROGRAMS)
+    return n_m - 1 - rank, pair % HQ, pair // HQ
 
 
 @triton.jit

@@ -19,8 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import _row_phases, fwd_configs, prune_fwd
-from attention.ops.tiles import GROUP_PROGRAMS, tile_program
+from attention.ops.parallax.kernels.common import _row_phases, _row_program, fwd_configs, prune_fwd
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
@@ -87,10 +86,7 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
                          WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr = False,
                          WS: tl.constexpr = False):
     tl.static_assert(BM % BN == 0)
-    rank, pair, n_m, _ = tile_program(GROUP_PROGRAMS)
-    i_m = n_m - 1 - rank  # longest (diagonal-heavy) tiles first
-    i_h = pair % HQ
-    i_b = pair // HQ
+    i_m, i_h, i_b = _row_program(HQ)
     if IS_VARLEN:
         bos = tl.load(CU + i_b).to(tl.int64)
         L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
