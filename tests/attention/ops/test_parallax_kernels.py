@@ -183,6 +183,29 @@ def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     assert (128, 128, True, True) in kept(128, False)
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+def test_prune_fwd_by_compute_capability(capability, monkeypatch):
+    """No TMA / warp-specialised tile below sm_90 (no TMA hardware); on sm_90 a plain tile gives way to its
+    TMA + warp-specialised twin (measured faster on H100s, picked only about half the time when both were timed);
+    elsewhere both stay. Tiles without a twin stay everywhere."""
+    from attention.ops.parallax.kernels.common import FWD_SPECS, _configs, prune_fwd
+
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
+
+    def kept(D, probe):
+        return {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.kwargs.get("KV_TMA", False))
+                for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, capability=capability, D=D,
+                                   HAS_PROBE=probe)}
+
+    for D, probe in ((128, True), (128, False)):
+        k = kept(D, probe)
+        assert (64, 64, 4, False) in k and (128, 64, 4, False) in k  # no twin: always kept
+        assert ((128, 64, 8, True) in k) == (capability >= (9, 0))
+        assert ((128, 64, 8, False) in k) == (capability[0] != 9)
+    assert ((128, 128, 8, False) in kept(128, False)) == (capability[0] != 9)
+    assert (128, 64, 8, False) in kept(64, True)  # below D = 128 there is no twin to give way to
+
+
 # -------------------------------------------------------------------- decode
 def decode_inputs(B, LMAX, HQ, HKV, D, TQ, probe):
     k, v = torch.randn(B, LMAX, HKV, D), torch.randn(B, LMAX, HKV, D)

@@ -106,7 +106,8 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # a warp-specialised loop. On an H100 (session 7 tune report, T=4096, kernel alone) both together took D=128 from
 # 1.160 to 1.110 ms (Parallax) and from 0.701 to 0.673 ms (softmax, BN=128); at D=64 the plain tiles stayed faster.
 # Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). `prune_fwd` keeps the
-# TMA/WS entries at D >= 128 only; `test_gpu_every_fwd_candidate` passed at D=64 and D=128 (H100, session 8).
+# TMA/WS entries at D >= 128 and sm_90+ only, and on sm_90 drops the plain twin of a TMA + WS entry (its docstring);
+# `test_gpu_every_fwd_candidate` passed at D=64 and D=128 (H100, session 8).
 TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
@@ -135,20 +136,43 @@ def dkv_configs():
     return _configs(INTERPRET_BWD if INTERPRET else DKV_SPECS, ("BN", "BM"))
 
 
-def prune_fwd(configs, named_args, **kwargs):
+def _capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability; None without one (the interpreter, CPU tests)."""
+    import torch
+
+    return None if INTERPRET or not torch.cuda.is_available() else torch.cuda.get_device_capability()
+
+
+def _tma_ws(c) -> bool:
+    return bool(c.kwargs.get("KV_TMA") or c.kwargs.get("WS"))
+
+
+def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **kwargs):
     """Drop tiles whose two [BM, D] fp32 accumulators (probe) or [BN, D] tiles would spill at large D, and the
-    TMA / warp-specialised variants below D = 128, where the plain tiles measured faster (one compile fewer each)."""
+    TMA / warp-specialised variants below D = 128, where the plain tiles measured faster (one compile fewer each).
+
+    ``capability`` (default: the current CUDA device's, None without one): below sm_90 the TMA / warp-specialised
+    variants go (no TMA hardware). On sm_90 a plain tile goes when its TMA + warp-specialised twin is kept: on
+    H100s the twin of the Parallax D=128 forward tile was faster in 7 of 8 paired timings and 0.5 % slower in one
+    (sessions 8, 12, 18, 19; ms: 1.110 vs 1.160, 1.049 vs 1.099, 1.076 vs 1.098, 1.040 / 1.108 / 1.080 / 1.109 vs
+    1.114 / 1.152 / 1.114 / 1.134, 1.056 / 1.112 vs 1.066 / 1.107), while the autotuner, timing both at the first
+    call, picked the plain one in about half of the runs."""
     D, probe = kwargs.get("D", named_args.get("D")), kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE"))
+    capability = _capability() if capability is None else capability
     out = []
     for c in configs:
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
-        if D < 128 and (c.kwargs.get("KV_TMA") or c.kwargs.get("WS")):
+        if _tma_ws(c) and (D < 128 or (capability is not None and capability < (9, 0))):
             continue
         if D >= 128 and probe and bn > 64:
             continue
         if D >= 256 and (bm > 64 or bn > 32):
             continue
         out.append(c)
+    if capability is not None and capability[0] == 9:
+        twins = {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in out
+                 if c.kwargs.get("KV_TMA") and c.kwargs.get("WS")}
+        out = [c for c in out if _tma_ws(c) or (c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) not in twins]
     return out or configs[-1:]
 
 
