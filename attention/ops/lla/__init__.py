@@ -86,17 +86,22 @@ def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
 def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
             jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int],
             kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o in q's dtype [B, T, HQ, D], then for the backward: o and ρ in the compute dtype, δ, m, ω).
+    """(o in q's dtype [B, T, HQ, D], then for the backward: aux, ρ, δ, m, ω).
 
-    Triton: o_c, ρ [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunked: o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in
-    fp32 (float64 for float64 inputs); m and ω empty."""
+    aux is o in the compute dtype, except for kernel v2: the centre k̄ (and the Jacobi diagonal), [1 + jacobi, B, T,
+    HQ, D] fp32 (v2's backward reads the op's output instead of o). Triton: aux, ρ [B, T, HQ, D] fp32; δ, m, ω
+    [B, T, HQ] fp32. Chunked: o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in fp32 (float64 for float64 inputs); m and ω
+    empty."""
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                                  lam.to(torch.float32).contiguous(), ds, scale,
-                                                                  cg_iters, jacobi, rtol, block_r, block_c)
-        out = o.to(q.dtype, copy=True)  # a new tensor: an op's outputs may not alias each other
+        args = (q.contiguous(), k.contiguous(), v.contiguous(), lam.to(torch.float32).contiguous(), ds, scale,
+                cg_iters, jacobi, rtol, block_r, block_c)
+        if kernel == "v2":
+            out, o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(*args)
+        else:
+            o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(*args)
+            out = o.to(q.dtype, copy=True)  # a new tensor: an op's outputs may not alias each other
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
@@ -115,24 +120,27 @@ def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block
         big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
     else:
         big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
-    return (q.new_empty(B, T, HQ, D), q.new_empty(big, dtype=ct), q.new_empty(big, dtype=ct),
+    aux = (1 + bool(jacobi), *big) if use_triton and kernel == "v2" else big
+    return (q.new_empty(B, T, HQ, D), q.new_empty(aux, dtype=ct), q.new_empty(big, dtype=ct),
             q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
 
 
 @torch.library.custom_op("attnlab::lla_bwd", mutates_args=())
-def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], o: Tensor,
-            rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float, cg_iters: int, jacobi: bool, rtol: float,
-            use_triton: bool, block_r: Optional[int], block_c: Optional[int],
-            kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics."""
+def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor],
+            out: Optional[Tensor], o: Tensor, rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float,
+            cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
+            block_c: Optional[int], kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics (o:
+    the forward's aux; out: its output, kernel v2 only)."""
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
         dd = do.to(torch.float32).contiguous() if kernel == "v0" else do.contiguous()  # v1: do in its dtype
         ops = _triton_ops(kernel)
+        saved = (out, o) if kernel == "v2" else (o,)
         dq, dk, dv, dlam = ops.lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                              lam.to(torch.float32).contiguous(), ds, de, o, dd, rho, delta, m, om,
-                                              scale, cg_iters, jacobi, rtol, block_r, block_c)
+                                              lam.to(torch.float32).contiguous(), ds, de, *saved, dd, rho, delta, m,
+                                              om, scale, cg_iters, jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         dq, dk, dv, dlam = lla_bwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
@@ -146,16 +154,18 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
 
 
 @lla_bwd.register_fake
-def _(do, q, k, v, lam, cu_seqlens, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
+def _(do, q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
       block_c, kernel):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lam, cu_seqlens, *args = inputs
-    _, o, rho, delta, m, om = output
+    out, o, rho, delta, m, om = output
     ctx.mark_non_differentiable(o, rho, delta, m, om)
-    ctx.save_for_backward(q, k, v, lam, cu_seqlens, o, rho, delta, m, om)
+    use_triton, kernel = args[4], args[-1]
+    out = out if use_triton and kernel == "v2" else None  # v2's backward reads the output, not an fp32 copy
+    ctx.save_for_backward(q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om)
     ctx.args = args
 
 

@@ -268,8 +268,8 @@ def _store_kv(DK, DV, dk, dv, b, hk, o_c, col_ok, o_d, T, HKV, D: tl.constexpr):
     """dk, dv of a key tile into the [B, T, HKV, D] gradients."""
     p_k = (b * T + o_c[:, None]) * HKV * D + hk * D + o_d[None, :]
     ok2 = col_ok[:, None] & (o_d[None, :] < D)
-    tl.store(DK + p_k, dk, mask=ok2)
-    tl.store(DV + p_k, dv, mask=ok2)
+    tl.store(DK + p_k, dk.to(DK.dtype.element_ty), mask=ok2)
+    tl.store(DV + p_k, dv.to(DV.dtype.element_ty), mask=ok2)
 
 
 @triton.jit
@@ -361,7 +361,7 @@ def _lla_fwd_kernel(Q, K, V, LAM, DS, O, RHO, DELTA, M, OMEGA,
 @triton.jit
 def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
                  JACOBI: tl.constexpr, PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr,
-                 BD: tl.constexpr):
+                 BD: tl.constexpr, MUT: tl.constexpr = True):
     o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
         o_c = start + tl.arange(0, BC)
@@ -379,9 +379,10 @@ def _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, 
             wb = w.to(k.dtype)
         tau += tl.sum(c.to(tl.float32), 1)
         ck += tl.dot(c, kf)
-        mut += tl.dot(wb, kf)  # k̄ = μ̃/ω centres the CG matrix
-        if JACOBI:
-            ksq += tl.dot(wb, kf * kf)
+        if MUT:  # recomputed here unless the forward's k̄ (and diagonal) are at hand (v2)
+            mut += tl.dot(wb, kf)  # k̄ = μ̃/ω centres the CG matrix
+            if JACOBI:
+                ksq += tl.dot(wb, kf * kf)
     return tau, ck, mut, ksq
 
 
@@ -452,18 +453,19 @@ def _out_pass(q, rho, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale,
 
 @triton.jit
 def _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
-                JACOBI: tl.constexpr, PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Backward pass A: τ = Σ c, Σ c k, μ̃ and the Jacobi sum."""
+                JACOBI: tl.constexpr, PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                MUT: tl.constexpr = True):
+    """Backward pass A: τ = Σ c, Σ c k, and with MUT μ̃ and the Jacobi sum (zeros without)."""
     tau = tl.zeros([BR], tl.float32)
     ck = tl.zeros([BR, BD], tl.float32)
     mut = tl.zeros([BR, BD], tl.float32)
     ksq = tl.zeros([BR, BD], tl.float32)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
+                                     D, JACOBI, PRECISE, True, BC, BD, MUT)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale,
-                                     T, D, JACOBI, PRECISE, False, BC, BD)
+                                     T, D, JACOBI, PRECISE, False, BC, BD, MUT)
     tau, ck, mut, ksq = _bwd_a_tiles(tau, ck, mut, ksq, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T,
-                                     D, JACOBI, PRECISE, True, BC, BD)
+                                     D, JACOBI, PRECISE, True, BC, BD, MUT)
     return tau, ck, mut, ksq
 
 

@@ -32,11 +32,12 @@ replaced a read and a write of fp32 x in every step (0.14 ms of a 1.21 ms step, 
 head, channel): q, p, k̄, r in, r and the next p out. The history costs (iterations − 1) operand-dtype copies of q
 while a solve runs.
 
-State buffers ([B, T, HQ, D], rows as q's): r (fp32; the o / dq output buffer), the direction history
-([iterations, B, T, HQ, D], operand dtype), k̄ (fp32), the Jacobi diagonal (fp32, only with JACOBI); x (fp32)
-is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32); per row
-([9, B, T, HQ] fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row scalars
-of dk/dv.
+State buffers ([B, T, HQ, D], rows as q's): r (fp32), the direction history ([iterations, B, T, HQ, D], operand
+dtype); x (fp32) is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32);
+per row ([9, B, T, HQ] fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row
+scalars of dk/dv. The forward's k̄ and Jacobi diagonal (fp32, [1 + JACOBI, B, T, HQ, D]) are kept for the
+backward, whose solve therefore runs on the forward's Σ_c; pass A reads them instead of recomputing μ̃ (and
+Σ w k²), and β = dO·o from the op's output. The op's outputs (o, dq, dk, dv) are written in the inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
         rho_b = rho.to(q.dtype)
     rq = tl.sum(rho_b.to(tl.float32) * ctr, 1)
     acc, den = _out_pass(q, rho_b, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, BR, BC, BD)
-    tl.store(O + p_o, acc / den[:, None], mask=ok2)
+    tl.store(O + p_o, (acc / den[:, None]).to(O.dtype.element_ty), mask=ok2)  # the op's output, in q's dtype
     rho = tl.load(RHO + p_o, mask=ok2, other=0.0) * (bn / t1)[:, None]  # reloaded: not live through the loop
     tl.store(RHO + p_o, rho, mask=ok2)
     tl.store(DELTA + st, om / t1, mask=row_ok)
@@ -208,7 +209,9 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, DIAG, ROW
                   T, HQ, qk_scale, rtol2,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
                   BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Backward pass A (v1's: τ = Σ c, Σ c k, μ̃, Jacobi diagonal; β) and the CG start for Σ_c u_c = y."""
+    """Backward pass A (v1's τ = Σ c, Σ c k and β, from the op's output O) and the CG start for Σ_c u_c = y. The
+    centre k̄ and the Jacobi diagonal are the forward's (CTR, DIAG): v1 recomputed μ̃ here, one product per key tile
+    more."""
     b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     o_d = tl.arange(0, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, o_d, s_qt, T, D, True)
@@ -217,16 +220,17 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, DIAG, ROW
     V += b * s_kb + (h // G) * s_kh
     inv_d = 1.0 / tl.load(DELTA + st, mask=row_ok, other=1.0)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
-    beta = tl.sum(g.to(tl.float32) * tl.load(O + p_o, mask=ok2, other=0.0), 1) * inv_d
+    beta = tl.sum(g.to(tl.float32) * tl.load(O + p_o, mask=ok2, other=0.0).to(tl.float32), 1) * inv_d
     g = g.to(q.dtype)
-    tau, ck, mut, ksq = _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI,
-                                    PRECISE, BR, BC, BD)
+    tau, ck, _, _ = _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D, JACOBI,
+                                PRECISE, BR, BC, BD, False)
     om = tl.load(OMEGA + st, mask=row_ok, other=1.0)
     rid = tl.load(LAM + b * s_lb + o_r * s_lt + h * s_lh, mask=row_ok, other=1.0) * om
-    om1, ctr, diag = _centre(mut, om, ksq, rid)
-    tl.store(CTR + p_o, ctr, mask=ok2)
+    ctr = tl.load(CTR + p_o, mask=ok2, other=0.0)
     if JACOBI:
-        tl.store(DIAG + p_o, diag, mask=ok2)
+        diag = tl.load(DIAG + p_o, mask=ok2, other=1.0)
+    else:
+        diag = ctr
     tl.store(BETA + st, beta, mask=row_ok)
     tl.store(ROWS + _TAU * n_rows + st, tau, mask=row_ok)
     _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2,
@@ -278,7 +282,7 @@ def _bwd_b_kernel(Q, K, V, LAM, DS, DO, RHO, DELTA, M, OMEGA, CTR, ROWS, BETA, D
     dmu = 2 * beta[:, None] * rho - u
     tl.store(DMB + p_o, dmu.to(DMB.dtype.element_ty), mask=ok2)
     dq = scale * acc + tau[:, None] * rho - (1.0 / inv_d)[:, None] * dmu - umu[:, None] * rho
-    tl.store(DQ + p_o, dq, mask=ok2)
+    tl.store(DQ + p_o, dq.to(DQ.dtype.element_ty), mask=ok2)
     tl.store(DLAM + st, trg * om, mask=row_ok)
 
 
@@ -358,15 +362,19 @@ KV_CONFIGS = [_cfg(32, 64, 4), _cfg(32, 128, 8)]
 _kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_bwd_kv_kernel)
 
 
-def _cg_buffers(q, jacobi, cg_iters):
-    """The direction history p (operand dtype, one slot per iteration), α (fp32, one slot per iteration but the
-    last), k̄ and the Jacobi diagonal (fp32; a 1-element stand-in without Jacobi), row scalars."""
+def _cg_buffers(q, cg_iters):
+    """The CG residual r (fp32), the direction history p (operand dtype, one slot per iteration), α (fp32, one slot
+    per iteration but the last) and the row scalars."""
     B, T, HQ, D = q.shape
+    r = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
     p = torch.empty(max(cg_iters, 1), B, T, HQ, D, device=q.device, dtype=q.dtype)
     alpha = torch.empty(max(cg_iters - 1, 1), B, T, HQ, device=q.device, dtype=torch.float32)
-    ctr = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
-    diag = torch.empty_like(ctr) if jacobi else ctr.new_empty(1)
-    return p, alpha, ctr, diag, ctr.new_empty(N_ROWS, B, T, HQ)
+    return r, p, alpha, r.new_empty(N_ROWS, B, T, HQ)
+
+
+def _centre_views(centre):
+    """k̄ and the Jacobi diagonal (k̄ stands in without Jacobi) in the forward's ``centre`` [1 or 2, B, T, HQ, D]."""
+    return centre[0], centre[-1]
 
 
 def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
@@ -384,57 +392,64 @@ def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_i
 
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
-    """v1's ``lla_fwd_triton`` contract: q [B, T, HQ, D]; k, v [B, T, HKV, D]; lam [B, T, HQ] fp32; doc_start
-    [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
+    """v1's arguments: q [B, T, HQ, D]; k, v [B, T, HKV, D]; lam [B, T, HQ] fp32; doc_start [B, T] int32.
+    Returns out [B, T, HQ, D] in q's dtype; centre [1 + jacobi, B, T, HQ, D] fp32 (k̄, and the Jacobi diagonal),
+    rho [B, T, HQ, D] fp32; delta, m (log2 units), omega [B, T, HQ] fp32. v1 returns o in fp32 where out and centre
+    are: its backward reads o and recomputes k̄; this one reads out and the forward's k̄ (one product per key tile
+    fewer in pass A, and no fp32 copy of o kept for the backward)."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
-    o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
-    rho, delta, m, om = empty_like(o), *(empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
-    p, alpha, ctr, diag, rows = _cg_buffers(q, jacobi, cg_iters)
+    out = empty(B, T, HQ, D, device=q.device, dtype=q.dtype)
+    rho = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    delta, m, om = (empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
+    r, p, alpha, rows = _cg_buffers(q, cg_iters)
+    centre = empty(1 + bool(jacobi), B, T, HQ, D, device=q.device, dtype=torch.float32)
+    ctr, diag = _centre_views(centre)
     block = None if block_r is None else (block_r, block_c)
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "PRECISE": v1.PRECISE, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
-    # r lives in o's buffer until the output pass writes o; the solve's x goes into rho's
+    # the solve's x goes into rho's buffer
     _launch(_stats_tuned, _stats_kernel, grid, block,
-            (q, k, lam, doc_start, m, om, o, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
+            (q, k, lam, doc_start, m, om, r, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi})
-    _solve(q, k, doc_start, m, rho, o, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
+    _solve(q, k, doc_start, m, rho, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
     _launch(_out_tuned, _out_kernel, grid, block,
-            (q, k, v, doc_start, m, om, ctr, rows, o, rho, delta, *strides[:6], T, HQ, qk_scale), const)
-    return o, rho, delta, m, om
+            (q, k, v, doc_start, m, om, ctr, rows, out, rho, delta, *strides[:6], T, HQ, qk_scale), const)
+    return out, centre, rho, delta, m, om
 
 
-def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
-                   block_r=None, block_c=None):
-    """v1's ``lla_bwd_triton`` contract. Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32), dlam [B, T, HQ]."""
+def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta, m, om, scale, cg_iters, jacobi,
+                   rtol, block_r=None, block_c=None):
+    """v1's arguments, with the forward's out and centre (``lla_fwd_triton``) where v1 takes its fp32 o. Returns dq
+    [B, T, HQ, D], dk, dv [B, T, HKV, D] in the dtypes of q, k, v and dlam [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     do = do.to(q.dtype).contiguous()
-    dq = empty_like(o)
-    u = torch.empty_like(o)
-    beta, dlam = o.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    p, alpha, ctr, diag, rows = _cg_buffers(q, jacobi, cg_iters)
+    dq = empty_like(q)
+    u = torch.empty_like(rho)
+    beta, dlam = rho.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    r, p, alpha, rows = _cg_buffers(q, cg_iters)
+    ctr, diag = _centre_views(centre)
     block = None if block_r is None else (block_r, block_c)
     qk_scale = scale * LOG2E
     const = {"D": D, "G": HQ // HKV, "BD": max(16, triton.next_power_of_2(D))}
     strides = _strides(q, k, lam)
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
-    # r lives in dq's buffer until pass B writes dq; the solve's x goes into u's
+    # the solve's x goes into u's buffer
     _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
-            (q, k, v, lam, doc_start, o, do, delta, m, om, dq, p, ctr, diag, rows, beta, *strides,
+            (q, k, v, lam, doc_start, out, do, delta, m, om, r, p, ctr, diag, rows, beta, *strides,
              T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi, "PRECISE": v1.PRECISE})
-    _solve(q, k, doc_start, m, u, dq, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
+    _solve(q, k, doc_start, m, u, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
            {**const, "PRECISE": v1.PRECISE})
     p = p[0]  # Δμ goes into the first direction slot
     rb, ub = torch.empty_like(p), torch.empty_like(p)  # ρ, u in the operand dtype
     _launch(_bwd_b_tuned, _bwd_b_kernel, grid, block,
             (q, k, v, lam, doc_start, do, rho, delta, m, om, ctr, rows, beta, dq, u, dlam, rb, ub, p, *strides,
              T, HQ, scale, qk_scale), const)
-    dk = empty(B, T, HKV, D, device=q.device, dtype=torch.float32)
-    dv = empty_like(dk)
+    dk, dv = empty_like(k), empty_like(v)
     _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: tile_grid(triton.cdiv(T, bc), B * HKV), block,
             (q, k, v, doc_start, doc_end, do, m, delta, beta, rows, rb, ub, p, dk, dv, *strides[:6],
              T, HQ, HKV, scale, qk_scale), const)
