@@ -346,14 +346,24 @@ def _cfg(br, bc, w, s=2):
 # H100, same shape, ms per launch: (64, 64, 4, 3 stages) 1.21, (64, 64, 4, 2) 1.28, (128, 64, 8, 3) 1.34,
 # (128, 64, 8, 2) 1.49, (64, 32, 4) 1.50, (128, 32, 8) 1.76, (64, 64, 8) 2.31, (64, 128, 8) 2.24.
 STEP_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 4), _cfg(128, 64, 8, 3)]
-PASS_CONFIGS = [_cfg(64, 64, 8), _cfg(64, 64, 4), _cfg(128, 64, 8)]
+# The passes' lists: each kernel pinned on the arguments of an LLA-8 fwd+bwd (H100, B4 T4096 16/8 heads D128 bf16,
+# session 19, ms, two reps; `.gpu/exp_lla_tiles.py`), the two or three fastest, the fastest first:
+# stats (64, 64, 4, 3) 0.753 / 0.728, (64, 64, 4, 2) 0.791 / 0.786, (128, 64, 8, 3) 0.859 / 0.832;
+# output (64, 64, 4, 2) 1.068 / 1.050, (128, 64, 8, 3) 1.094 / 1.051, (64, 32, 4, 3) 1.122 / 1.101;
+# pass A (64, 32, 4, 3) 1.021 / 0.964, (64, 64, 4, 2) 1.051 / 1.041, (128, 64, 8, 3) 1.049 / 1.087;
+# pass B (128, 64, 8, 3) 1.941 / 1.892, (64, 32, 4, 3) 1.950 / 1.918, (128, 64, 8, 2) 2.035 / 2.045.
+# (64, 64, 8, 2), first in the list these replaced, took 1.8-3.4 ms in every pass.
+STATS_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 4)]
+OUT_CONFIGS = [_cfg(64, 64, 4), _cfg(128, 64, 8, 3)]
+BWD_A_CONFIGS = [_cfg(64, 32, 4, 3), _cfg(64, 64, 4)]
+BWD_B_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3)]
 _KEY = ["D", "G", "JACOBI", "PRECISE"]
 _STATE = ["R", "ROWS"]  # what a step updates in place (it writes the next direction and α to their own slots)
 _step_tuned = triton.autotune(candidates(STEP_CONFIGS), key=_KEY, restore_value=_STATE)(_cg_step_kernel)
-_stats_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_stats_kernel)
-_out_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G", "PRECISE"], restore_value=["RHO"])(_out_kernel)
-_bwd_a_tuned = triton.autotune(candidates(PASS_CONFIGS), key=_KEY)(_bwd_a_kernel)
-_bwd_b_tuned = triton.autotune(candidates(PASS_CONFIGS), key=["D", "G"], restore_value=["U"])(_bwd_b_kernel)
+_stats_tuned = triton.autotune(candidates(STATS_CONFIGS), key=_KEY)(_stats_kernel)
+_out_tuned = triton.autotune(candidates(OUT_CONFIGS), key=["D", "G", "PRECISE"], restore_value=["RHO"])(_out_kernel)
+_bwd_a_tuned = triton.autotune(candidates(BWD_A_CONFIGS), key=_KEY)(_bwd_a_kernel)
+_bwd_b_tuned = triton.autotune(candidates(BWD_B_CONFIGS), key=["D", "G"], restore_value=["U"])(_bwd_b_kernel)
 # dk/dv: BC (keys) is the M dimension of every product, BR (queries) the N or K dimension
 # H100, B4 T4096 16/8 heads D128 bf16, ms per launch (session 11): (32, 64, 4) 3.59, (32, 128, 8) 4.05,
 # (64, 64, 8) 11.3 (v1's kernel, autotuned: 12.6-13.0 across calls). 64-query tiles spill inside the loop (offline sm_90 SASS);
