@@ -88,20 +88,16 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
             kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o in q's dtype [B, T, HQ, D], then for the backward: aux, ρ, δ, m, ω).
 
-    aux is o in the compute dtype, except for kernel v2: the centre k̄ (and the Jacobi diagonal), [1 + jacobi, B, T,
-    HQ, D] fp32 (v2's backward reads the op's output instead of o). Triton: aux, ρ [B, T, HQ, D] fp32; δ, m, ω
-    [B, T, HQ] fp32. Chunked: o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in fp32 (float64 for float64 inputs); m and ω
-    empty."""
+    Triton (``lla_fwd_triton`` of the kernel's module): aux, ρ [B, T, HQ, D] fp32, aux being o except for v2 (k̄
+    and the Jacobi diagonal, [1 + jacobi, B, T, HQ, D]); δ, m, ω [B, T, HQ] fp32. Chunked: aux = o_c, ρ
+    [B, HQ, T, D] and δ [B, HQ, T] in fp32 (float64 for float64 inputs); m and ω empty."""
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        args = (q.contiguous(), k.contiguous(), v.contiguous(), lam.to(torch.float32).contiguous(), ds, scale,
-                cg_iters, jacobi, rtol, block_r, block_c)
-        if kernel == "v2":
-            out, o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(*args)
-        else:
-            o, rho, delta, m, om = _triton_ops(kernel).lla_fwd_triton(*args)
-            out = o.to(q.dtype, copy=True)  # a new tensor: an op's outputs may not alias each other
+        ops = _triton_ops(kernel)
+        out, o, rho, delta, m, om = ops.lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                       lam.to(torch.float32).contiguous(), ds, scale, cg_iters,
+                                                       jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
@@ -131,15 +127,14 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
             cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
             block_c: Optional[int], kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics (o:
-    the forward's aux; out: its output, kernel v2 only)."""
+    the forward's aux; out: its output, Triton only)."""
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
         dd = do.to(torch.float32).contiguous() if kernel == "v0" else do.contiguous()  # v1: do in its dtype
         ops = _triton_ops(kernel)
-        saved = (out, o) if kernel == "v2" else (o,)
         dq, dk, dv, dlam = ops.lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                              lam.to(torch.float32).contiguous(), ds, de, *saved, dd, rho, delta, m,
+                                              lam.to(torch.float32).contiguous(), ds, de, out, o, dd, rho, delta, m,
                                               om, scale, cg_iters, jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
@@ -163,8 +158,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, lam, cu_seqlens, *args = inputs
     out, o, rho, delta, m, om = output
     ctx.mark_non_differentiable(o, rho, delta, m, om)
-    use_triton, kernel = args[4], args[-1]
-    out = out if use_triton and kernel == "v2" else None  # v2's backward reads the output, not an fp32 copy
+    out = out if args[4] else None  # use_triton: v2's backward reads the output (v0 and v1 read their fp32 o)
     ctx.save_for_backward(q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om)
     ctx.args = args
 

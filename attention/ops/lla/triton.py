@@ -642,7 +642,8 @@ def _launch(tuned, raw, grid_of, block, args, kwargs):
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
     """q: [B, T, HQ, D]; k, v: [B, T, HKV, D] (bf16/fp16/fp32: the dot operand dtype); lam: [B, T, HQ] fp32;
-    doc_start: [B, T] int32. Returns o, rho: [B, T, HQ, D] fp32; delta, m (log2 units), omega: [B, T, HQ] fp32."""
+    doc_start: [B, T] int32. Returns out [B, T, HQ, D] in q's dtype, then what the backward reads: o, rho
+    [B, T, HQ, D] fp32; delta, m (log2 units), omega [B, T, HQ] fp32 (the contract of every Triton module)."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
@@ -652,12 +653,13 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     _launch(_fwd_tuned, _lla_fwd_kernel, lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ), block,
             (q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam), T, HQ, scale * LOG2E, rtol**2),
             {"D": D, "G": HQ // HKV, "CG_ITERS": cg_iters, "JACOBI": jacobi, "PRECISE": PRECISE, "SCRATCH": SCRATCH, "BD": BD})
-    return o, rho, delta, m, om
+    return o.to(q.dtype, copy=True), o, rho, delta, m, om  # a new tensor: an op's outputs may not alias
 
 
-def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
+def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
                    block_r=None, block_c=None):
-    """do: [B, T, HQ, D] (any float dtype; cast to q's for the dots). Returns dq [B, T, HQ, D], dk, dv
+    """The forward's outputs (out is not read: this backward reads its fp32 o); do: [B, T, HQ, D] (any float dtype;
+    cast to q's for the dots). Returns dq [B, T, HQ, D], dk, dv
     [B, T, HKV, D] (fp32) and dlam [B, T, HQ]."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]

@@ -315,7 +315,7 @@ def _strides(q, k, lam):
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r, block_c):
     """q: [B, T, HQ, D]; k, v: [B, T, HKV, D]; lam: [B, T, HQ] fp32; doc_start: [B, T] int32.
-    Returns o, rho: [B, T, HQ, D] fp32; delta, m, omega: [B, T, HQ] fp32."""
+    Returns out [B, T, HQ, D] in q's dtype, then o, rho: [B, T, HQ, D] fp32; delta, m, omega: [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     o = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
@@ -325,12 +325,13 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     _lla_fwd_kernel[grid](q, k, v, lam, doc_start, o, rho, delta, m, om, *_strides(q, k, lam),
                           T, HQ, D, scale, rtol**2, G=HQ // HKV, CG_ITERS=cg_iters, JACOBI=jacobi,
                           BR=block_r, BC=block_c, BD=BD, num_warps=4 if BD <= 64 else 8)
-    return o, rho, delta, m, om
+    return o.to(q.dtype, copy=True), o, rho, delta, m, om
 
 
-def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
+def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, o, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
                    block_r, block_c):
-    """Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32) and dlam [B, T, HQ]."""
+    """The forward's outputs (out is not read). Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] (fp32) and dlam
+    [B, T, HQ]."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     BD = max(16, triton.next_power_of_2(D))

@@ -402,11 +402,9 @@ def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_i
 
 
 def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block_r=None, block_c=None):
-    """v1's arguments: q [B, T, HQ, D]; k, v [B, T, HKV, D]; lam [B, T, HQ] fp32; doc_start [B, T] int32.
-    Returns out [B, T, HQ, D] in q's dtype; centre [1 + jacobi, B, T, HQ, D] fp32 (k̄, and the Jacobi diagonal),
-    rho [B, T, HQ, D] fp32; delta, m (log2 units), omega [B, T, HQ] fp32. v1 returns o in fp32 where out and centre
-    are: its backward reads o and recomputes k̄; this one reads out and the forward's k̄ (one product per key tile
-    fewer in pass A, and no fp32 copy of o kept for the backward)."""
+    """v1's contract, but the second output is centre [1 + jacobi, B, T, HQ, D] fp32 (k̄, and the Jacobi diagonal)
+    where v1's is its fp32 o: v1's backward reads o and recomputes k̄, this one reads out and the forward's k̄ (one
+    product per key tile fewer in pass A, and no fp32 copy of o kept for the backward)."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     out = empty(B, T, HQ, D, device=q.device, dtype=q.dtype)
@@ -432,8 +430,8 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
 
 def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta, m, om, scale, cg_iters, jacobi,
                    rtol, block_r=None, block_c=None):
-    """v1's arguments, with the forward's out and centre (``lla_fwd_triton``) where v1 takes its fp32 o. Returns dq
-    [B, T, HQ, D], dk, dv [B, T, HKV, D] in the dtypes of q, k, v and dlam [B, T, HQ] fp32."""
+    """v1's contract (centre in the place of v1's o). Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] in the dtypes
+    of q, k, v and dlam [B, T, HQ] fp32."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     do = do.to(q.dtype).contiguous()

@@ -484,7 +484,7 @@ def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
                                       D**-0.5, 16, False, True, 1e-6, 32)
     else:
         from attention.ops.lla.triton_v0 import lla_fwd_triton
-        o, _, delta, _, _ = lla_fwd_triton(q, k, v, lam, ds, D**-0.5, 16, False, 1e-6, 32, 32)
+        _, o, _, delta, _, _ = lla_fwd_triton(q, k, v, lam, ds, D**-0.5, 16, False, 1e-6, 32, 32)
     assert torch.isfinite(o).all() and (delta > 0).all(), int((delta <= 0).sum())
     assert o.abs().max() < 3 * exact.abs().max(), (o.abs().max().item(), exact.abs().max().item())
 
