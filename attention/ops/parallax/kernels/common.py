@@ -147,16 +147,20 @@ def _tma_ws(c) -> bool:
     return bool(c.kwargs.get("KV_TMA") or c.kwargs.get("WS"))
 
 
+def _tile(c) -> tuple[int, int, int, int]:
+    return c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages
+
+
 def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **kwargs):
     """Drop tiles whose two [BM, D] fp32 accumulators (probe) or [BN, D] tiles would spill at large D, and the
     TMA / warp-specialised variants below D = 128, where the plain tiles measured faster (one compile fewer each).
 
     ``capability`` (default: the current CUDA device's, None without one): below sm_90 the TMA / warp-specialised
     variants go (no TMA hardware). On sm_90 a plain tile goes when its TMA + warp-specialised twin is kept: on
-    H100s the twin of the Parallax D=128 forward tile was faster in 7 of 8 paired timings and 0.5 % slower in one
-    (sessions 8, 12, 18, 19; ms: 1.110 vs 1.160, 1.049 vs 1.099, 1.076 vs 1.098, 1.040 / 1.108 / 1.080 / 1.109 vs
-    1.114 / 1.152 / 1.114 / 1.134, 1.056 / 1.112 vs 1.066 / 1.107), while the autotuner, timing both at the first
-    call, picked the plain one in about half of the runs."""
+    H100s the twin of the Parallax D=128 forward tile was faster in 9 of 10 paired timings and 0.5 % slower in one
+    (sessions 8, 12, 18, 19; ms: 1.110 vs 1.160, 1.049 vs 1.099, 1.076 / 1.077 vs 1.098 / 1.101, 1.040 / 1.108 /
+    1.080 / 1.109 vs 1.114 / 1.152 / 1.114 / 1.134, 1.056 / 1.112 vs 1.066 / 1.107), while the autotuner, timing
+    both at the first call, picked the plain one in about half of the runs."""
     D, probe = kwargs.get("D", named_args.get("D")), kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE"))
     capability = _capability() if capability is None else capability
     out = []
@@ -170,9 +174,8 @@ def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **
             continue
         out.append(c)
     if capability is not None and capability[0] == 9:
-        twins = {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in out
-                 if c.kwargs.get("KV_TMA") and c.kwargs.get("WS")}
-        out = [c for c in out if _tma_ws(c) or (c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) not in twins]
+        twins = {_tile(c) for c in out if c.kwargs.get("KV_TMA") and c.kwargs.get("WS")}
+        out = [c for c in out if _tma_ws(c) or _tile(c) not in twins]
     return out or configs[-1:]
 
 
