@@ -127,7 +127,8 @@ def ptxas_report(tiles, iters, variant):
     ints = dict(T=T, HQ=HQ, HKV=HKV, s_qb=T * HQ * D, s_qt=HQ * D, s_qh=D, s_kb=T * HKV * D, s_kt=HKV * D, s_kh=D,
                 s_lb=0, s_lt=0, s_lh=1)
     const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False,
-             "LAST": os.environ.get("LLA_LAST") == "1"}  # v2 CG step: the last one sums x from the history
+             "LAST": os.environ.get("LLA_LAST") == "1",  # v2 CG step: the last one sums x from the history
+             "EVEN": True}  # v2 CG step: T a multiple of BR (the benchmark's T), no masks on its state tiles
     names = ("_stats_kernel,_cg_step_kernel,_out_kernel,_bwd_a_kernel,_bwd_b_kernel,_bwd_kv_kernel" if variant == "v2"
              else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
     for name in os.environ.get("LLA_KERNELS", names).split(","):
@@ -140,7 +141,7 @@ def ptxas_report(tiles, iters, variant):
                 if n in ("BR", "BC") or (n in const and not (variant == "v0" and n == "D")):
                     sig[n] = "constexpr"
                     cex[n] = {"BR": br, "BC": bc}.get(n, const.get(n))
-                elif n in ("Q", "K", "V", "DO", "P", "RB", "UB", "DMB") and not (variant == "v0" and n == "DO"):
+                elif n in ("Q", "K", "V", "DO", "P", "CB", "RB", "UB", "DMB") and not (variant == "v0" and n == "DO"):
                     sig[n] = "*bf16"
                 elif n in ("DS", "DE"):
                     sig[n] = "*i32"

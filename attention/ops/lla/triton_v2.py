@@ -28,12 +28,14 @@ the autotuner times them.
 x is not part of the per-step state: each step writes its direction p_j to its own slot of a history and α_j to
 another, and the last step forms x = Σ α_j p_j once (the same products v1 adds, in another order). That
 replaced a read and a write of fp32 x in every step (0.14 ms of a 1.21 ms step, H100, session 13) with
-(iterations − 1) bf16 direction slots read once. By our count (not measured) a step now moves ~18 bytes per (row,
-head, channel): q, p, k̄, r in, r and the next p out. The history costs (iterations − 1) operand-dtype copies of q
-while a solve runs.
+(iterations − 1) bf16 direction slots read once. A step moves ~18 bytes per (row, head, channel) (bf16): q, p, the
+centre twice (2 bytes each: the operand-dtype copy; 2 × 4 in fp32 before session 20), r in, r and the next p out. That traffic
+is not hidden behind the key loops of the SM's other program: H100, B4 T4096 16/8 heads D128 bf16 (session 20), a
+step took 1.00 ms, its key loop alone 0.73-0.77, its update alone 0.23 (~720 MB at 3.1 TB/s, the DRAM rate). The
+history costs (iterations − 1) operand-dtype copies of q while a solve runs.
 
 State buffers ([B, T, HQ, D], rows as q's): r (fp32), the direction history ([iterations, B, T, HQ, D], operand
-dtype); x (fp32) is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32);
+dtype), the steps' centre (operand dtype; the backward's ρ in the operand dtype after its solve); x (fp32) is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32);
 per row ([9, B, T, HQ] fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row
 scalars of dk/dv. The forward's k̄ and Jacobi diagonal (fp32, [1 + JACOBI, B, T, HQ, D]) are kept for the
 backward, whose solve therefore runs on the forward's Σ_c; pass A reads them instead of recomputing μ̃ (and
@@ -73,8 +75,9 @@ def _q_tile(DS, T, HQ, D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: 
 
 
 @triton.jit
-def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2, JACOBI: tl.constexpr):
-    """CG state for Σ_c x = b at x_0 = 0, solved for b/‖b‖ (v1's ``_cg``): r, p_0, rᵀz, threshold, k̄·p, ‖b‖, λω.
+def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, R, P, CB, ROWS, n_rows, rtol2, JACOBI: tl.constexpr):
+    """CG state for Σ_c x = b at x_0 = 0, solved for b/‖b‖ (v1's ``_cg``): r, p_0, rᵀz, threshold, c·p, ‖b‖, λω,
+    and the centre c the solve's steps read, k̄ in the operand dtype (CB; see ``_cg_step_kernel``).
     x is never stored during the solve: the last step sums it from the directions (``_cg_step_kernel``)."""
     bn = tl.sqrt(tl.sum(bvec * bvec, 1))
     bn = tl.where(bn > 0, bn, 1.0)
@@ -88,27 +91,51 @@ def _cg_start(bvec, diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rt
     tl.store(P + p_o, p, mask=ok2)
     tl.store(ROWS + _RZ * n_rows + st, tl.sum(r * z, 1), mask=row_ok)
     tl.store(ROWS + _THR * n_rows + st, rtol2 * tl.sum(r * r, 1), mask=row_ok)
-    tl.store(ROWS + _QP * n_rows + st, tl.sum(ctr * p.to(tl.float32), 1), mask=row_ok)
+    cb = ctr.to(CB.dtype.element_ty)
+    tl.store(CB + p_o, cb, mask=ok2)
+    tl.store(ROWS + _QP * n_rows + st, tl.sum(cb.to(tl.float32) * p.to(tl.float32), 1), mask=row_ok)
     tl.store(ROWS + _BN * n_rows + st, bn, mask=row_ok)
     tl.store(ROWS + _RID * n_rows + st, rid, mask=row_ok)
 
 
+@triton.jit
+def _ld(ptr, ok2, EVEN: tl.constexpr, other: tl.constexpr = 0.0):
+    """A [BR, D] state tile: unmasked when the rows and channels fill every tile (EVEN)."""
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=ok2, other=other)
+
+
+@triton.jit
+def _st(ptr, val, ok2, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=ok2)
+
+
 @triton.jit(do_not_specialize=["it"])  # one compile for every iteration index
-def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
+def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CB, DIAG, ROWS,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                     T, HQ, qk_scale, it,
                     D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
-                    LAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+                    LAST: tl.constexpr, EVEN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     """CG iteration ``it`` for the rows of a query tile: Σ_c p_it streamed over K (v1's ``_matvec``), then α, r,
     z, β updated (v1's ``_cg_regs``, iteration body) and p_it+1 written to the next slot of the direction history
     P ([iterations, B, T, HQ, D]), α_it to ALPHA ([iterations − 1, B, T, HQ]). x = Σ α_j p_j is formed once, by the
-    LAST step (which stores x and nothing else), instead of being read and written by every step."""
+    LAST step (which stores x and nothing else), instead of being read and written by every step.
+
+    The centre is CB, k̄ rounded to the operand dtype, in both of its uses: the loop's k·p − c·p and the update's
+    Σ_j t_j k_j − (Σ_j t_j) c. Σ_c is then Σ_j w_j (k_j − c)(k_j − c)ᵀ = Σ_c + ω(k̄ − c)(k̄ − c)ᵀ, exactly for any c,
+    the same matrix in every step of a solve; fp32 inputs keep c = k̄. The update loads 2 bytes of centre per
+    channel instead of 8 (two fp32 loads), and with EVEN (T a multiple of BR, D = BD) its tiles are unmasked:
+    H100, B4 T4096 16/8 heads D128 bf16, a step 1.00 -> 0.95 ms (session 20)."""
     b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
     slot = n_rows.to(tl.int64) * D
     P_it = P + it * slot
-    p = tl.load(P_it + p_o, mask=ok2, other=0.0)
+    p = _ld(P_it + p_o, ok2, EVEN)
     m2 = tl.load(M + st, mask=row_ok, other=0.0)
     qp = tl.load(ROWS + _QP * n_rows + st, mask=row_ok, other=0.0)
     # the last step needs only pᵀΣ_c p (for α), a row sum: two products per key tile instead of three
@@ -117,19 +144,19 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
     # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
     # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
     rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
-    pf = tl.load(P_it + p_o, mask=ok2, other=0.0).to(tl.float32)  # reloaded: the loop's p stays a dot operand only
+    p = _ld(P_it + p_o, ok2, EVEN)  # the operand dtype, converted where used
     if LAST:
-        pap = rs + rid * tl.sum(pf * pf, 1)
+        pap = rs + rid * tl.sum(p.to(tl.float32) * p.to(tl.float32), 1)
     else:
-        ap = acc - rs[:, None] * tl.load(CTR + p_o, mask=ok2, other=0.0) + rid[:, None] * pf
-        pap = tl.sum(pf * ap, 1)
-    r = tl.load(R + p_o, mask=ok2, other=0.0)
+        ap = acc - rs[:, None] * _ld(CB + p_o, ok2, EVEN).to(tl.float32) + rid[:, None] * p.to(tl.float32)
+        pap = tl.sum(p.to(tl.float32) * ap, 1)
+    r = _ld(R + p_o, ok2, EVEN)
     rz = tl.load(ROWS + _RZ * n_rows + st, mask=row_ok, other=0.0)
     thr = tl.load(ROWS + _THR * n_rows + st, mask=row_ok, other=0.0)
     active = (pap > 0) & (pap < float("inf")) & (tl.sum(r * r, 1) > thr)
     alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
     if LAST:
-        x = alpha[:, None] * pf
+        x = alpha[:, None] * p.to(tl.float32)
         for j in range(it):
             a_j = tl.load(ALPHA + j * n_rows + st, mask=row_ok, other=0.0)
             x += a_j[:, None] * tl.load(P + j * slot + p_o, mask=ok2, other=0.0).to(tl.float32)
@@ -137,22 +164,22 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CTR, DIAG, ROWS,
     else:
         tl.store(ALPHA + it * n_rows + st, alpha, mask=row_ok)
         r -= alpha[:, None] * ap
-        tl.store(R + p_o, r, mask=ok2)
+        _st(R + p_o, r, ok2, EVEN)
         if JACOBI:
-            z = r / tl.load(DIAG + p_o, mask=ok2, other=1.0)
+            z = r / _ld(DIAG + p_o, ok2, EVEN, 1.0)
         else:
             z = r
         rz_new = tl.sum(r * z, 1)
         beta = tl.where(active, rz_new / tl.where(rz > 0, rz, 1.0), 0.0)
-        p = tl.where(active[:, None], z + beta[:, None] * pf, pf).to(p.dtype)
-        tl.store(P_it + slot + p_o, p, mask=ok2)
+        p = tl.where(active[:, None], z + beta[:, None] * p.to(tl.float32), p.to(tl.float32)).to(p.dtype)
+        _st(P_it + slot + p_o, p, ok2, EVEN)
         tl.store(ROWS + _RZ * n_rows + st, tl.where(active, rz_new, rz), mask=row_ok)
-        tl.store(ROWS + _QP * n_rows + st, tl.sum(tl.load(CTR + p_o, mask=ok2, other=0.0) * p.to(tl.float32), 1),
+        tl.store(ROWS + _QP * n_rows + st, tl.sum(_ld(CB + p_o, ok2, EVEN).to(tl.float32) * p.to(tl.float32), 1),
                  mask=row_ok)
 
 
 @triton.jit
-def _stats_kernel(Q, K, LAM, DS, M, OMEGA, R, P, CTR, DIAG, ROWS,
+def _stats_kernel(Q, K, LAM, DS, M, OMEGA, R, P, CTR, CB, DIAG, ROWS,
                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                   T, HQ, qk_scale, rtol2,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
@@ -169,8 +196,8 @@ def _stats_kernel(Q, K, LAM, DS, M, OMEGA, R, P, CTR, DIAG, ROWS,
     tl.store(CTR + p_o, ctr, mask=ok2)
     if JACOBI:
         tl.store(DIAG + p_o, diag, mask=ok2)
-    _cg_start(mut - om[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2,
-              JACOBI)
+    _cg_start(mut - om[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, CB, ROWS, n_rows,
+              rtol2, JACOBI)
 
 
 @triton.jit
@@ -204,7 +231,7 @@ def _out_kernel(Q, K, V, DS, M, OMEGA, CTR, ROWS, O, RHO, DELTA,
 
 
 @triton.jit
-def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, DIAG, ROWS, BETA,
+def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, CB, DIAG, ROWS, BETA,
                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_lb, s_lt, s_lh,
                   T, HQ, qk_scale, rtol2,
                   D: tl.constexpr, G: tl.constexpr, JACOBI: tl.constexpr, PRECISE: tl.constexpr,
@@ -233,8 +260,8 @@ def _bwd_a_kernel(Q, K, V, LAM, DS, O, DO, DELTA, M, OMEGA, R, P, CTR, DIAG, ROW
         diag = ctr
     tl.store(BETA + st, beta, mask=row_ok)
     tl.store(ROWS + _TAU * n_rows + st, tau, mask=row_ok)
-    _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, ROWS, n_rows, rtol2,
-              JACOBI)
+    _cg_start(ck - tau[:, None] * q.to(tl.float32), diag, ctr, rid, p_o, ok2, st, row_ok, R, P, CB, ROWS, n_rows,
+              rtol2, JACOBI)
 
 
 @triton.jit
@@ -359,7 +386,9 @@ BWD_A_CONFIGS = [_cfg(64, 32, 4, 3), _cfg(64, 64, 4)]
 BWD_B_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3)]
 _KEY = ["D", "G", "JACOBI", "PRECISE"]
 _STATE = ["R", "ROWS"]  # what a step updates in place (it writes the next direction and α to their own slots)
-_step_tuned = triton.autotune(candidates(STEP_CONFIGS), key=_KEY, restore_value=_STATE)(_cg_step_kernel)
+# EVEN: a tile's state rows and channels all exist, so the update's tiles need no masks
+_step_kernel = triton.heuristics({"EVEN": lambda a: a["T"] % a["BR"] == 0 and a["D"] == a["BD"]})(_cg_step_kernel)
+_step_tuned = triton.autotune(candidates(STEP_CONFIGS), key=_KEY, restore_value=_STATE)(_step_kernel)
 _stats_tuned = triton.autotune(candidates(STATS_CONFIGS), key=_KEY)(_stats_kernel)
 _out_tuned = triton.autotune(candidates(OUT_CONFIGS), key=["D", "G", "PRECISE"], restore_value=["RHO"])(_out_kernel)
 _bwd_a_tuned = triton.autotune(candidates(BWD_A_CONFIGS), key=_KEY)(_bwd_a_kernel)
@@ -374,12 +403,12 @@ _kv_tuned = triton.autotune(candidates(KV_CONFIGS), key=["D", "G"])(_bwd_kv_kern
 
 def _cg_buffers(q, cg_iters):
     """The CG residual r (fp32), the direction history p (operand dtype, one slot per iteration), α (fp32, one slot
-    per iteration but the last) and the row scalars."""
+    per iteration but the last), the row scalars and the steps' centre (operand dtype)."""
     B, T, HQ, D = q.shape
     r = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
     p = torch.empty(max(cg_iters, 1), B, T, HQ, D, device=q.device, dtype=q.dtype)
     alpha = torch.empty(max(cg_iters - 1, 1), B, T, HQ, device=q.device, dtype=torch.float32)
-    return r, p, alpha, r.new_empty(N_ROWS, B, T, HQ)
+    return r, p, alpha, r.new_empty(N_ROWS, B, T, HQ), torch.empty_like(q)
 
 
 def _centre_views(centre):
@@ -387,7 +416,7 @@ def _centre_views(centre):
     return centre[0], centre[-1]
 
 
-def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
+def _solve(q, k, ds, m, x, r, p, alpha, cb, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const):
     """``cg_iters`` CG steps on the state (r, p[0], rows) that ``_stats_kernel`` / ``_bwd_a_kernel`` started;
     the last one writes x."""
     B, T, HQ, D = q.shape
@@ -396,8 +425,8 @@ def _solve(q, k, ds, m, x, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_i
         return
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     for it in range(cg_iters):
-        _launch(_step_tuned, _cg_step_kernel, grid, block,
-                (q, k, ds, m, x, r, p, alpha, ctr, diag, rows, *strides[:6], T, HQ, qk_scale, it),
+        _launch(_step_tuned, _step_kernel, grid, block,
+                (q, k, ds, m, x, r, p, alpha, cb, diag, rows, *strides[:6], T, HQ, qk_scale, it),
                 {**const, "JACOBI": jacobi, "LAST": it == cg_iters - 1})
 
 
@@ -410,7 +439,7 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     out = empty(B, T, HQ, D, device=q.device, dtype=q.dtype)
     rho = empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
     delta, m, om = (empty(B, T, HQ, device=q.device, dtype=torch.float32) for _ in range(3))
-    r, p, alpha, rows = _cg_buffers(q, cg_iters)
+    r, p, alpha, rows, cb = _cg_buffers(q, cg_iters)
     centre = empty(1 + bool(jacobi), B, T, HQ, D, device=q.device, dtype=torch.float32)
     ctr, diag = _centre_views(centre)
     block = None if block_r is None else (block_r, block_c)
@@ -420,9 +449,9 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     # the solve's x goes into rho's buffer
     _launch(_stats_tuned, _stats_kernel, grid, block,
-            (q, k, lam, doc_start, m, om, r, p, ctr, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
+            (q, k, lam, doc_start, m, om, r, p, ctr, cb, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi})
-    _solve(q, k, doc_start, m, rho, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
+    _solve(q, k, doc_start, m, rho, r, p, alpha, cb, diag, rows, strides, qk_scale, cg_iters, jacobi, block, const)
     _launch(_out_tuned, _out_kernel, grid, block,
             (q, k, v, doc_start, m, om, ctr, rows, out, rho, delta, *strides[:6], T, HQ, qk_scale), const)
     return out, centre, rho, delta, m, om
@@ -438,7 +467,7 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta
     dq = empty_like(q)
     u = torch.empty_like(rho)
     beta, dlam = rho.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    r, p, alpha, rows = _cg_buffers(q, cg_iters)
+    r, p, alpha, rows, cb = _cg_buffers(q, cg_iters)
     ctr, diag = _centre_views(centre)
     block = None if block_r is None else (block_r, block_c)
     qk_scale = scale * LOG2E
@@ -447,13 +476,13 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     # the solve's x goes into u's buffer
     _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
-            (q, k, v, lam, doc_start, out, do, delta, m, om, r, p, ctr, diag, rows, beta, *strides,
+            (q, k, v, lam, doc_start, out, do, delta, m, om, r, p, ctr, cb, diag, rows, beta, *strides,
              T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi, "PRECISE": v1.PRECISE})
-    _solve(q, k, doc_start, m, u, r, p, alpha, ctr, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
+    _solve(q, k, doc_start, m, u, r, p, alpha, cb, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
            {**const, "PRECISE": v1.PRECISE})
     p = p[0]  # Δμ goes into the first direction slot
-    rb, ub = torch.empty_like(p), torch.empty_like(p)  # ρ, u in the operand dtype
+    rb, ub = cb, torch.empty_like(p)  # ρ, u in the operand dtype (the solve's centre is free now)
     _launch(_bwd_b_tuned, _bwd_b_kernel, grid, block,
             (q, k, v, lam, doc_start, do, rho, delta, m, om, ctr, rows, beta, dq, u, dlam, rb, ub, p, *strides,
              T, HQ, scale, qk_scale), const)

@@ -295,13 +295,15 @@ def test_triton_truncated_cg_matches_chunked(kernel):
                                        cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
 
 
+@pytest.mark.parametrize("T, D", [(18, 8), (32, 16)])
 @pytest.mark.parametrize("cg_iters", [0, 1, 3])
-def test_triton_v2_few_iterations_match_chunked(cg_iters):
+def test_triton_v2_few_iterations_match_chunked(cg_iters, T, D):
     """v2 forms x once, in the last CG step, from the direction history (x = Σ α_j p_j); 0 steps (x = 0), 1 step
-    (nothing summed from the history) and 3 match the chunked path's iterates, forward and gradients."""
-    q, k, v, lam = inputs(1, 18, 2, 1, 8, dtype=torch.float32)
+    (nothing summed from the history) and 3 match the chunked path's iterates, forward and gradients. T = 32, D = 16
+    at 16-row tiles runs the steps' unmasked state tiles (EVEN), T = 18 the masked ones."""
+    q, k, v, lam = inputs(1, T, 2, 1, D, dtype=torch.float32)
     lam = lam + 1.0
-    go = torch.randn(1, 18, 2, 8)
+    go = torch.randn(1, T, 2, D)
     res = []
     for impl, dt in (("triton", torch.float32), ("chunked", f64)):
         xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v, lam)]
