@@ -28,14 +28,15 @@ the autotuner times them.
 x is not part of the per-step state: each step writes its direction p_j to its own slot of a history and α_j to
 another, and the last step forms x = Σ α_j p_j once (the same products v1 adds, in another order). That
 replaced a read and a write of fp32 x in every step (0.14 ms of a 1.21 ms step, H100, session 13) with
-(iterations − 1) bf16 direction slots read once. A step moves ~18 bytes per (row, head, channel) (bf16): q, p, the
-centre twice (2 bytes each: the operand-dtype copy; 2 × 4 in fp32 before session 20), r in, r and the next p out. That traffic
-is not hidden behind the key loops of the SM's other program: H100, B4 T4096 16/8 heads D128 bf16 (session 20), a
-step took 1.00 ms, its key loop alone 0.73-0.77, its update alone 0.23 (~720 MB at 3.1 TB/s, the DRAM rate). The
-history costs (iterations − 1) operand-dtype copies of q while a solve runs.
+(iterations − 1) bf16 direction slots read once. A step moves ~18 bytes per (row, head, channel) (bf16): q, p,
+the centre twice (2 bytes each, the operand-dtype copy; 2 × 4 in fp32 before session 20), r in, r and the next p
+out. That traffic is not hidden behind the key loops of the SM's other program: H100, B4 T4096 16/8 heads D128
+bf16 (session 20), a step took 1.00 ms, its key loop alone 0.73-0.77, its update alone 0.23 (~720 MB at 3.1 TB/s,
+the DRAM rate). The history costs (iterations − 1) operand-dtype copies of q while a solve runs.
 
 State buffers ([B, T, HQ, D], rows as q's): r (fp32), the direction history ([iterations, B, T, HQ, D], operand
-dtype), the steps' centre (operand dtype; the backward's ρ in the operand dtype after its solve); x (fp32) is written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32);
+dtype), the steps' centre (operand dtype; holds the backward's operand-dtype ρ after its solve); x (fp32) is
+written into the ρ / u output buffer by the last step; α ([iterations − 1, B, T, HQ] fp32);
 per row ([9, B, T, HQ] fp32): rz = rᵀz, the stop threshold, k̄·p, ‖b‖, λω; in the backward also τ and the row
 scalars of dk/dv. The forward's k̄ and Jacobi diagonal (fp32, [1 + JACOBI, B, T, HQ, D]) are kept for the
 backward, whose solve therefore runs on the forward's Σ_c; pass A reads them instead of recomputing μ̃ (and
@@ -127,9 +128,10 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CB, DIAG, ROWS,
 
     The centre is CB, k̄ rounded to the operand dtype, in both of its uses: the loop's k·p − c·p and the update's
     Σ_j t_j k_j − (Σ_j t_j) c. Σ_c is then Σ_j w_j (k_j − c)(k_j − c)ᵀ = Σ_c + ω(k̄ − c)(k̄ − c)ᵀ, exactly for any c,
-    the same matrix in every step of a solve; fp32 inputs keep c = k̄. The update loads 2 bytes of centre per
-    channel instead of 8 (two fp32 loads), and with EVEN (T a multiple of BR, D = BD) its tiles are unmasked:
-    H100, B4 T4096 16/8 heads D128 bf16, a step 1.00 -> 0.95 ms (session 20)."""
+    the same matrix in every step of a solve; fp32 inputs keep c = k̄. The update loads 2 × 2 bytes of centre per
+    channel instead of 2 × 4, and with EVEN (T a multiple of BR, D = BD) its tiles are unmasked. H100, B4 T4096
+    16/8 heads D128 bf16 (session 20): a step pinned at (64, 64, 4, 3) 1.00 -> 0.95 ms; in the kernel table of an
+    LLA-8 fwd+bwd 0.95 -> 0.87-0.90 ms."""
     b, h, o_r, row_ok, ds, lo, mid1, mid2, hi, p_o, ok2, st, n_rows = _q_tile(DS, T, HQ, D, BR, BC, BD)
     q = _rows(Q + b * s_qb + h * s_qh, o_r, tl.arange(0, BD), s_qt, T, D, True)
     K += b * s_kb + (h // G) * s_kh
@@ -144,7 +146,8 @@ def _cg_step_kernel(Q, K, DS, M, X, R, P, ALPHA, CB, DIAG, ROWS,
     # -- the CG update: everything below is loaded after the key loop, so none of it is live inside it; each
     # [BR, D] tile is stored as soon as it is final (fewer live fp32 tiles, fewer spills) --
     rid = tl.load(ROWS + _RID * n_rows + st, mask=row_ok, other=0.0)
-    p = _ld(P_it + p_o, ok2, EVEN)  # the operand dtype, converted where used
+    # p (operand dtype) is converted where used. A second load of it here is folded into the first by Triton
+    # (TTGIR), and a load it cannot fold measured the same (session 20): the update uses the loop's p.
     if LAST:
         pap = rs + rid * tl.sum(p.to(tl.float32) * p.to(tl.float32), 1)
     else:
