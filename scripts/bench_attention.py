@@ -368,9 +368,10 @@ TUNE_T, TUNE_DS, TUNE_B, TUNE_HQ, TUNE_HKV, TUNE_DEVICE, TUNE_DTYPE = 4096, (64,
 
 
 TUNE_KERNELS = ("fwd", "dq", "dkv")
-TUNE_FWD_VARIANTS = False
-"""--tune-fwd-variants: each forward candidate also with TMA loads of K/V (KV_TMA) and/or a warp-specialised loop
-(WS); such specs carry two more entries (kv_tma, ws)."""
+TUNE_VARIANTS = False
+"""--tune-variants: each candidate also with TMA tile loads in its mask-free loop (TMA: K/V in the forward and
+the row pass, Q/ρ/dO in the column pass) and, in the forward, that loop warp-specialised (WS, 8 warps); such specs
+carry two more entries (tma, ws)."""
 
 
 def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
@@ -387,14 +388,21 @@ def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
             for kern, (specs, prune, names) in lists.items():
                 specs = list(dict.fromkeys(specs))
                 kept = prune(common._configs(specs, names), {}, D=D, HAS_PROBE=probe)
-                kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages) for c in kept}
+                kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages,
+                         c.kwargs.get("TMA", False), c.kwargs.get("WS", False)) for c in kept}
                 if kern not in TUNE_KERNELS:
                     continue
-                jobs += [(D, probe, kern, s) for s in specs if s[:4] in kept]
-                if kern == "fwd" and TUNE_FWD_VARIANTS:
-                    jobs += [(D, probe, kern, s + flags) for s in specs if len(s) == 4 and s in kept
-                             and s != TUNE_FILL for flags in ((1, 0), (0, 1), (1, 1))]
+                jobs += [(D, probe, kern, s) for s in specs if _flagged(s) in kept]
+                if TUNE_VARIANTS:  # warp specialisation: the forward only, at 8 warps (Triton 3.6)
+                    flags = ((1, 0), (0, 1), (1, 1)) if kern == "fwd" else ((1, 0),)
+                    jobs += [(D, probe, kern, s + f) for s in specs if len(s) == 4 and _flagged(s) in kept
+                             and s != TUNE_FILL for f in flags if s[2] >= 8 or not f[1]]
     return list(dict.fromkeys(jobs))
+
+
+def _flagged(spec: tuple) -> tuple:
+    """(tile0, tile1, warps, stages, tma, ws) of a spec with or without its two flags."""
+    return tuple(spec[:4]) + ((bool(spec[4]), bool(spec[5])) if len(spec) == 6 else (False, False))
 
 
 TUNE_FILL = (64, 64, 4, 3)  # config that computes lse, t̄ (fwd) and τ, β (dq) for the timing pass
@@ -423,10 +431,10 @@ def _tune_call(x: dict, kern: str, spec: tuple, D: int, out: dict | None = None)
     """One launch of ``kern`` at ``spec`` (no autotuner); the forward writes into ``out`` or scratch buffers."""
     from attention.ops.parallax.kernels import ops as kops
 
-    names = ("BN", "BM") if kern == "dkv" else ("BM", "BN")
-    cfg = {names[0]: spec[0], names[1]: spec[1], "num_warps": spec[2], "num_stages": spec[3]}
-    if len(spec) == 6:
-        cfg.update(KV_TMA=bool(spec[4]), WS=bool(spec[5]))
+    from attention.ops.parallax.kernels.common import spec_kwargs
+
+    cfg = dict(spec_kwargs(spec, ("BN", "BM") if kern == "dkv" else ("BM", "BN")), num_warps=spec[2],
+               num_stages=spec[3])
     scale = D**-0.5
     if kern == "fwd":
         o, lse, vbar, tbar = (out[n] if out is not None else torch.empty_like(x[n])
@@ -459,8 +467,9 @@ def tune_report(workers: int) -> list[str]:
 
     t0 = time.time()
     if workers > 0:
-        cmd = [sys.executable, os.path.abspath(__file__), "--tune-kernels", ",".join(TUNE_KERNELS)]
-        cmd += ["--tune-fwd-variants"] * TUNE_FWD_VARIANTS + ["--tune-worker"]
+        cmd = [sys.executable, os.path.abspath(__file__), "--tune-kernels", ",".join(TUNE_KERNELS),
+               "--tune-ds", ",".join(map(str, TUNE_DS))]
+        cmd += ["--tune-variants"] * TUNE_VARIANTS + ["--tune-worker"]
         procs = [subprocess.Popen(cmd + [f"{i}/{workers}"]) for i in range(workers)]
         for p in procs:
             p.wait()
@@ -508,8 +517,9 @@ def main() -> None:
     ap.add_argument("--timing", choices=("queued", "percall"), default="queued",
                     help="queued: back-to-back calls between two events (default); percall: sync after each call")
     ap.add_argument("--tune-kernels", default="fwd,dq,dkv", help="kernels the tune report times")
-    ap.add_argument("--tune-fwd-variants", action="store_true",
-                    help="tune report: forward candidates also with TMA K/V loads and a warp-specialised loop")
+    ap.add_argument("--tune-ds", default="64,128", help="head dims the tune report times")
+    ap.add_argument("--tune-variants", action="store_true",
+                    help="tune report: candidates also with TMA tile loads and a warp-specialised loop")
     ap.add_argument("--tune-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--decode-only", action="store_true", help="skip the training tables")
     ap.add_argument("--decode-cells", default="", help="decode cells as BxL,BxL,... (e.g. 1x1024,1x4096)")
@@ -519,8 +529,9 @@ def main() -> None:
     if args.only_linear:
         run_linear(args.quick)
         return
-    global TUNE_KERNELS, TUNE_FWD_VARIANTS, TIMING
-    TUNE_KERNELS, TUNE_FWD_VARIANTS = tuple(args.tune_kernels.split(",")), args.tune_fwd_variants
+    global TUNE_KERNELS, TUNE_VARIANTS, TUNE_DS, TIMING
+    TUNE_KERNELS, TUNE_VARIANTS = tuple(args.tune_kernels.split(",")), args.tune_variants
+    TUNE_DS = tuple(int(d) for d in args.tune_ds.split(","))
     TIMING = args.timing
     if args.tune_worker:
         tune_worker(*map(int, args.tune_worker.split("/")))

@@ -46,11 +46,9 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
         fn, specs, tiles = kern[name]
         fn = fn.fn
         for spec in dict.fromkeys(specs):
-            consts = dict(base, **{tiles[0]: spec[0], tiles[1]: spec[1]})
+            consts = dict(base, **common.spec_kwargs(spec, tiles))
             if name == "dkv":
                 consts["LONG_OFF"] = False
-            if name == "fwd":  # (BM, BN, warps, stages[, KV_TMA, WS])
-                consts.update(KV_TMA=bool(spec[4:5] and spec[4]), WS=bool(spec[5:6] and spec[5]))
             sig = {a: "constexpr" if a in consts else "fp32" if a in ("qk_scale", "scale") else
                    "i32" if a in ("W", "T", "NT") else "*i32" if a == "CU" else
                    "*fp32" if a in fp32 else f"*{dtype}" for a in fn.arg_names}

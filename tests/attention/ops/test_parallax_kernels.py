@@ -155,16 +155,60 @@ def run_fwd_at(q, k, v, r, config, cu=None, window=None, max_seqlen=0):
 @pytest.mark.parametrize("flags", [(True, False), (True, True)], ids=["tma", "tma-ws"])
 @pytest.mark.parametrize("layout", ["dense", "docs", "window"])
 def test_fwd_tma_variant(flags, layout):
-    """The KV_TMA / WS forward candidates (descriptor loads in the mask-free key blocks) against float64, with GQA,
+    """The TMA / WS forward candidates (descriptor loads in the mask-free key blocks) against float64, with GQA,
     T not a multiple of the tiles, packed documents and a window."""
     q, k, v, r = make_inputs(2, 45, 4, 2, 16, True)
     cu = torch.tensor([0, 7, 45, 90], dtype=torch.int32) if layout == "docs" else None
     window = 9 if layout == "window" else None
-    cfg = dict(BM=16, BN=16, num_warps=1, num_stages=1, KV_TMA=flags[0], WS=flags[1])
+    cfg = dict(BM=16, BN=16, num_warps=1, num_stages=1, TMA=flags[0], WS=flags[1])
     out = run_fwd_at(q, k, v, r, cfg, cu=cu, window=window, max_seqlen=45 if cu is not None else 0)
     ref = naive_parallax(*(t.double() for t in (q, k, v, r)), cu_seqlens=cu, window_size=window)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < BUDGET[torch.float32][0]
+
+
+def run_bwd_at(q, k, v, r, do, dq_config, dkv_config, cu=None, window=None, max_seqlen=0):
+    """Forward at a 16 × 16 tile, then the row and column passes alone at pinned configs; every output poisoned with
+    NaN first. Returns (dq, dk, dv, dr) in the inputs' shapes."""
+    shapes = [t.shape for t in (q, k, v, r) if t is not None]
+    B, T, HQ, D = q.shape
+    do = do.contiguous()  # the kernels take contiguous [B, T, H, D] tensors (the op's backward makes dO so)
+    if cu is not None:
+        q, k, v, do = (t.reshape(1, B * T, t.shape[2], D) for t in (q, k, v, do))
+        r = r.reshape(1, B * T, HQ, D) if r is not None else None
+    nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    o, vbar = nan(q), nan(q)
+    lse = torch.full((HQ, B * T), float("nan"), device=q.device)
+    tbar, tau, beta = nan(lse), nan(lse), nan(lse)
+    scale, window = D**-0.5, window or 0
+    kops.launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu, scale, max_seqlen, window,
+                    config=dict(BM=16, BN=16, num_warps=1, num_stages=1))
+    dq, dr, dk, dv = nan(q), nan(q), nan(k), nan(v)
+    args = (do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu, scale, max_seqlen, window)
+    kops.launch_dq(*args, dq, dr, config=dq_config)
+    kops.launch_dkv(*args, dk, dv, config=dkv_config)
+    return tuple(g.reshape(s) for g, s in zip((dq, dk, dv, dr), shapes))
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("layout", ["dense", "docs", "window"])
+def test_bwd_tma_variant(layout, probe):
+    """The backward's TMA candidates (descriptor loads of K/V in the row pass's and of Q/ρ/dO in the column pass's
+    mask-free blocks) against float64: every gradient, GQA, T not a multiple of the tiles, packed documents and a
+    window. T = 130 and the window of 70 leave both passes mask-free blocks at tiles of 32 × 16."""
+    q, k, v, r = make_inputs(1, 130, 4, 2, 16, probe)
+    cu = torch.tensor([0, 9, 100, 130], dtype=torch.int32) if layout == "docs" else None
+    window = 70 if layout == "window" else None
+    ins = [t.double().requires_grad_(True) for t in (q, k, v, r) if t is not None]
+    ref = naive_parallax(*ins[:3], ins[3] if probe else None, cu_seqlens=cu, window_size=window)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ins, do)
+    tiles = dict(num_warps=1, num_stages=1, TMA=True)
+    grads = run_bwd_at(q, k, v, r, do.float(), dict(tiles, BM=32, BN=16), dict(tiles, BN=32, BM=16), cu=cu,
+                       window=window, max_seqlen=91 if cu is not None else 0)
+    for name, g, gr in zip("qkvr", grads, ref_grads):
+        assert torch.isfinite(g).all(), f"d{name} has unwritten (NaN) elements"
+        assert rel_err(g, gr) < BUDGET[torch.float32][1], f"d{name} rel err {rel_err(g, gr):.3g}"
 
 
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
@@ -175,7 +219,7 @@ def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
 
     def kept(D, probe):
-        return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs.get("KV_TMA", False), c.kwargs.get("WS", False))
+        return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs.get("TMA", False), c.kwargs.get("WS", False))
                 for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, D=D, HAS_PROBE=probe)}
 
     assert not any(t[2] or t[3] for p in (True, False) for t in kept(64, p))
@@ -193,7 +237,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
 
     def kept(D, probe):
-        return {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.kwargs.get("KV_TMA", False))
+        return {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.kwargs.get("TMA", False))
                 for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, capability=capability, D=D,
                                    HAS_PROBE=probe)}
 
@@ -204,6 +248,24 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
         assert ((128, 64, 8, False) in k) == (capability[0] != 9)
     assert ((128, 128, 8, False) in kept(128, False)) == (capability[0] != 9)
     assert (128, 64, 8, False) in kept(64, True)  # below D = 128 there is no twin to give way to
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+def test_prune_bwd_tma_twins(capability, monkeypatch):
+    """The backward lists' TMA twins stay at D >= 128 on sm_90+ only, next to their plain tiles (the autotuner
+    times both: the twin won at some picks and lost at others)."""
+    from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, _configs, prune_bwd
+
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
+    for specs, names in ((DQ_SPECS, ("BM", "BN")), (DKV_SPECS, ("BN", "BM"))):
+        twins = [s for s in specs if len(s) == 6 and s[4]]
+        assert twins
+        for D, probe in ((64, True), (128, True), (128, False)):
+            kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages, c.kwargs.get("TMA", False))
+                    for c in prune_bwd(_configs(specs, names), {}, capability=capability, D=D, HAS_PROBE=probe)}
+            for s in twins:
+                assert (s[:4] + (True,) in kept) == (D >= 128 and capability >= (9, 0)), (D, s)
+                assert s[:4] + (False,) in kept
 
 
 # -------------------------------------------------------------------- decode
@@ -416,6 +478,64 @@ def test_gpu_every_fwd_candidate(D, monkeypatch):
             out = run_fwd_at(q, k, v, r, cfg, cu=cu, max_seqlen=1400)
             assert torch.isfinite(out).all(), spec
             assert rel_err(out, ref) < BUDGET[torch.bfloat16][0], (spec, rel_err(out, ref))
+
+
+@pytest.mark.gpu
+def test_gpu_tma_launch_in_a_new_thread():
+    """Autograd runs the backward in its own thread, where Triton's allocator (a ContextVar) starts unset: a TMA
+    launch there must set it itself even after one in this thread did, and match the plain tile."""
+    import threading
+
+    q, k, v, r = make_inputs(1, 512, 4, 2, 128, True, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    tiles = dict(num_warps=8, num_stages=3, BM=128, BN=64)
+    out, errors = {}, []
+
+    def run(tma):
+        try:
+            out[tma] = run_bwd_at(q, k, v, r, do, dict(tiles, TMA=tma), dict(BN=64, BM=64, num_warps=4,
+                                                                               num_stages=2, TMA=tma))
+        except Exception as e:  # noqa: BLE001 — re-raised in the test's thread below
+            errors.append(e)
+
+    run(False)
+    run(True)  # this thread's context gets the allocator
+    out["here"] = out.pop(True)
+    t = threading.Thread(target=run, args=(True,))
+    t.start()
+    t.join()
+    assert not errors, errors
+    for a, b, c in zip(out[True], out["here"], out[False]):
+        assert torch.isfinite(a).all() and rel_err(a, c) < 1e-2 and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_every_bwd_candidate(D, monkeypatch):
+    """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
+    pinned, in pairs, probe and softmax, bf16, packed documents: every gradient against the float32 reference."""
+    from attention.ops.parallax.kernels.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, _configs,
+                                                       prune_bwd)
+
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
+    cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
+    pinned = lambda c: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)  # noqa: E731
+    for probe in (True, False):
+        q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
+        ins = [t.float().requires_grad_(True) for t in (q, k, v, r) if t is not None]
+        ref = naive_parallax(*ins[:3], ins[3] if probe else None, cu_seqlens=cu)
+        do = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, ins, do)
+        dqs = [pinned(c) for c in prune_bwd(_configs(DQ_SPECS + TUNE_EXTRA_DQ, ("BM", "BN")), {}, D=D,
+                                            HAS_PROBE=probe)]
+        dkvs = [pinned(c) for c in prune_bwd(_configs(DKV_SPECS + TUNE_EXTRA_DKV, ("BN", "BM")), {}, D=D,
+                                             HAS_PROBE=probe)]
+        for i in range(max(len(dqs), len(dkvs))):
+            dq_cfg, dkv_cfg = dqs[i % len(dqs)], dkvs[i % len(dkvs)]
+            grads = run_bwd_at(q, k, v, r, do.bfloat16(), dq_cfg, dkv_cfg, cu=cu, max_seqlen=1400)
+            for name, g, gr in zip("qkvr", grads, ref_grads):
+                assert torch.isfinite(g).all(), (name, dq_cfg, dkv_cfg)
+                assert rel_err(g, gr) < BUDGET[torch.bfloat16][1], (name, dq_cfg, dkv_cfg, rel_err(g, gr))
 
 
 @pytest.mark.gpu

@@ -11,6 +11,9 @@ Without a probe t = t̄ = β = 0 and these reduce to FlashAttention's (g1 = p (a
   from the dO, o, v̄ tiles it loads anyway, stored for the column pass), then dQ and dR over key blocks.
 - Column pass (``_parallax_bwd_dkv_kernel``): per key tile and KV head; loops over the q heads of the GQA
   group inside the program, so dK/dV accumulate per kv head in registers (no per-q-head buffer, no atomics).
+
+``TMA`` (autotune candidates at D >= 128 on sm_90+, ``common.DQ_SPECS`` / ``DKV_SPECS``): the mask-free blocks'
+streamed tiles (K/V in the row pass, Q/ρ/dO in the column pass) load through device-side tensor descriptors.
 """
 
 from __future__ import annotations
@@ -18,21 +21,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, dkv_configs, dq_configs,
-                                                   prune_bwd)
+from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, _tile_descriptors,
+                                                   dkv_configs, dq_configs, prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 
 @triton.jit
-def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, lo, hi, L, W, qk_scale,
-              STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
-              MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m, lo, hi, L,
+              W, qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
+              MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr):
     o_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
         p_k = p_k0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
         p_v = p_v0 + o_n[:, None] * STRIDE_KV + o_d[None, :]
-        if MASK:
+        if USE_DESC:  # TMA tile loads (mask-free phase only)
+            b_k = desc_k.load([row0 + start_n, col0])
+            b_v = desc_v.load([row0 + start_n, col0])
+        elif MASK:
             b_k = tl.load(p_k, mask=o_n[:, None] < L, other=0.0)
             b_v = tl.load(p_v, mask=o_n[:, None] < L, other=0.0)
         else:
@@ -64,7 +70,7 @@ def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, lo,
 def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, DR, CU, scale, qk_scale, W, T, NT,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                            WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+                            WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False):
     tl.static_assert(BM % BN == 0)
     i_m, i_h, i_b = _row_program(HQ)
     if IS_VARLEN:
@@ -101,26 +107,30 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
         tbar = tau
     p_k0 = K + bos * (HKV * D) + i_kh * D
     p_v0 = V + bos * (HKV * D) + i_kh * D
+    desc_k, desc_v = _tile_descriptors(K, V, NT, HKV * D, BN, D, TMA)
+    row0 = bos.to(tl.int32)
+    col0 = i_kh * D
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dr = tl.zeros([BM, D], dtype=tl.float32)
 
     start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
     if WINDOW:
-        dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, start, a_hi, L, W,
-                           qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
-    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, b_lo, b_hi, L, W,
-                       qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC)
-    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, o_m, c_lo, end, L, W,
-                       qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC)
+        dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
+                           o_m, start, a_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC, False)
+    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
+                       o_m, b_lo, b_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC, TMA)
+    dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
+                       o_m, c_lo, end, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC, False)
     tl.store(DQ + off_q, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if HAS_PROBE:
         tl.store(DR + off_q, dr.to(DR.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L, W, scale, qk_scale,
-               HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_PROBE: tl.constexpr,
-               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
+def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, desc_q, desc_r, desc_do, row0, col0, o_n, lo, hi,
+               L, W, scale, qk_scale, HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_PROBE: tl.constexpr,
+               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr,
+               USE_DESC: tl.constexpr):
     """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
     per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF.
 
@@ -143,8 +153,12 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
             lse = tl.load(LSE + off_row, mask=row_ok, other=0.0)
             tau = tl.load(TAU + off_row, mask=row_ok, other=0.0)
         else:
-            b_q = tl.load(Q + off_q)
-            b_do = tl.load(DO + off_q)
+            if USE_DESC:  # TMA tile loads (mask-free phase only)
+                b_q = desc_q.load([row0 + start_m, col0])
+                b_do = desc_do.load([row0 + start_m, col0])
+            else:
+                b_q = tl.load(Q + off_q)
+                b_do = tl.load(DO + off_q)
             lse = tl.load(LSE + off_row)
             tau = tl.load(TAU + off_row)
         # transposed orientation: [BN keys, BM queries]
@@ -155,7 +169,10 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
                 beta = tl.load(BETA + off_row, mask=row_ok, other=0.0)
                 tbar = tl.load(TBAR + off_row, mask=row_ok, other=0.0)
             else:
-                b_r = tl.load(R + off_q)
+                if USE_DESC:
+                    b_r = desc_r.load([row0 + start_m, col0])
+                else:
+                    b_r = tl.load(R + off_q)
                 beta = tl.load(BETA + off_row)
                 tbar = tl.load(TBAR + off_row)
             if EARLY:  # all three score products before the exponentials: they overlap them
@@ -191,7 +208,8 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, o_n, lo, hi, L,
 def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, scale, qk_scale, W, T, NT,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr):
+                             WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr,
+                             TMA: tl.constexpr = False):
     tl.static_assert(BN % BM == 0)
     i_n, pair, _, _ = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most query rows: heaviest first
     i_kh = pair % HKV
@@ -215,17 +233,23 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
     dv = tl.zeros([BN, D], dtype=tl.float32)
     start, a_hi, b_lo, b_hi, c_lo, end = _col_phases(n0, L, W, BM, BN, WINDOW)
     G: tl.constexpr = HQ // HKV
+    desc_q, desc_do = _tile_descriptors(Q, DO, NT, HQ * D, BM, D, TMA)
+    desc_r, _ = _tile_descriptors(R, R, NT, HQ * D, BM, D, TMA and HAS_PROBE)
+    row0 = bos.to(tl.int32)
     for g in range(G):  # the q heads of this kv head's group
         i_h = i_kh * G + g
         p_q, p_r, p_do = (Q + (bos * HQ + i_h) * D, R + (bos * HQ + i_h) * D, DO + (bos * HQ + i_h) * D)
         off_row = i_h.to(tl.int64) * NT + bos
         p_lse, p_tbar, p_tau, p_beta = LSE + off_row, TBAR + off_row, TAU + off_row, BETA + off_row
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, start, a_hi, L, W,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC, LONG_OFF)
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, b_lo, b_hi, L, W,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, False, WINDOW, DOT_PREC, LONG_OFF)
-        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, o_n, c_lo, end, L, W,
-                            scale, qk_scale, HQ, D, BM, HAS_PROBE, True, WINDOW, DOT_PREC, LONG_OFF)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
+                            row0, i_h * D, o_n, start, a_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
+                            WINDOW, DOT_PREC, LONG_OFF, False)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
+                            row0, i_h * D, o_n, b_lo, b_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, False,
+                            WINDOW, DOT_PREC, LONG_OFF, TMA)
+        dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
+                            row0, i_h * D, o_n, c_lo, end, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
+                            WINDOW, DOT_PREC, LONG_OFF, False)
     if not HAS_PROBE:  # the softmax column pass leaves the scale of dK = scale·Σ g1 q to here
         dk *= scale
     tl.store(DK + off_kv, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])

@@ -72,15 +72,32 @@ def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constex
     return start, a_hi, b_lo, b_hi, c_lo, end
 
 
+@triton.jit
+def _tile_descriptors(A, B, NT, WIDTH: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """Device-side TMA descriptors of [ROWS, D] tiles over the [tokens, WIDTH] views of A and B (the pointers
+    themselves without TMA). Used by the mask-free loops only: a descriptor does not stop at a document's end."""
+    if TMA:
+        desc_a = tl.make_tensor_descriptor(A, shape=[NT, WIDTH], strides=[WIDTH, 1], block_shape=[ROWS, D])
+        desc_b = tl.make_tensor_descriptor(B, shape=[NT, WIDTH], strides=[WIDTH, 1], block_shape=[ROWS, D])
+    else:
+        desc_a = A
+        desc_b = B
+    return desc_a, desc_b
+
+
+def spec_kwargs(spec, names) -> dict:
+    """Kernel meta-parameters of a (tile0, tile1, warps, stages[, tma, ws]) tuple (ws: the forward only)."""
+    kw = dict(zip(names, spec[:2]))
+    if len(spec) == 6:
+        kw["TMA"] = bool(spec[4])
+        if spec[5]:
+            kw["WS"] = True
+    return kw
+
+
 def _configs(spec, names):
-    """triton.Configs from (tile0, tile1, warps, stages[, kv_tma, ws]) tuples (the last two: forward only)."""
-    out = []
-    for s in spec:
-        kw = dict(zip(names, s[:2]))
-        if len(s) == 6:
-            kw.update(KV_TMA=bool(s[4]), WS=bool(s[5]))
-        out.append(triton.Config(kw, num_warps=s[2], num_stages=s[3]))
-    return candidates(out)
+    """triton.Configs from (tile0, tile1, warps, stages[, tma, ws]) tuples."""
+    return candidates([triton.Config(spec_kwargs(s, names), num_warps=s[2], num_stages=s[3]) for s in spec])
 
 
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
@@ -88,9 +105,11 @@ def _configs(spec, names):
 # D=64/128, probe and softmax) plus one neighbour; see benchmarks/RESULTS.md "Attention kernels".
 FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3, 1, 1),
              (128, 128, 8, 3, 1, 1)]
-# The last entry of DQ_SPECS / DKV_SPECS is the 8-warp, low-spill candidate from the note below.
-DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2)]
-DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2)]  # (BN, BM, ...)
+# The 8-warp entries (64, 64, 8, 2) of DQ_SPECS and (64, 32, 8, 2) of DKV_SPECS are the low-spill candidates of the
+# note below; the (…, 1, 0) entries are TMA twins (note further below).
+DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 3, 1, 0)]
+DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
+             (64, 64, 4, 2, 1, 0)]  # (BN, BM, ...)
 # Candidates against the backward's register spills (issue 8: on an H100 at D=128 with a probe, the dkv pick
 # (64, 64, 4, 3) spilled 6.8M local-memory requests and dq 1.2M). Offline ptxas of Triton 3.9 (sm_90a; probe,
 # D=128; `scripts/profile_attention.py --spills`), bytes of spill stores of the dkv kernel as it is now (int32
@@ -108,6 +127,13 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). `prune_fwd` keeps the
 # TMA/WS entries at D >= 128 and sm_90+ only, and on sm_90 drops the plain twin of a TMA + WS entry (its docstring);
 # `test_gpu_every_fwd_candidate` passed at D=64 and D=128 (H100, session 8).
+# Backward entries may add (tma, 0): the row pass's K/V tiles, or the column pass's Q/ρ/dO tiles, of the mask-free
+# blocks by TMA. H100, session 21 tune report (`--tune-variants`, T=4096, kernel alone, D=128, two runs, ms): Parallax
+# dq (128, 64, 8, 3) 1.238 / 1.215 -> 1.206 / 1.194, softmax dkv (64, 64, 4, 2) 1.068 / 1.038 -> 1.005 / 0.989; at
+# the other picks no gain (Parallax dkv (64, 32, 4, 2) 1.711 / 1.706 -> 1.737 / 1.740, softmax dq 0.735 / 0.725 ->
+# 0.748 / 0.714). A warp-specialised backward loop gained at most 1 % at 8 warps (dq (128, 64, 8, 3) 1.232 / 1.210,
+# dkv (128, 64, 8, 3) 2.900 / 2.881 against 2.927 / 2.885 plain) and does not compile at the 4-warp picks, so the
+# backward kernels have no WS. Pruned like the forward's: D >= 128 and sm_90+ only.
 TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
@@ -144,7 +170,12 @@ def _capability() -> tuple[int, int] | None:
 
 
 def _tma_ws(c) -> bool:
-    return bool(c.kwargs.get("KV_TMA") or c.kwargs.get("WS"))
+    return bool(c.kwargs.get("TMA") or c.kwargs.get("WS"))
+
+
+def _tma_ws_dropped(c, D: int, capability: tuple[int, int] | None) -> bool:
+    """A TMA / warp-specialised candidate goes below D = 128 (plain tiles measured faster there) and below sm_90."""
+    return _tma_ws(c) and (D < 128 or (capability is not None and capability < (9, 0)))
 
 
 def _tile(c) -> tuple[int, int, int, int]:
@@ -166,7 +197,7 @@ def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **
     out = []
     for c in configs:
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
-        if _tma_ws(c) and (D < 128 or (capability is not None and capability < (9, 0))):
+        if _tma_ws_dropped(c, D, capability):
             continue
         if D >= 128 and probe and bn > 64:
             continue
@@ -174,16 +205,21 @@ def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **
             continue
         out.append(c)
     if capability is not None and capability[0] == 9:
-        twins = {_tile(c) for c in out if c.kwargs.get("KV_TMA") and c.kwargs.get("WS")}
+        twins = {_tile(c) for c in out if c.kwargs.get("TMA") and c.kwargs.get("WS")}
         out = [c for c in out if _tma_ws(c) or _tile(c) not in twins]
     return out or configs[-1:]
 
 
-def prune_bwd(configs, named_args, **kwargs):
+def prune_bwd(configs, named_args, capability: tuple[int, int] | None = None, **kwargs):
+    """Drop tiles that spill at large D (probe: BM·BN ≥ 128², D ≥ 256: tiles > 64), and the TMA twins below D = 128
+    or sm_90 (``capability``: as in ``prune_fwd``)."""
     D = kwargs.get("D", named_args.get("D"))
+    capability = _capability() if capability is None else capability
+    configs = [c for c in configs if not _tma_ws_dropped(c, D, capability)] or configs
     if D >= 128 and kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE")):
         configs = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] < 128 * 128] or configs
     out = [c for c in configs if not (D >= 256 and (c.kwargs["BM"] > 64 or c.kwargs["BN"] > 64))]
     if D >= 256:
-        out = [c for c in out if c.num_stages <= 2] or [triton.Config(dict(c.kwargs), num_warps=4, num_stages=1) for c in configs[:1]]
+        out = [c for c in out if c.num_stages <= 2] or [triton.Config(dict(c.kwargs), num_warps=4, num_stages=1)
+                                                         for c in configs[:1]]
     return out or configs[-1:]

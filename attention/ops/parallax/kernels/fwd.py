@@ -10,7 +10,7 @@ Per query tile and q head, over key blocks (spec ``parallax.md`` §1, eq. 14 / A
 Saved for the backward (spec §2): lse = m + log2 d1 (log2 units), t̄ = d2/d1 and v̄ = O1/d1.
 GQA reads the kv head ``h // (HQ // HKV)`` directly (no repeated K/V). Packed documents: one program row
 per (document, head); keys never leave the document. Optional constexprs (autotune candidates at D >= 128,
-``common.FWD_SPECS``): ``KV_TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors,
+``common.FWD_SPECS``): ``TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors,
 ``WS`` warp-specialises that loop.
 """
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import _row_phases, _row_program, fwd_configs, prune_fwd
+from attention.ops.parallax.kernels.common import (_row_phases, _row_program, _tile_descriptors, fwd_configs,
+                                                   prune_fwd)
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
@@ -83,7 +84,7 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
 def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr = False,
+                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False,
                          WS: tl.constexpr = False):
     tl.static_assert(BM % BN == 0)
     i_m, i_h, i_b = _row_program(HQ)
@@ -108,12 +109,7 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
         b_r = b_q
     p_k0 = K + bos * (HKV * D) + i_kh * D
     p_v0 = V + bos * (HKV * D) + i_kh * D
-    if KV_TMA:  # device-side descriptors over the [tokens, HKV·D] views of K and V
-        desc_k = tl.make_tensor_descriptor(K, shape=[NT, HKV * D], strides=[HKV * D, 1], block_shape=[BN, D])
-        desc_v = tl.make_tensor_descriptor(V, shape=[NT, HKV * D], strides=[HKV * D, 1], block_shape=[BN, D])
-    else:
-        desc_k = K
-        desc_v = V
+    desc_k, desc_v = _tile_descriptors(K, V, NT, HKV * D, BN, D, TMA)
     row0 = bos.to(tl.int32)
     col0 = i_kh * D
 
@@ -130,7 +126,7 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
                                              DOT_PREC, False, False)
     acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
                                          b_lo, b_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC,
-                                         KV_TMA, WS)
+                                         TMA, WS)
     acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
                                          c_lo, end, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC,
                                          False, False)

@@ -20,7 +20,7 @@ import triton
 
 from attention.ops.outputs import empty, empty_like
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
-from attention.ops.parallax.kernels.common import FWD_SPECS, INTERPRET
+from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, FWD_SPECS, INTERPRET
 from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
 from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
 from attention.ops.tiles import tile_grid
@@ -50,20 +50,21 @@ def _tma_alloc(size: int, alignment: int, stream: Optional[int]) -> Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-_FWD_LIST_USES_TMA = any(len(s) == 6 and s[4] for s in FWD_SPECS)
+_LISTS_USE_TMA = any(len(s) == 6 and s[4] for s in FWD_SPECS + DQ_SPECS + DKV_SPECS)
 
 
-@functools.cache
 def _tma_allocator() -> None:
-    """Device-side tensor descriptors (the forward's KV_TMA candidates) need Triton's global scratch allocator."""
+    """Device-side tensor descriptors (the TMA candidates) need Triton's scratch allocator. Triton keeps it in a
+    ContextVar, and autograd runs the backward in its own thread, which starts without one: so it is set before
+    every launch that may build a descriptor, not once."""
     if not INTERPRET:
         triton.set_allocator(_tma_alloc)
 
 
 def _launch(kernel, grid, args, meta, config: Optional[dict]):
-    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, KV_TMA, WS]} the bare kernel at that
+    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, TMA, WS]} the bare kernel at that
     config (scripts/bench_attention.py --tune-report times each candidate this way)."""
-    if kernel is _parallax_fwd_kernel and (config or {}).get("KV_TMA", _FWD_LIST_USES_TMA):
+    if config.get("TMA") if config is not None else _LISTS_USE_TMA:
         _tma_allocator()
     if config is None:
         kernel[grid](*args, **meta)
