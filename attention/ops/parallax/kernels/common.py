@@ -107,9 +107,10 @@ FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
              (128, 128, 8, 3, 1, 1)]
 # The 8-warp entries (64, 64, 8, 2) of DQ_SPECS and (64, 32, 8, 2) of DKV_SPECS are the low-spill candidates of the
 # note below; the (…, 1, 0) entries are TMA twins (note further below).
-DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 3, 1, 0)]
+DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 3, 1, 0),
+            (64, 64, 4, 2, 1, 0)]
 DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
-             (64, 64, 4, 2, 1, 0)]  # (BN, BM, ...)
+             (64, 64, 4, 2, 1, 0), (64, 32, 4, 3)]  # (BN, BM, ...)
 # Candidates against the backward's register spills (issue 8: on an H100 at D=128 with a probe, the dkv pick
 # (64, 64, 4, 3) spilled 6.8M local-memory requests and dq 1.2M). Offline ptxas of Triton 3.9 (sm_90a; probe,
 # D=128; `scripts/profile_attention.py --spills`), bytes of spill stores of the dkv kernel as it is now (int32
@@ -133,7 +134,10 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
 # the other picks no gain (Parallax dkv (64, 32, 4, 2) 1.711 / 1.706 -> 1.737 / 1.740, softmax dq 0.735 / 0.725 ->
 # 0.748 / 0.714). A warp-specialised backward loop gained at most 1 % at 8 warps (dq (128, 64, 8, 3) 1.232 / 1.210,
 # dkv (128, 64, 8, 3) 2.900 / 2.881 against 2.927 / 2.885 plain) and does not compile at the 4-warp picks, so the
-# backward kernels have no WS. Pruned like the forward's: D >= 128 and sm_90+ only.
+# backward kernels have no WS. Pruned like the forward's: D >= 128 and sm_90+ only. The wide lists with TMA twins
+# (same machine, `PARALLAX_WIDE_TUNE=1`, two runs) added the two fastest tiles outside the short lists: Parallax dq
+# (64, 64, 4, 2, TMA) 1.147 / 1.136 (pick (128, 64, 8, 3) 1.243 / 1.214, its twin 1.210 / 1.208; plain (64, 64, 4, 2)
+# 1.200 / 1.202) and Parallax dkv (64, 32, 4, 3) 1.711 / 1.670 (pick (64, 32, 4, 2) 1.770 / 1.712).
 TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
