@@ -46,7 +46,9 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
         fn, specs, tiles = kern[name]
         fn = fn.fn
         for spec in dict.fromkeys(specs):
-            consts = dict(base, **common.spec_kwargs(spec, tiles))
+            # every constexpr given: a missing one would be typed as a pointer argument below
+            consts = {**base, "TMA": False, **({"WS": False} if name == "fwd" else {}),
+                      **common.spec_kwargs(spec, tiles)}
             if name == "dkv":
                 consts["LONG_OFF"] = False
             sig = {a: "constexpr" if a in consts else "fp32" if a in ("qk_scale", "scale") else
