@@ -51,3 +51,26 @@ def test_sass_loop_counts_nested_loops():
     ])
     assert sass_loop_local_memory(sass) == (2, 1)
     assert sass_loop_local_memory(sass, innermost=True) == (1, 0)
+
+
+_SPILL_SCRIPT = """
+from attention.ops.parallax.kernels import common
+common.FWD_SPECS, common.TUNE_EXTRA_FWD = [(64, 64, 4, 2), (128, 64, 8, 2, 1, 1)], []
+common.DQ_SPECS, common.TUNE_EXTRA_DQ = [(64, 32, 4, 2), (64, 32, 4, 2, 1, 0)], []
+common.DKV_SPECS, common.TUNE_EXTRA_DKV = [(32, 32, 4, 2), (32, 32, 4, 2, 1, 0)], []
+from scripts.profile_attention import spill_report
+for line in spill_report(64, True, ["fwd", "dq", "dkv"]):
+    print("LINE", line)
+"""
+
+
+@pytest.mark.slow
+def test_spill_report_compiles_plain_and_tma_tiles():
+    """``profile_attention.py --spills`` compiles a plain and a TMA (+ WS) tile of each Parallax kernel: every
+    constexpr the kernels take is given (one left out is typed as a pointer and the compile fails)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT], env=env, capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("LINE")]
+    assert len(lines) == 6 and all("regs" in ln for ln in lines), lines
