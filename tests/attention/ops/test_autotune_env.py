@@ -1,7 +1,11 @@
-"""ATTNLAB_AUTOTUNE: the candidate lists the Triton kernels autotune over."""
+"""ATTNLAB_AUTOTUNE: the candidate lists the Triton kernels autotune over; their parallel compilation."""
+
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from attention.ops import autotune
 from attention.ops.autotune import candidates
 
 
@@ -55,3 +59,36 @@ def test_first_config_for_fla_restricts_only_fla_modules(monkeypatch, tmp_path):
     assert "cache_results" in inspect.signature(triton.autotune).parameters  # fla inspects it
     assert [c.num_warps for c in _load(tmp_path, "fla.ops.fake").configs] == [1]
     assert len(_load(tmp_path, "attention.ops.fake").configs) == 3
+
+
+def test_compile_candidates_once_per_key(monkeypatch):
+    """At a new autotune key every candidate the prune keeps is compiled (``warmup``) before the autotuner runs,
+    through Triton's thread-pool compile mode; the same key again, or a key with one candidate, compiles nothing."""
+    from triton import Config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(autotune, "PRECOMPILE", True)
+    monkeypatch.setattr(autotune, "_COMPILED", set())
+    calls = []
+
+    class FakeKernel:
+        arg_names = ["Q", "T"]
+
+        def __init__(self, n):
+            self.configs = [Config({"BM": 16 * (i + 1)}, num_warps=4) for i in range(n)]
+            self.fn = SimpleNamespace(__name__=f"k{n}", warmup=lambda *a, grid, **kw: calls.append((a, kw)))
+
+        def prune_configs(self, meta):
+            assert self.nargs == {"Q": q, "T": 8}
+            return self.configs[:-1]  # the prune drops one
+
+    q = torch.zeros(2, dtype=torch.bfloat16)
+    three = FakeKernel(3)
+    autotune.compile_candidates(three, None, (q, 8), {"D": 64})
+    assert sorted(kw["BM"] for _, kw in calls) == [16, 32] and all(kw["D"] == 64 for _, kw in calls)
+    autotune.compile_candidates(three, None, (q, 8), {"D": 64})
+    assert len(calls) == 2
+    autotune.compile_candidates(three, None, (q, 8), {"D": 128})  # a new key
+    assert len(calls) == 4
+    autotune.compile_candidates(FakeKernel(2), None, (q, 8), {"D": 64})  # one candidate left: nothing to time
+    assert len(calls) == 4

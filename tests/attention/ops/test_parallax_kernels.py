@@ -250,39 +250,6 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
     assert (128, 64, 8, False) in kept(64, True)  # below D = 128 there is no twin to give way to
 
 
-def test_prewarm_compiles_each_candidate_once_per_key(monkeypatch):
-    """At a new autotune key every candidate the prune keeps is compiled (``warmup``) before the autotuner runs,
-    through Triton's thread-pool compile mode; the same key again, or a key with one candidate, compiles nothing."""
-    from triton import Config
-
-    monkeypatch.setattr(kops, "INTERPRET", False)
-    monkeypatch.setattr(kops, "PREWARM", True)
-    monkeypatch.setattr(kops, "_PREWARMED", set())
-    calls = []
-
-    class FakeKernel:
-        arg_names = ["Q", "T"]
-
-        def __init__(self, n):
-            self.configs = [Config({"BM": 16 * (i + 1)}, num_warps=4) for i in range(n)]
-            self.fn = SimpleNamespace(__name__=f"k{n}", warmup=lambda *a, grid, **kw: calls.append((a, kw)))
-
-        def prune_configs(self, meta):
-            assert self.nargs == {"Q": q, "T": 8}
-            return self.configs[:-1]  # the prune drops one
-
-    q = torch.zeros(2, dtype=torch.bfloat16)
-    three = FakeKernel(3)
-    kops._prewarm(three, None, (q, 8), {"D": 64})
-    assert sorted(kw["BM"] for _, kw in calls) == [16, 32] and all(kw["D"] == 64 for _, kw in calls)
-    kops._prewarm(three, None, (q, 8), {"D": 64})
-    assert len(calls) == 2
-    kops._prewarm(three, None, (q, 8), {"D": 128})  # a new key
-    assert len(calls) == 4
-    kops._prewarm(FakeKernel(2), None, (q, 8), {"D": 64})  # one candidate left: the autotuner skips timing
-    assert len(calls) == 4
-
-
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
 def test_prune_bwd_tma_twins(capability, monkeypatch):
     """The backward lists' TMA twins stay at D >= 128 on sm_90+ only, and their plain tiles, where listed, stay

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, _tile_descriptors,
+from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, _tile_descriptor,
                                                    dkv_configs, dq_configs, prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
@@ -107,7 +107,8 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
         tbar = tau
     p_k0 = K + bos * (HKV * D) + i_kh * D
     p_v0 = V + bos * (HKV * D) + i_kh * D
-    desc_k, desc_v = _tile_descriptors(K, V, NT, HKV * D, BN, D, TMA)
+    desc_k = _tile_descriptor(K, NT, HKV * D, BN, D, TMA)
+    desc_v = _tile_descriptor(V, NT, HKV * D, BN, D, TMA)
     row0 = bos.to(tl.int32)
     col0 = i_kh * D
     dq = tl.zeros([BM, D], dtype=tl.float32)
@@ -233,8 +234,9 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
     dv = tl.zeros([BN, D], dtype=tl.float32)
     start, a_hi, b_lo, b_hi, c_lo, end = _col_phases(n0, L, W, BM, BN, WINDOW)
     G: tl.constexpr = HQ // HKV
-    desc_q, desc_do = _tile_descriptors(Q, DO, NT, HQ * D, BM, D, TMA)
-    desc_r, _ = _tile_descriptors(R, R, NT, HQ * D, BM, D, TMA and HAS_PROBE)
+    desc_q = _tile_descriptor(Q, NT, HQ * D, BM, D, TMA)
+    desc_do = _tile_descriptor(DO, NT, HQ * D, BM, D, TMA)
+    desc_r = _tile_descriptor(R, NT, HQ * D, BM, D, TMA and HAS_PROBE)
     row0 = bos.to(tl.int32)
     for g in range(G):  # the q heads of this kv head's group
         i_h = i_kh * G + g

@@ -73,16 +73,14 @@ def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constex
 
 
 @triton.jit
-def _tile_descriptors(A, B, NT, WIDTH: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
-    """Device-side TMA descriptors of [ROWS, D] tiles over the [tokens, WIDTH] views of A and B (the pointers
-    themselves without TMA). Used by the mask-free loops only: a descriptor does not stop at a document's end."""
+def _tile_descriptor(A, NT, WIDTH: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    """A device-side TMA descriptor of [ROWS, D] tiles over the [tokens, WIDTH] view of A (A itself without TMA).
+    Used by the mask-free loops only: a descriptor does not stop at a document's end."""
     if TMA:
-        desc_a = tl.make_tensor_descriptor(A, shape=[NT, WIDTH], strides=[WIDTH, 1], block_shape=[ROWS, D])
-        desc_b = tl.make_tensor_descriptor(B, shape=[NT, WIDTH], strides=[WIDTH, 1], block_shape=[ROWS, D])
+        desc = tl.make_tensor_descriptor(A, shape=[NT, WIDTH], strides=[WIDTH, 1], block_shape=[ROWS, D])
     else:
-        desc_a = A
-        desc_b = B
-    return desc_a, desc_b
+        desc = A
+    return desc
 
 
 def spec_kwargs(spec, names) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import (_row_phases, _row_program, _tile_descriptors, fwd_configs,
+from attention.ops.parallax.kernels.common import (_row_phases, _row_program, _tile_descriptor, fwd_configs,
                                                    prune_fwd)
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
@@ -109,7 +109,8 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
         b_r = b_q
     p_k0 = K + bos * (HKV * D) + i_kh * D
     p_v0 = V + bos * (HKV * D) + i_kh * D
-    desc_k, desc_v = _tile_descriptors(K, V, NT, HKV * D, BN, D, TMA)
+    desc_k = _tile_descriptor(K, NT, HKV * D, BN, D, TMA)
+    desc_v = _tile_descriptor(V, NT, HKV * D, BN, D, TMA)
     row0 = bos.to(tl.int32)
     col0 = i_kh * D
 

@@ -18,9 +18,10 @@ from typing import Optional
 import torch
 import triton
 
+from attention.ops.autotune import compile_candidates
 from attention.ops.outputs import empty, empty_like
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
-from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, FWD_SPECS, INTERPRET
+from attention.ops.parallax.kernels.common import INTERPRET
 from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
 from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
 from attention.ops.tiles import tile_grid
@@ -50,52 +51,20 @@ def _tma_alloc(size: int, alignment: int, stream: Optional[int]) -> Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-_LISTS_USE_TMA = any(len(s) == 6 and s[4] for s in FWD_SPECS + DQ_SPECS + DKV_SPECS)
-
-
 def _tma_allocator() -> None:
     """Device-side tensor descriptors (the TMA candidates) need Triton's scratch allocator. Triton keeps it in a
     ContextVar, and autograd runs the backward in its own thread, which starts without one: so it is set before
-    every launch that may build a descriptor, not once."""
+    every launch, not once."""
     if not INTERPRET:
         triton.set_allocator(_tma_alloc)
-
-
-PREWARM = os.environ.get("PARALLAX_PREWARM", "1") == "1"
-"""Compile an autotune key's candidates in parallel threads before the autotuner times them (it compiles each on
-first use, one after another). Env ``PARALLAX_PREWARM=0`` turns it off."""
-_PREWARMED: set = set()
-
-
-def _prewarm(kernel, grid, args, meta) -> None:
-    """At a new autotune key, compile every candidate the prune keeps, in a thread pool (Triton's
-    ``AsyncCompileMode``; a no-op where Triton lacks it)."""
-    key = (kernel.fn.__name__, tuple(sorted(meta.items())), tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
-    if not PREWARM or INTERPRET or key in _PREWARMED:
-        return
-    _PREWARMED.add(key)
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return
-    kernel.nargs = dict(zip(kernel.arg_names, args))  # what prune_configs reads (Autotuner.run sets it too)
-    configs = kernel.prune_configs(meta)
-    if len(configs) < 2:
-        return
-    with ThreadPoolExecutor(min(8, len(configs))) as pool, AsyncCompileMode(pool):
-        for c in configs:
-            kernel.fn.warmup(*args, grid=grid, **meta, **c.all_kwargs())
 
 
 def _launch(kernel, grid, args, meta, config: Optional[dict]):
     """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, TMA, WS]} the bare kernel at that
     config (scripts/bench_attention.py --tune-report times each candidate this way)."""
-    if config.get("TMA") if config is not None else _LISTS_USE_TMA:
-        _tma_allocator()
+    _tma_allocator()
     if config is None:
-        _prewarm(kernel, grid, args, meta)
+        compile_candidates(kernel, grid, args, meta)
         kernel[grid](*args, **meta)
     else:
         kernel.fn[grid](*args, **meta, **config)
