@@ -9,6 +9,7 @@ Benchmarks and training leave it unset (the default, ``all``).
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 MODES = ("all", "first")
 PRECOMPILE = os.environ.get("ATTNLAB_PRECOMPILE", "1") == "1"
@@ -54,27 +55,41 @@ def first_config_for_fla() -> None:
     triton.autotune = autotune
 
 
-def compile_candidates(autotuner, grid, args: tuple, meta: dict) -> None:
-    """Before ``autotuner`` (a ``triton.autotune`` kernel) first runs at a new key, compile every candidate its
-    prune keeps in a pool of threads (Triton's ``AsyncCompileMode``); the autotuner then only times them. It
-    compiles each on first use, one after another: for the Parallax kernels at D = 128 on an H100 (cold cache) the
-    first fwd+bwd took 46.1 s that way and 18.8 s this way (softmax 34.0 -> 12.8 s; benchmarks/RESULTS.md,
-    session 21). A no-op under the interpreter and where Triton lacks ``AsyncCompileMode``."""
-    dtypes = tuple(str(a.dtype) for a in args if hasattr(a, "dtype"))
-    key = (autotuner.fn.__name__, tuple(sorted(meta.items())), dtypes)
-    if not PRECOMPILE or os.environ.get("TRITON_INTERPRET", "0") == "1" or key in _COMPILED:
-        return
+def _new_key(job: tuple) -> bool:
+    """Whether the autotune key of ``job`` = (autotuner, grid, args, meta) is new (and mark it seen)."""
+    autotuner, _, args, meta = job
+    key = (autotuner.fn.__name__, tuple(sorted(meta.items())), tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
+    if key in _COMPILED:
+        return False
     _COMPILED.add(key)
+    return True
+
+
+def compile_candidates(job: tuple, follow: Callable[[], list] | None = None) -> None:
+    """Before an autotuned kernel first runs at a new key, compile every candidate its prune keeps, in one pool of
+    threads (Triton's ``AsyncCompileMode``); the autotuner then only times them. ``job``: (autotuner, grid, args,
+    meta) of the launch about to run. ``follow``, called only at a new key of ``job``: the jobs of launches that will
+    follow it (a forward passes its backward's, with stand-in buffers); their new keys compile in the same pool.
+
+    Triton's autotuner compiles each candidate on first use, one after another: for the Parallax kernels at D = 128
+    on an H100 (cold cache) the first fwd+bwd took 46.1 s that way and 18.8 s with one pool per kernel (softmax
+    34.0 -> 12.8 s; benchmarks/RESULTS.md, session 21). A no-op under the interpreter and where Triton lacks
+    ``AsyncCompileMode``; a single candidate alone is left to the autotuner."""
+    if not PRECOMPILE or os.environ.get("TRITON_INTERPRET", "0") == "1" or not _new_key(job):
+        return
+    work = []
+    for i, (autotuner, grid, args, meta) in enumerate([job, *(follow() if follow else ())]):
+        if i == 0 or _new_key((autotuner, grid, args, meta)):
+            autotuner.nargs = dict(zip(autotuner.arg_names, args))  # what prune_configs reads (as Autotuner.run)
+            work += [(autotuner.fn, grid, args, {**meta, **c.all_kwargs()}) for c in autotuner.prune_configs(meta)]
+    if len(work) < 2:
+        return
     try:
         from concurrent.futures import ThreadPoolExecutor
 
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         return
-    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # what prune_configs reads (Autotuner.run sets it too)
-    configs = autotuner.prune_configs(meta)
-    if len(configs) < 2:
-        return
-    with ThreadPoolExecutor(min(8, len(configs))) as pool, AsyncCompileMode(pool):
-        for c in configs:
-            autotuner.fn.warmup(*args, grid=grid, **meta, **c.all_kwargs())
+    with ThreadPoolExecutor(min(len(work), os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+        for fn, grid, args, kwargs in work:
+            fn.warmup(*args, grid=grid, **kwargs)

@@ -63,7 +63,8 @@ def test_first_config_for_fla_restricts_only_fla_modules(monkeypatch, tmp_path):
 
 def test_compile_candidates_once_per_key(monkeypatch):
     """At a new autotune key every candidate the prune keeps is compiled (``warmup``) before the autotuner runs,
-    through Triton's thread-pool compile mode; the same key again, or a key with one candidate, compiles nothing."""
+    through Triton's thread-pool compile mode, together with the candidates of the jobs passed with it; a key seen
+    before compiles nothing, and a single candidate alone is left to the autotuner."""
     from triton import Config
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -76,7 +77,7 @@ def test_compile_candidates_once_per_key(monkeypatch):
 
         def __init__(self, n):
             self.configs = [Config({"BM": 16 * (i + 1)}, num_warps=4) for i in range(n)]
-            self.fn = SimpleNamespace(__name__=f"k{n}", warmup=lambda *a, grid, **kw: calls.append((a, kw)))
+            self.fn = SimpleNamespace(__name__=f"k{n}", warmup=lambda *a, grid, **kw: calls.append((n, a, kw)))
 
         def prune_configs(self, meta):
             assert self.nargs == {"Q": q, "T": 8}
@@ -84,11 +85,17 @@ def test_compile_candidates_once_per_key(monkeypatch):
 
     q = torch.zeros(2, dtype=torch.bfloat16)
     three = FakeKernel(3)
-    autotune.compile_candidates(three, None, (q, 8), {"D": 64})
-    assert sorted(kw["BM"] for _, kw in calls) == [16, 32] and all(kw["D"] == 64 for _, kw in calls)
-    autotune.compile_candidates(three, None, (q, 8), {"D": 64})
+    autotune.compile_candidates((three, None, (q, 8), {"D": 64}))
+    assert sorted(kw["BM"] for _, _, kw in calls) == [16, 32] and all(kw["D"] == 64 for _, _, kw in calls)
+    autotune.compile_candidates((three, None, (q, 8), {"D": 64}))
     assert len(calls) == 2
-    autotune.compile_candidates(three, None, (q, 8), {"D": 128})  # a new key
+    autotune.compile_candidates((three, None, (q, 8), {"D": 128}))  # a new key
     assert len(calls) == 4
-    autotune.compile_candidates(FakeKernel(2), None, (q, 8), {"D": 64})  # one candidate left: nothing to time
+    autotune.compile_candidates((FakeKernel(2), None, (q, 8), {"D": 64}))  # one candidate alone: left as it is
     assert len(calls) == 4
+    # the jobs that follow (a forward's backward) join the pool at a new key only; their seen keys are skipped
+    follow = lambda: [(three, None, (q, 8), {"D": 64}), (FakeKernel(4), None, (q, 8), {"D": 64})]  # noqa: E731
+    autotune.compile_candidates((three, None, (q, 8), {"D": 64}), follow)
+    assert len(calls) == 4
+    autotune.compile_candidates((FakeKernel(2), None, (q, 8), {"D": 32}), follow)
+    assert [(n, kw["BM"]) for n, _, kw in calls[4:]] == [(2, 16), (4, 16), (4, 32), (4, 48)]

@@ -211,6 +211,37 @@ def test_bwd_tma_variant(layout, probe):
         assert rel_err(g, gr) < BUDGET[torch.float32][1], f"d{name} rel err {rel_err(g, gr):.3g}"
 
 
+def _compile_signature(job):
+    """What a compiled kernel depends on in a launch: the kernel, its meta-parameters, the grid, and per argument
+    the dtype, shape and contiguity of a tensor or the value of a scalar."""
+    kernel, grid, args, meta = job
+    sig = [(a.dtype, tuple(a.shape), a.is_contiguous()) if isinstance(a, torch.Tensor) else a for a in args]
+    return kernel, meta, grid({"BM": 16, "BN": 16}), sig
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("layout", ["dense", "docs-window"])
+def test_forward_compiles_the_backward_with_stand_ins(probe, layout, monkeypatch):
+    """A forward whose inputs require grad hands the backward's two launches to ``compile_candidates`` with its own
+    buffers standing in for do, tau, beta and the gradients: each must compile the same kernel as the backward's
+    real launch (same meta, scalars, dtypes, shapes), or the cold first backward compiles everything again. Under
+    ``torch.no_grad()`` the forward compiles its own candidates only."""
+    seen = []
+    monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: seen.append([job, *(follow or list)()]))
+    q, k, v, r = make_inputs(1, 40, 4, 2, 16, probe, dtype=torch.float16)
+    cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32) if layout == "docs-window" else None
+    window = 7 if cu is not None else None
+    with torch.no_grad():
+        parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
+    assert len(seen) == 1 and len(seen[0]) == 1
+    ins = [t.requires_grad_(True) for t in (q, k, v, r) if t is not None]
+    out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
+    out.backward(torch.randn_like(out))
+    (fwd, *stand_ins), dq, dkv = seen[1:]
+    assert fwd[0] is kops._parallax_fwd_kernel and len(ins) == 3 + probe
+    assert [_compile_signature(j) for j in stand_ins] == [_compile_signature(dq[0]), _compile_signature(dkv[0])]
+
+
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     """The autotuner's list holds TMA / warp-specialised tiles; they survive the prune at D >= 128 only (slower at
     D = 64 on an H100), and never with a probe's BN > 64 at D = 128."""

@@ -59,12 +59,15 @@ def _tma_allocator() -> None:
         triton.set_allocator(_tma_alloc)
 
 
-def _launch(kernel, grid, args, meta, config: Optional[dict]):
-    """Autotuned launch, or with ``config`` = {BM, BN, num_warps, num_stages[, TMA, WS]} the bare kernel at that
-    config (scripts/bench_attention.py --tune-report times each candidate this way)."""
+def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
+    """Run ``job`` = (autotuned kernel, grid, args, meta): autotuned, or with ``config`` = {BM, BN, num_warps,
+    num_stages[, TMA, WS]} the bare kernel at that config (scripts/bench_attention.py --tune-report times each
+    candidate this way). At a new autotune key the candidates of ``job``, and of the jobs ``follow`` returns, compile
+    first in one pool (``compile_candidates``)."""
+    kernel, grid, args, meta = job
     _tma_allocator()
     if config is None:
-        compile_candidates(kernel, grid, args, meta)
+        compile_candidates(job, follow)
         kernel[grid](*args, **meta)
     else:
         kernel.fn[grid](*args, **meta, **config)
@@ -75,8 +78,7 @@ def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int) -> dict:
                 DOT_PREC=_dot_prec(q.dtype))
 
 
-def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, config=None) -> None:
-    """Forward kernel into preallocated o, lse (and vbar, tbar with a probe)."""
+def _fwd_job(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size) -> tuple:
     B, T, HQ = q.shape[:3]
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
     W = _window(window_size, Tmax)
@@ -84,12 +86,11 @@ def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, wi
     grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
             cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T)
-    _launch(_parallax_fwd_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+    return _parallax_fwd_kernel, grid, args, _meta(q, k, probe, varlen, W)
 
 
-def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq, dr,
-              config=None) -> None:
-    """Row pass: writes tau (and beta with a probe), dq (and dr)."""
+def _dq_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq,
+            dr) -> tuple:
     B, T, HQ = q.shape[:3]
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
     W = _window(window_size, Tmax)
@@ -97,12 +98,11 @@ def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, 
     grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
             dq, dr if probe else dq, cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
-    _launch(_parallax_bwd_dq_kernel, grid, args, _meta(q, k, probe, varlen, W), config)
+    return _parallax_bwd_dq_kernel, grid, args, _meta(q, k, probe, varlen, W)
 
 
-def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk, dv,
-               config=None) -> None:
-    """Column pass (reads tau, beta from the row pass): writes dk, dv."""
+def _dkv_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk,
+             dv) -> tuple:
     B, T = q.shape[:2]
     HKV = k.shape[2]
     T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
@@ -112,7 +112,39 @@ def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale,
     args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv,
             cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
     long_off = (Tmax + 256) * q.shape[2] * q.shape[3] >= 2**31  # the column pass's per-document int32 offsets
-    _launch(_parallax_bwd_dkv_kernel, grid, args, dict(_meta(q, k, probe, varlen, W), LONG_OFF=long_off), config)
+    return _parallax_bwd_dkv_kernel, grid, args, dict(_meta(q, k, probe, varlen, W), LONG_OFF=long_off)
+
+
+def _bwd_stand_ins(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size) -> tuple:
+    """The backward's two jobs with the forward's buffers standing in for do, tau, beta and the gradients: same
+    dtypes, shapes and scalars, so the same compiled kernels. Compiling needs no launch, so nothing is written."""
+    probe = r is not None
+    args = (o, q, k, v, r, o, lse, vbar, tbar, lse, tbar if probe else lse, cu_seqlens, scale, max_seqlen,
+            window_size)
+    return _dq_job(*args, o, vbar if probe else None), _dkv_job(*args, k, v)
+
+
+def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, config=None,
+               backward: bool = False) -> None:
+    """Forward kernel into preallocated o, lse (and vbar, tbar with a probe). ``backward``: a backward will follow,
+    so the backward kernels' candidates compile in the same pool as the forward's at a new key (the cold first
+    fwd+bwd then waits for one pool, not three)."""
+    args = (q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
+    _launch(_fwd_job(*args), config, (lambda: _bwd_stand_ins(*args)) if backward else None)
+
+
+def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq, dr,
+              config=None) -> None:
+    """Row pass: writes tau (and beta with a probe), dq (and dr)."""
+    _launch(_dq_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq,
+                    dr), config)
+
+
+def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk, dv,
+               config=None) -> None:
+    """Column pass (reads tau, beta from the row pass): writes dk, dv."""
+    _launch(_dkv_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk,
+                     dv), config)
 
 
 @torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
@@ -124,7 +156,8 @@ def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlen
     lse = empty(HQ, B * T, device=q.device, dtype=torch.float32)
     vbar = empty_like(q) if probe else q.new_empty(0)
     tbar = empty_like(lse) if probe else lse.new_empty(0)
-    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))  # False under torch.no_grad()
+    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, backward=needs_grad)
     return o, lse, vbar, tbar
 
 
