@@ -14,6 +14,7 @@ Error budgets (relative Frobenius norm against float64 on the same input values)
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -228,18 +229,85 @@ def test_forward_compiles_the_backward_with_stand_ins(probe, layout, monkeypatch
     ``torch.no_grad()`` the forward compiles its own candidates only."""
     seen = []
     monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: seen.append([job, *(follow or list)()]))
+    monkeypatch.setattr(kops, "_PICKS", {})  # every key new: no launch skips compile_candidates
     q, k, v, r = make_inputs(1, 40, 4, 2, 16, probe, dtype=torch.float16)
     cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32) if layout == "docs-window" else None
     window = 7 if cu is not None else None
     with torch.no_grad():
         parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
     assert len(seen) == 1 and len(seen[0]) == 1
+    kops._PICKS.clear()
     ins = [t.requires_grad_(True) for t in (q, k, v, r) if t is not None]
     out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
     out.backward(torch.randn_like(out))
     (fwd, *stand_ins), dq, dkv = seen[1:]
     assert fwd[0] is kops._parallax_fwd_kernel and len(ins) == 3 + probe
     assert [_compile_signature(j) for j in stand_ins] == [_compile_signature(dq[0]), _compile_signature(dkv[0])]
+
+
+class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+def test_eager_path_equals_the_custom_op(probe, monkeypatch):
+    """Eager calls skip the custom op's dispatch layers (``ops._Eager``, the same launches); under a dispatch mode
+    (selective activation checkpointing's, fake tensors) the op runs, so the mode sees it. Both give the same
+    output and gradients bit for bit and tell the forward whether a backward follows."""
+    ops_called, flags = [], []
+    op = kops.parallax_fwd
+    monkeypatch.setattr(kops, "parallax_fwd", lambda *a: (ops_called.append(1), op(*a))[1])
+    launch = kops.launch_fwd
+    monkeypatch.setattr(kops, "launch_fwd", lambda *a, backward=False, **kw: (flags.append(backward),
+                                                                             launch(*a, backward=backward, **kw)))
+    q, k, v, r = make_inputs(1, 37, 4, 2, 16, probe)
+    cu = torch.tensor([0, 11, 37], dtype=torch.int32)
+    results = []
+    for mode in (None, _Passthrough):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, r) if t is not None]
+        with torch.no_grad(), mode() if mode else contextlib.nullcontext():  # no backward follows
+            parallax_triton(*ins[:3], ins[3] if probe else None, cu_seqlens=cu, window_size=9)
+        with mode() if mode else contextlib.nullcontext():
+            out = parallax_triton(*ins[:3], ins[3] if probe else None, cu_seqlens=cu, window_size=9)
+            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append([out.detach(), *(t.grad for t in ins)])
+        assert len(ops_called) == (0 if mode is None else 2)
+    assert flags[:2] == [False, True] and flags[3]  # (the op under a mode reads requires_grad, not grad mode)
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_later_launches_run_the_autotuners_pick(monkeypatch):
+    """The first launch at an autotune key goes through the autotuner, which picks; later launches at that key run
+    the pick on the bare kernel (no ``Autotuner.run``, no ``compile_candidates``) with the same result; a new key
+    (here another head count) goes through the autotuner again."""
+    from triton.runtime.autotuner import Autotuner
+
+    runs, compiles = [], []
+    run = Autotuner.run
+    monkeypatch.setattr(Autotuner, "run", lambda self, *a, **kw: (runs.append(self.fn.__name__), run(self, *a, **kw))[1])
+    monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: compiles.append(job[0].fn.__name__))
+    monkeypatch.setattr(kops, "_PICKS", {})
+    names = ["_parallax_fwd_kernel", "_parallax_bwd_dq_kernel", "_parallax_bwd_dkv_kernel"]
+
+    def fwd_bwd(HQ):
+        q, k, v, r = make_inputs(1, 23, HQ, 1, 16, True)
+        ins = [t.requires_grad_(True) for t in (q, k, v, r)]
+        out = parallax_triton(*ins)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(t.grad for t in ins)]
+
+    first = fwd_bwd(2)
+    assert runs == names and compiles == names
+    kernels = [kops._parallax_fwd_kernel, kops._parallax_bwd_dq_kernel, kops._parallax_bwd_dkv_kernel]
+    assert list(kops._PICKS.values()) == [kernel.best_config.all_kwargs() for kernel in kernels]
+    torch.manual_seed(0)  # the same inputs again
+    again = fwd_bwd(2)
+    assert runs == names and compiles == names  # the picks, on the bare kernels
+    assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(first, again))
+    fwd_bwd(4)
+    assert runs == names * 2 and compiles == names * 2
 
 
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):

@@ -5,7 +5,8 @@ probe branch: with ``r`` it computes Parallax (two extra accumulators d2, O2 on 
 ``parallax.md`` §1), without it the same source compiles to plain softmax attention. GQA without repeated
 K/V, packed documents (fla's ``cu_seqlens``), sliding windows, head dims 16–256 (powers of two), any T.
 
-- :func:`parallax_triton`: training op with autograd (custom ops ``parallax_kernels::fwd``/``bwd``).
+- :func:`parallax_triton`: training op with autograd (custom ops ``parallax_kernels::fwd``/``bwd`` where
+  ``torch.compile`` or a dispatch mode must see them, ``ops.attend``).
 - :func:`parallax_decode_triton`: new tokens against a fixed-shape KV cache, split over the cache length; a second
   kernel merges the partials (a programmatic dependent launch on Hopper), or with ``merge="fused"`` the last split
   program of each row does (``decode.py``).
@@ -79,7 +80,7 @@ def parallax_triton(
         q, k, v = (t.reshape(1, B * T, t.shape[2], D) for t in (q, k, v))
         r = r.reshape(1, B * T, HQ, D) if r is not None else None
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    o = parallax_fwd(q, k, v, r, cu_seqlens, scale, int(max_seqlen or 0), int(window_size or 0))[0]
+    o = _ops.attend(q, k, v, r, cu_seqlens, scale, int(max_seqlen or 0), int(window_size or 0))
     return o.view(B, T, HQ, D)
 
 

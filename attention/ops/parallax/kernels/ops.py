@@ -4,7 +4,9 @@
 - ``parallax_kernels::bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
 - ``parallax_kernels::decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits, fused_merge) -> o
 
-Autograd is registered on ``fwd`` (``register_autograd``); ``fake`` kernels give the shapes for tracing.
+Autograd is registered on ``fwd`` (``register_autograd``); ``fake`` kernels give the shapes for tracing. Eager
+calls outside any dispatch mode run the same forward and backward through an ``autograd.Function`` instead, without
+the op's dispatch layers (``attend``).
 Tensors use the ``[B, T, H, D]`` layout; with ``cu_seqlens`` the batch is one flattened row (B = 1).
 Row statistics (lse in log2 units, t̄, τ, β) are fp32 ``[HQ, B*T]``.
 """
@@ -59,18 +61,29 @@ def _tma_allocator() -> None:
         triton.set_allocator(_tma_alloc)
 
 
+_PICKS: dict[tuple, dict] = {}
+"""The autotuner's pick per (kernel, meta, dtype): the autotune key (``meta`` holds every key argument but the
+dtypes, and the inputs share one dtype), so later launches at that key skip ``Autotuner.run``."""
+
+
 def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
     """Run ``job`` = (autotuned kernel, grid, args, meta): autotuned, or with ``config`` = {BM, BN, num_warps,
     num_stages[, TMA, WS]} the bare kernel at that config (scripts/bench_attention.py --tune-report times each
     candidate this way). At a new autotune key the candidates of ``job``, and of the jobs ``follow`` returns, compile
-    first in one pool (``compile_candidates``)."""
+    first in one pool (``compile_candidates``) and the autotuner picks; later launches at the key run its pick on
+    the bare kernel (the same launch the autotuner makes: H100, B4 T1024, 40-56 µs of host time against 65-115 µs
+    through ``Autotuner.run`` and ``compile_candidates``' key, benchmarks/RESULTS.md session 23)."""
     kernel, grid, args, meta = job
     _tma_allocator()
     if config is None:
-        compile_candidates(job, follow)
-        kernel[grid](*args, **meta)
-    else:
-        kernel.fn[grid](*args, **meta, **config)
+        key = (kernel.fn.__name__, *meta.values(), args[0].dtype)
+        config = _PICKS.get(key)
+        if config is None:
+            compile_candidates(job, follow)
+            kernel[grid](*args, **meta)
+            _PICKS[key] = kernel.best_config.all_kwargs()
+            return
+    kernel.fn[grid](*args, **meta, **config)
 
 
 def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int) -> dict:
@@ -147,18 +160,42 @@ def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale,
                      dv), config)
 
 
-@torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
-def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-                 max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+             max_seqlen: int, window_size: int, backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o, lse, vbar, tbar): the forward of both paths (``attend``)."""
     B, T, HQ, D = q.shape
     probe = r is not None
     o = empty_like(q)
     lse = empty(HQ, B * T, device=q.device, dtype=torch.float32)
     vbar = empty_like(q) if probe else q.new_empty(0)
     tbar = empty_like(lse) if probe else lse.new_empty(0)
-    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))  # False under torch.no_grad()
-    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, backward=needs_grad)
+    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, backward=backward)
     return o, lse, vbar, tbar
+
+
+def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor, vbar: Tensor,
+              tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
+              window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dr): the backward of both paths; dr is empty without a probe."""
+    probe = r is not None
+    dq = empty_like(q)
+    dk = empty_like(k)
+    dv = empty_like(v)
+    dr = empty_like(q) if probe else q.new_empty(0)
+    tau = empty_like(lse)
+    beta = empty_like(lse) if probe else tau
+    max_seqlen = _geometry(q, cu_seqlens, max_seqlen)[2]  # one host sync at most, shared by both passes
+    args = (do.contiguous(), q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size)
+    launch_dq(*args, dq, dr)
+    launch_dkv(*args, dk, dv)
+    return dq, dk, dv, dr
+
+
+@torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
+def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+                 max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))  # False under torch.no_grad()
+    return _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, needs_grad)
 
 
 @parallax_fwd.register_fake
@@ -174,18 +211,7 @@ def _(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
 def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    probe = r is not None
-    dq = empty_like(q)
-    dk = empty_like(k)
-    dv = empty_like(v)
-    dr = empty_like(q) if probe else q.new_empty(0)
-    tau = empty_like(lse)
-    beta = empty_like(lse) if probe else tau
-    max_seqlen = _geometry(q, cu_seqlens, max_seqlen)[2]  # one host sync at most, shared by both passes
-    args = (do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size)
-    launch_dq(*args, dq, dr)
-    launch_dkv(*args, dk, dv)
-    return dq, dk, dv, dr
+    return _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
 
 
 @parallax_bwd.register_fake
@@ -202,13 +228,43 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, vbar, tbar)
 
 
-def _backward(ctx, do, _dlse, _dvbar, _dtbar):
+def _op_backward(ctx, do, _dlse, _dvbar, _dtbar):
     q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv, dr = parallax_bwd(do.contiguous(), q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
+    dq, dk, dv, dr = parallax_bwd(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
     return dq, dk, dv, (dr if r is not None else None), None, None, None, None
 
 
-parallax_fwd.register_autograd(_backward, setup_context=_setup_context)
+parallax_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The custom ops' forward and backward without their dispatch layers (``attend``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward):
+        o, lse, vbar, tbar = _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
+        ctx.save_for_backward(q, k, v, r, o, lse, vbar, tbar, cu_seqlens)
+        ctx.args = (scale, max_seqlen, window_size)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dr = _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
+        return dq, dk, dv, (dr if r is not None else None), None, None, None, None, None
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+           max_seqlen: int, window_size: int) -> Tensor:
+    """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``parallax_kernels::fwd``
+    where something must see the op (``torch.compile``; any TorchDispatchMode, e.g. selective activation
+    checkpointing's, whose save list names it; fake tensors), else through ``_Eager``, the same kernels and
+    buffers without the op's dispatch layers (H100, B4 T1024: 250-330 µs of host time per fwd+bwd against
+    590-780 µs, launches aside; benchmarks/RESULTS.md session 23)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return parallax_fwd(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size)[0]
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
+    return _Eager.apply(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
 
 
 # ---------------------------------------------------------------- decode
