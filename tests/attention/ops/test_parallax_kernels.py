@@ -286,7 +286,8 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
 
     runs, compiles = [], []
     run = Autotuner.run
-    monkeypatch.setattr(Autotuner, "run", lambda self, *a, **kw: (runs.append(self.fn.__name__), run(self, *a, **kw))[1])
+    monkeypatch.setattr(Autotuner, "run",
+                        lambda self, *a, **kw: (runs.append(self.fn.__name__), run(self, *a, **kw))[1])
     monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: compiles.append(job[0].fn.__name__))
     monkeypatch.setattr(kops, "_PICKS", {})
     names = ["_parallax_fwd_kernel", "_parallax_bwd_dq_kernel", "_parallax_bwd_dkv_kernel"]
