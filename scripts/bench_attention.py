@@ -559,11 +559,12 @@ def main() -> None:
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     train = {}
-    for D in () if args.decode_only else (64, 128):
+    Ds = () if args.decode_only else (64, 128)
+    for D in Ds:
         # T=4096 (the targets' shape) first: autotune keys hold no T, so a column keeps the tiles picked there
         for T in sorted(Ts, key=lambda t: t != 4096):
             train[f"T{T}_D{D}"] = run_train(T, D, names)
-    train = {k: train[k] for k in sorted(train, key=lambda k: tuple(map(int, k[1:].split("_D")))[::-1])}
+    train = {f"T{T}_D{D}": train[f"T{T}_D{D}"] for D in Ds for T in Ts}  # back in table order
     decode = {}
     if not args.no_decode:
         dnames = [n for n in DECODE if n != "fla-parallax" or "fla-parallax" in names]

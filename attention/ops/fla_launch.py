@@ -22,7 +22,8 @@ and ``Heuristics.run``. In a GDN model that host time is per layer and independe
   pick (BK 64, BV 64, 4 warps) and 0.97 ms at (64, 64, 8 warps, 3 stages), outputs equal to 1.2e-6 relative;
   the autotuner still chooses, now among both lists.
 - :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
-  (:mod:`attention.ops.delta_rule.kda_intra`) launches through it too.
+  (:mod:`attention.ops.delta_rule.kda_intra`) and the softmax/Parallax kernels
+  (:mod:`attention.ops.parallax.kernels.ops`) launch through it too.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
   current CUDA device, which the ``fla_hopper`` path guarantees.
 
@@ -71,7 +72,9 @@ class FastLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(*args, grid=grid, **kwargs)
 
-    def run(self, *args, grid, **kwargs):
+    def run(self, *args, grid, first_launch=None, **kwargs):
+        """``first_launch``: called before the autotuner runs at a new key (``attention.ops.parallax.kernels.ops``
+        compiles the candidates there, in parallel)."""
         kw = dict(zip(self.arg_names, args))
         kw.update(kwargs)
         for values in self.outer:
@@ -83,6 +86,8 @@ class FastLaunch:
                    tuple(str(v.dtype) for v in kw.values() if hasattr(v, "dtype")))
             cfg = self.configs.get(key)
             if cfg is None or cfg.pre_hook is not None:  # first launch at this key: the normal path (autotunes)
+                if cfg is None and first_launch is not None:
+                    first_launch()
                 out = self.kernel[grid](*args, **kwargs)
                 self.configs[key] = at.best_config
                 return out

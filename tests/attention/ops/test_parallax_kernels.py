@@ -220,6 +220,12 @@ def _compile_signature(job):
     return kernel, meta, grid({"BM": 16, "BN": 16}), sig
 
 
+def _forget_picks(monkeypatch) -> None:
+    """Every autotune key new to the launches (no pick kept), undone after the test."""
+    for fast in kops._FAST.values():
+        monkeypatch.setattr(fast, "configs", {})
+
+
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
 @pytest.mark.parametrize("layout", ["dense", "docs-window"])
 def test_forward_compiles_the_backward_with_stand_ins(probe, layout, monkeypatch):
@@ -229,14 +235,14 @@ def test_forward_compiles_the_backward_with_stand_ins(probe, layout, monkeypatch
     ``torch.no_grad()`` the forward compiles its own candidates only."""
     seen = []
     monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: seen.append([job, *(follow or list)()]))
-    monkeypatch.setattr(kops, "_PICKS", {})  # every key new: no launch skips compile_candidates
+    _forget_picks(monkeypatch)  # every key new: no launch skips compile_candidates
     q, k, v, r = make_inputs(1, 40, 4, 2, 16, probe, dtype=torch.float16)
     cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32) if layout == "docs-window" else None
     window = 7 if cu is not None else None
     with torch.no_grad():
         parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
     assert len(seen) == 1 and len(seen[0]) == 1
-    kops._PICKS.clear()
+    _forget_picks(monkeypatch)
     ins = [t.requires_grad_(True) for t in (q, k, v, r) if t is not None]
     out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
     out.backward(torch.randn_like(out))
@@ -289,7 +295,7 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
     monkeypatch.setattr(Autotuner, "run",
                         lambda self, *a, **kw: (runs.append(self.fn.__name__), run(self, *a, **kw))[1])
     monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: compiles.append(job[0].fn.__name__))
-    monkeypatch.setattr(kops, "_PICKS", {})
+    _forget_picks(monkeypatch)
     names = ["_parallax_fwd_kernel", "_parallax_bwd_dq_kernel", "_parallax_bwd_dkv_kernel"]
 
     def fwd_bwd(HQ):
@@ -302,7 +308,7 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
     first = fwd_bwd(2)
     assert runs == names and compiles == names
     kernels = [kops._parallax_fwd_kernel, kops._parallax_bwd_dq_kernel, kops._parallax_bwd_dkv_kernel]
-    assert list(kops._PICKS.values()) == [kernel.best_config.all_kwargs() for kernel in kernels]
+    assert [list(kops._FAST[kernel].configs.values()) for kernel in kernels] == [[k.best_config] for k in kernels]
     torch.manual_seed(0)  # the same inputs again
     again = fwd_bwd(2)
     assert runs == names and compiles == names  # the picks, on the bare kernels

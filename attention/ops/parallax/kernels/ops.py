@@ -21,6 +21,7 @@ import torch
 import triton
 
 from attention.ops.autotune import compile_candidates
+from attention.ops.fla_launch import FastLaunch
 from attention.ops.outputs import empty, empty_like
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
 from attention.ops.parallax.kernels.common import INTERPRET
@@ -61,9 +62,10 @@ def _tma_allocator() -> None:
         triton.set_allocator(_tma_alloc)
 
 
-_PICKS: dict[tuple, dict] = {}
-"""The autotuner's pick per (kernel, meta, dtype): the autotune key (``meta`` holds every key argument but the
-dtypes, and the inputs share one dtype), so later launches at that key skip ``Autotuner.run``."""
+_FAST = {kernel: FastLaunch(kernel) for kernel in (_parallax_fwd_kernel, _parallax_bwd_dq_kernel,
+                                                    _parallax_bwd_dkv_kernel)}
+"""Each autotuned kernel behind a :class:`FastLaunch`: the autotuner picks at the first launch per key, later
+launches run its pick on the bare kernel."""
 
 
 def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
@@ -71,19 +73,14 @@ def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
     num_stages[, TMA, WS]} the bare kernel at that config (scripts/bench_attention.py --tune-report times each
     candidate this way). At a new autotune key the candidates of ``job``, and of the jobs ``follow`` returns, compile
     first in one pool (``compile_candidates``) and the autotuner picks; later launches at the key run its pick on
-    the bare kernel (the same launch the autotuner makes: H100, B4 T1024, 40-56 µs of host time against 65-115 µs
-    through ``Autotuner.run`` and ``compile_candidates``' key, benchmarks/RESULTS.md session 23)."""
+    the bare kernel (``FastLaunch``; H100, B4 T1024, host time per launch: 45-81 µs, against 65-115 µs through
+    ``Autotuner.run`` plus 8-10 µs of ``compile_candidates``' key check; benchmarks/RESULTS.md session 23)."""
     kernel, grid, args, meta = job
     _tma_allocator()
     if config is None:
-        key = (kernel.fn.__name__, *meta.values(), args[0].dtype)
-        config = _PICKS.get(key)
-        if config is None:
-            compile_candidates(job, follow)
-            kernel[grid](*args, **meta)
-            _PICKS[key] = kernel.best_config.all_kwargs()
-            return
-    kernel.fn[grid](*args, **meta, **config)
+        _FAST[kernel].run(*args, grid=grid, first_launch=lambda: compile_candidates(job, follow), **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **config)
 
 
 def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int) -> dict:
@@ -259,8 +256,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Opt
     """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``parallax_kernels::fwd``
     where something must see the op (``torch.compile``; any TorchDispatchMode, e.g. selective activation
     checkpointing's, whose save list names it; fake tensors), else through ``_Eager``, the same kernels and
-    buffers without the op's dispatch layers (H100, B4 T1024: 250-330 µs of host time per fwd+bwd against
-    590-780 µs, launches aside; benchmarks/RESULTS.md session 23)."""
+    buffers without the op's dispatch layers (H100, B4 T1024: 247-328 µs of host time per fwd+bwd against
+    594-1,130 µs, launches aside; benchmarks/RESULTS.md session 23)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return parallax_fwd(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size)[0]
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
