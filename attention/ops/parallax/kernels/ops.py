@@ -191,7 +191,9 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], 
 @torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
 def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))  # False under torch.no_grad()
+    # requires_grad only: the op's autograd runs this body with grad mode off even when a backward follows, so an
+    # op call under torch.no_grad() on inputs that require grad still compiles the backward's candidates
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))
     return _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, needs_grad)
 
 
@@ -217,18 +219,28 @@ def _(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs: tuple, output: tuple) -> None:
+    """What both paths' backward reads: ``inputs`` = (q, k, v, r, cu_seqlens, scale, max_seqlen, window_size),
+    ``output`` = (o, lse, vbar, tbar)."""
     q, k, v, r, cu_seqlens, scale, max_seqlen, window_size = inputs
-    o, lse, vbar, tbar = output
-    ctx.save_for_backward(q, k, v, r, o, lse, vbar, tbar, cu_seqlens)
+    ctx.save_for_backward(q, k, v, r, *output, cu_seqlens)
     ctx.args = (scale, max_seqlen, window_size)
-    ctx.mark_non_differentiable(lse, vbar, tbar)
+
+
+def _grads(ctx, do: Tensor, backward) -> tuple:
+    """(dq, dk, dv, dr or None) from what ``_save`` kept; ``backward``: ``parallax_bwd`` (the op) or ``_backward``."""
+    q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dr = backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
+    return dq, dk, dv, (dr if r is not None else None)
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs, output)
+    ctx.mark_non_differentiable(*output[1:])
 
 
 def _op_backward(ctx, do, _dlse, _dvbar, _dtbar):
-    q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv, dr = parallax_bwd(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
-    return dq, dk, dv, (dr if r is not None else None), None, None, None, None
+    return *_grads(ctx, do, parallax_bwd), None, None, None, None
 
 
 parallax_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -239,16 +251,13 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward):
-        o, lse, vbar, tbar = _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
-        ctx.save_for_backward(q, k, v, r, o, lse, vbar, tbar, cu_seqlens)
-        ctx.args = (scale, max_seqlen, window_size)
-        return o
+        output = _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
+        _save(ctx, (q, k, v, r, cu_seqlens, scale, max_seqlen, window_size), output)
+        return output[0]
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dr = _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
-        return dq, dk, dv, (dr if r is not None else None), None, None, None, None, None
+        return *_grads(ctx, do, _backward), None, None, None, None, None
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
