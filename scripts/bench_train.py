@@ -77,7 +77,7 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"),
-           "--job.config_file", str(REPO / "configs" / f"{config}.toml"), *common(args, dump, fp8, nproc), *extra]
+           "--job.config_file", str(REPO / "configs" / "paper" / f"{config}.toml"), *common(args, dump, fp8, nproc), *extra]
     if args.optimizer == "adamw":
         cmd += ADAMW
     if not fp8:

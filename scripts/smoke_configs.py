@@ -1,4 +1,4 @@
-"""Smoke-test every training configuration in configs/: does it start and train a few steps at a reduced batch?
+"""Smoke-test every paper configuration in configs/paper/: does it start and train a few steps at a reduced batch?
 
     python scripts/smoke_configs.py --data .gpu/data --tokenizer .gpu/tok                 # one GPU, all configs
     python scripts/smoke_configs.py --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node
@@ -6,7 +6,7 @@
     python scripts/smoke_configs.py --only 'qwen3_0.6b_*' --parallel 4 ...                # 4 runs share a GPU
     python scripts/smoke_configs.py --device cpu --flavor debug --only qwen3_0.6b_softmax -- --model.vocab_size 64
 
-Each config (all of configs/*.toml except debug_cpu and configs/replication/) runs in its own torchrun
+Each config (configs/paper/*.toml) runs in its own torchrun
 subprocess with --timeout, --steps steps, --local-batch sequences per process (global batch = local x nproc, so
 no accumulation), sequence length --seq, checkpoints and validation off, everything else from the TOML
 (float8, compile, activation checkpointing, the optimizer). --flavor overrides the model size (e.g. debug on a
@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SKIP = ("debug_cpu", "convert_finetune_parallax")
 
 
 def configs(only: str) -> list[Path]:
-    found = sorted(p for p in (REPO / "configs").glob("*.toml") if p.stem not in SKIP)
+    found = sorted((REPO / "configs" / "paper").glob("*.toml"))
     if only:
         pats = only.split(",")
         found = [p for p in found if any(fnmatch.fnmatch(p.stem, pat) or pat == p.stem for pat in pats)]

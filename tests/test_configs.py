@@ -11,6 +11,7 @@ from models.model import Transformer
 from train import parse_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
+PAPER = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -25,22 +26,31 @@ def test_config_builds_on_meta(path):
     assert nparams > 0 and flops > 6 * (nparams - model.tok_embeddings.weight.numel())
 
 
-def test_generated_configs_are_current(tmp_path, monkeypatch):
-    """configs/ holds exactly what scripts/make_configs.py writes (no hand edits drift)."""
+def test_generated_configs_are_current(tmp_path):
+    """configs/paper/ holds exactly what scripts/make_configs.py writes (no hand edits drift)."""
     import scripts.make_configs as mk
 
-    monkeypatch.setattr(mk, "CONFIGS", tmp_path)
-    mk.main()
-    for f in tmp_path.iterdir():
-        assert f.read_text() == (mk.Path(__file__).resolve().parents[1] / "configs" / f.name).read_text(), f.name
+    mk.main(["--out", str(tmp_path)])
+    written = sorted(tmp_path.iterdir())
+    assert written
+    for f in written:
+        assert f.read_text() == (PAPER / f.name).read_text(), f.name
+
+
+def test_make_configs_help_writes_nothing(tmp_path, capsys):
+    import scripts.make_configs as mk
+
+    with pytest.raises(SystemExit):
+        mk.main(["--help", "--out", str(tmp_path)])
+    assert "--out" in capsys.readouterr().out and not list(tmp_path.iterdir())
 
 
 def test_paper_values():
-    cfg = parse_config(["--job.config_file", str(CONFIGS[0].parent / "qwen3_0.6b_parallax.toml")])
+    cfg = parse_config(["--job.config_file", str(PAPER / "qwen3_0.6b_parallax.toml")])
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.weight_decay) == ("muon", 5e-3, 0.1)
     assert (cfg.lr_scheduler.schedule, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay_start) == ("wsd", 0, 0.8)
     assert cfg.training.global_batch_size * cfg.training.seq_len == 3_932_160 and cfg.training.max_norm == 1.0
     assert cfg.attention.parallax.rope_on_rho and cfg.model.converters == ["quantize.linear.float8"]
-    cos = parse_config(["--job.config_file", str(CONFIGS[0].parent / "qwen3_1.7b_softmax_adamw_cosine.toml")])
+    cos = parse_config(["--job.config_file", str(PAPER / "qwen3_1.7b_softmax_adamw_cosine.toml")])
     assert (cos.optimizer.name, cos.optimizer.lr, cos.lr_scheduler.warmup_fraction) == ("AdamW", 3e-4, 0.01)
     assert cos.training.global_batch_size == 1920
