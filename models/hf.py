@@ -208,7 +208,7 @@ def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
                               f"({type(e).__name__}: {last[0].strip()[:200]})") from e
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     if progress:
-        _bar(len(sd), "read").update(len(sd))
+        progress_bar(len(sd), "read").update(len(sd))
     return sd
 
 
@@ -365,7 +365,7 @@ def load_hf_state(folder, progress: bool = False) -> tuple[ModelArgs, dict[str, 
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else sorted(p.name for p in folder.glob("*.safetensors"))
     hf = {}
-    for name in _bar(files, "read", progress):
+    for name in progress_bar(files, "read", progress):
         try:
             hf.update(load_file(str(folder / name)))
         except (SafetensorError, OSError, RuntimeError) as e:
@@ -379,7 +379,8 @@ def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.d
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    hf = {k: v.detach().to(dtype).contiguous().clone() for k, v in _bar(to_hf(sd, args).items(), "convert", progress)}
+    hf = {k: v.detach().to(dtype).contiguous().clone()
+          for k, v in progress_bar(to_hf(sd, args).items(), "convert", progress)}
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -413,7 +414,8 @@ def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False,
                           "(config.json + *.safetensors)")
 
 
-def _bar(it, desc: str, enable: bool = True):
+def progress_bar(it, desc: str, enable: bool = True):
+    """A transient tqdm bar over ``it`` (an iterable, or an int total to ``update`` by hand); off unless enable."""
     from tqdm import tqdm
 
     if isinstance(it, int):

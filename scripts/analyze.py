@@ -1,6 +1,6 @@
 """Parallax mechanism diagnostics of a trained checkpoint, per layer and head, on held-out text.
 
-    python scripts/analyze.py RUN_OR_STEP_DIR --data val.jsonl.gz [-o out/] [--rows 16 --seq-len 512]
+    python -m scripts.analyze RUN_OR_STEP_DIR --data val.jsonl.gz [-o out/] [--rows 16 --seq-len 512]
         [-- train.py flags of the run, e.g. --job.config_file configs/x.toml --model.attention parallax]
 
 Diagnostics (Parallax paper §4.3–4.4, eqs. 16–19; spec ``parallax.md`` §5), for a subset of query positions:
@@ -30,7 +30,6 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 ACTIVATION_KEYS = ("cor", "cpa", "kv_corr", "probe_norm", "score_range", "score_min", "score_max",

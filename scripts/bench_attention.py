@@ -1,11 +1,11 @@
 """Attention kernel benchmark: training fwd / fwd+bwd and decode (CUDA-graph replay) on one GPU.
 
-    python scripts/bench_attention.py            # full tables (issue 8)
-    python scripts/bench_attention.py --quick    # T=4096 only, decode B∈{1,32} × L∈{1k,4k,32k}
-    python scripts/bench_attention.py --json out.json
-    python scripts/bench_attention.py --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
-    python scripts/bench_attention.py --decode-only --quick   # decode table alone (default vs fused merge)
-    python scripts/bench_attention.py --linear --quick        # + the linear family's rows (issue 4), see below
+    python -m scripts.bench_attention            # full tables (issue 8)
+    python -m scripts.bench_attention --quick    # T=4096 only, decode B∈{1,32} × L∈{1k,4k,32k}
+    python -m scripts.bench_attention --json out.json
+    python -m scripts.bench_attention --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
+    python -m scripts.bench_attention --decode-only --quick   # decode table alone (default vs fused merge)
+    python -m scripts.bench_attention --linear --quick        # + the linear family's rows (issue 4), see below
 
 Training rows: B=4, 16 q heads, 8 kv heads, causal, bf16, T ∈ {1024, 4096, 8192, 16384}, D ∈ {64, 128}.
 FLOP counts (stated, not measured): causal softmax forward = 2·B·HQ·T²·D (two GEMMs, half the square);
@@ -45,8 +45,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.bench_common import median_ms, queued_ms  # noqa: E402
+from scripts.bench_common import median_ms, queued_ms
 
 TIMING = "queued"
 """How the training table times a call: "queued" (back-to-back calls, host launch cost overlapped as in training;
@@ -471,7 +470,7 @@ def tune_report(workers: int) -> list[str]:
 
     t0 = time.time()
     if workers > 0:
-        cmd = [sys.executable, os.path.abspath(__file__), "--tune-kernels", ",".join(TUNE_KERNELS),
+        cmd = [sys.executable, "-m", "scripts.bench_attention", "--tune-kernels", ",".join(TUNE_KERNELS),
                "--tune-ds", ",".join(map(str, TUNE_DS))]
         cmd += ["--tune-variants"] * TUNE_VARIANTS + ["--tune-worker"]
         procs = [subprocess.Popen(cmd + [f"{i}/{workers}"]) for i in range(workers)]
@@ -588,12 +587,11 @@ def run_linear(quick: bool) -> None:
     own process, at their default shape B4 T4096 H16 D128."""
     import subprocess
 
-    here = os.path.dirname(os.path.abspath(__file__))
     q = ["--quick"] if quick else []
-    for cmd in (["bench_linear.py", "--mechs", "deltanet", "gdn", "kda", "kda_bounded",
-                 "--paths", "fla", "fla_hopper", "chunk"], ["bench_linear_b.py"]):
-        print(f"\n# linear family: {' '.join(cmd + q)}", flush=True)
-        subprocess.run([sys.executable, os.path.join(here, cmd[0]), *cmd[1:], *q], check=True)
+    for cmd in (["scripts.bench_linear", "--mechs", "deltanet", "gdn", "kda", "kda_bounded",
+                 "--paths", "fla", "fla_hopper", "chunk"], ["scripts.bench_linear_b"]):
+        print(f"\n# linear family: python -m {' '.join(cmd + q)}", flush=True)
+        subprocess.run([sys.executable, "-m", *cmd, *q], check=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What float8 can buy at the 0.6B model's linear shapes: compiled fwd+bwd of bf16 vs torchao float8 linears.
 
-    python scripts/bench_fp8.py [--tokens 16384] [--profile]
+    python -m scripts.bench_fp8 [--tokens 16384] [--profile]
 
 Rows: the issue's anchor (two 4096×4096 linears), and the 0.6B Qwen3 block's linears (dim 1024: q 1024→2048,
 k/v 1024→1024, o 2048→1024, [r 1024→2048 for Parallax], gate/up 1024→3072, down 3072→1024), each as a chain of
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.bench_common import median_ms  # noqa: E402
+from scripts.bench_common import median_ms
 
 SHAPES = {
     "anchor 2x 4096->4096": [(4096, 4096), (4096, 4096)],

@@ -15,24 +15,21 @@ fwd+bwd <= 2x the GDN path). Rows:
 TFLOP/s for the HLA rows use the chunk-form count of the module (passes x (4CD + 4D²) per token and head, x3
 for fwd+bwd; C = 64).
 
-    python scripts/bench_hla.py --quick
-    python scripts/bench_hla.py --device cpu --B 1 --T 256 --H 2 --D 32 --quick     # smoke test
+    python -m scripts.bench_hla --quick
+    python -m scripts.bench_hla --device cpu --B 1 --T 256 --H 2 --D 32 --quick     # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from attention.ops.cala import local_context, normalized_linear_attention  # noqa: E402
-from attention.ops.hla import hla  # noqa: E402
-from scripts.bench_common import timeit  # noqa: E402
+from attention.ops.cala import local_context, normalized_linear_attention
+from attention.ops.hla import hla
+from scripts.bench_common import timeit
 
 
 def _first(x):

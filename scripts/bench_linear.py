@@ -14,10 +14,10 @@ Rows are printed as soon as they are measured, fla rows first. The torch.compile
 process killed after ``--budget`` seconds (compiling the unrolled chunk loop at T=4096 can take minutes);
 such a row reads "timeout".
 
-    python scripts/bench_linear.py --quick          # fewer repetitions
-    python scripts/bench_linear.py --quick --mechs gdn kda --paths fla_hopper fla chunk --budget 30
-    python scripts/bench_linear.py --device cpu --B 1 --T 256 --H 2 --D 32 --quick   # smoke test
-    python scripts/bench_linear.py --quick --mechs gdn --paths fla fla_hopper module module-compiled --budget 0 --no-sdpa
+    python -m scripts.bench_linear --quick          # fewer repetitions
+    python -m scripts.bench_linear --quick --mechs gdn kda --paths fla_hopper fla chunk --budget 30
+    python -m scripts.bench_linear --device cpu --B 1 --T 256 --H 2 --D 32 --quick   # smoke test
+    python -m scripts.bench_linear --quick --mechs gdn --paths fla fla_hopper module module-compiled --budget 0 --no-sdpa
                                     # layer rows in-process (--budget 0): they reuse the fla rows' autotuning
 
 TFLOP/s use the chunked-form FLOP count (per token and head: 4CK + C(K+V) + 6KV + 2CV forward,
@@ -38,11 +38,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm  # noqa: E402
-from attention.ops.delta_rule import chunk_delta_rule, delta_rule_op  # noqa: E402
-from scripts.bench_common import kernel_table, python_profile, timeit  # noqa: E402
+from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm
+from attention.ops.delta_rule import chunk_delta_rule, delta_rule_op
+from scripts.bench_common import kernel_table, python_profile, timeit
 
 MECHS = {"deltanet": "none", "gdn": "scalar", "kda": "channel", "kda_bounded": "channel"}
 LOWER_BOUND = {"kda_bounded": -5.0}  # KDA's bounded gate (fla safe_gate)
@@ -188,7 +187,7 @@ def run_row(mech, path, a, dtype):
     try:
         if path not in ("chunk", "module-compiled") or a.budget <= 0:
             return (mech, path, *bench_mech(mech, path, a, dtype))
-        cmd = [sys.executable, os.path.abspath(__file__), "--_row", mech, path] + a.argv
+        cmd = [sys.executable, "-m", "scripts.bench_linear", "--_row", mech, path] + a.argv
         # own process group, so the compile workers inductor forks are stopped with the child
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:

@@ -8,7 +8,7 @@ Shape B4_T4096_H16_D128 (bf16 q/k/v, float32 gates), every available path per me
   softmax SDPA as the yardstick.
 TFLOP/s use the chunked-form FLOP counts stated in ``flops()``.
 
-    python scripts/bench_linear_b.py [--quick] [--T 4096] [--only gla,fox]
+    python -m scripts.bench_linear_b [--quick] [--T 4096] [--only gla,fox]
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable  # noqa: E402
-from attention.ops.fox import chunk_forgetting_attn, flex_forgetting_attn  # noqa: E402
-from attention.ops.linear_attn import chunk_gla, fla_gla  # noqa: E402
-from attention.ops.path import chunk_path_attn  # noqa: E402
-from scripts.bench_common import timeit as bench  # noqa: E402
+from attention.linear_common import fla_gated_backward_ok, fla_importable
+from attention.ops.fox import chunk_forgetting_attn, flex_forgetting_attn
+from attention.ops.linear_attn import chunk_gla, fla_gla
+from attention.ops.path import chunk_path_attn
+from scripts.bench_common import timeit as bench
 
 
 def flops(mech: str, B: int, T: int, H: int, D: int, C: int = 64) -> float:

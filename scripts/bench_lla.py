@@ -1,16 +1,16 @@
 """LLA (and affine family) benchmark against SDPA softmax attention on one GPU.
 
-    python scripts/bench_lla.py --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1/v2 LLA-8, 2 tiles
-    python scripts/bench_lla.py --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
-    python scripts/bench_lla.py --ptxas 64x64x8,64x32x8 --variant v1   # no GPU: sm_90 registers / spills
-    python scripts/bench_lla.py             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
-    python scripts/bench_lla.py --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
+    python -m scripts.bench_lla --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1/v2 LLA-8, 2 tiles
+    python -m scripts.bench_lla --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
+    python -m scripts.bench_lla --ptxas 64x64x8,64x32x8 --variant v1   # no GPU: sm_90 registers / spills
+    python -m scripts.bench_lla             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
+    python -m scripts.bench_lla --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
 
 ``--variant v0,v1,v2`` (default) times the first Triton kernels (``triton_v0.py``, fp32/TF32 tiles (32, 32)) and
 the current ones (``triton.py``: bf16 operands, autotuned tiles; rows "tiles (BR, BC)" pin a tile; "precise"
 (``--precise``): ``triton.PRECISE``, fp32/TF32 statistics and Σ·p products) in one run. Each CG count and
 each PRECISE value compiles and autotunes its own kernels (3 configs × 3 kernels), so split long sweeps:
-    python scripts/bench_lla.py --quick --variant v1 --iters 16 --tiles none --precise
+    python -m scripts.bench_lla --quick --variant v1 --iters 16 --tiles none --precise
 
 Columns: ms forward, ms forward+backward, ratio of fwd+bwd to SDPA softmax (target: LLA-8 ≤ 10×) and to this
 project's Triton softmax kernel (row "softmax (ours)": ``parallax_triton`` without a probe), peak
@@ -31,19 +31,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.ops.affine import affine_attention  # noqa: E402
-from attention.ops.lla import lla_attention, naive_lla  # noqa: E402
-from attention.ops.parallax.kernels import parallax_triton  # noqa: E402
-from scripts.bench_common import kernel_table  # noqa: E402
-from scripts.bench_common import timeit as timed  # noqa: E402
+from attention.ops.affine import affine_attention
+from attention.ops.lla import lla_attention, naive_lla
+from attention.ops.parallax.kernels import parallax_triton
+from scripts.bench_common import kernel_table
+from scripts.bench_common import timeit as timed
 
 
 def inputs(B, T, HQ, HKV, D):

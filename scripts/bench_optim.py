@@ -1,7 +1,7 @@
 """Optimizer step time of Muon (+ Adam fallback) vs AdamW on the 0.6B parameter shapes.
 
-One GPU:      python scripts/bench_optim.py [--quick] [--attention parallax] [--train-step]
-FSDP2 (N GPUs): torchrun --nproc_per_node=4 scripts/bench_optim.py [--quick]
+One GPU:      python -m scripts.bench_optim [--quick] [--attention parallax] [--train-step]
+FSDP2 (N GPUs): torchrun --nproc_per_node=4 -m scripts.bench_optim [--quick]
 
 Parameters mimic the model's names and shapes (28 layers of wq 2048x1024, wk/wv 1024x1024, wo 1024x2048,
 [wr 2048x1024], w1/w3 3072x1024, w2 1024x3072, norms; tied 151936x1024 embeddings), so routing is the real
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from optim.build import build_optimizers  # noqa: E402
-from optim.config import Optimizer  # noqa: E402
-from scripts.bench_common import median_ms as _time  # noqa: E402
+from optim.build import build_optimizers
+from optim.config import Optimizer
+from scripts.bench_common import median_ms as _time
 
 
 class Attn(nn.Module):

@@ -1,8 +1,8 @@
 """End-to-end training throughput: tokens/s per GPU, MFU and peak memory, through the real trainer.
 
-    python scripts/bench_train.py --data DIR --tokenizer DIR [--quick] [--rows softmax,parallax,...]
-    python scripts/bench_train.py ... --optimizer adamw          # every row with AdamW (as stock torchtitan)
-    python scripts/bench_train.py ... --nproc 4 --precisions bf16 # also on 4 GPUs: scaling efficiency
+    python -m scripts.bench_train --data DIR --tokenizer DIR [--quick] [--rows softmax,parallax,...]
+    python -m scripts.bench_train ... --optimizer adamw          # every row with AdamW (as stock torchtitan)
+    python -m scripts.bench_train ... --nproc 4 --precisions bf16 # also on 4 GPUs: scaling efficiency
 
 Each row launches ``train.py`` (or stock torchtitan's qwen3 for the "stock" row) for ``--steps`` steps at the
 0.6B size on one GPU, compiled, with the given precision, and reads ``metrics.jsonl`` (the stock row: its log

@@ -1,6 +1,6 @@
 """Convert a softmax Transformer checkpoint into Parallax with W_R = 0 (exactly the same function).
 
-    python scripts/convert_to_parallax.py SRC DST [--layers 14-27 | --top-half] [--rho-gate --gate-bias B]
+    python -m scripts.convert_to_parallax SRC DST [--layers 14-27 | --top-half] [--rho-gate --gate-bias B]
                                           [--no-rope-on-rho]
 
 SRC is a run's DCP step folder (``<dump>/checkpoint/step-N``) or a Hugging Face Qwen3 safetensors folder; DST
@@ -20,14 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import warnings  # noqa: E402
+import warnings
 
-import torch  # noqa: E402
+import torch
 
-import attention  # noqa: E402
-from models.hf import CheckpointError, build_model, load_checkpoint, save_dcp_state, save_hf, _bar  # noqa: E402
+import attention
+from models.hf import CheckpointError, build_model, load_checkpoint, progress_bar, save_dcp_state, save_hf
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -72,7 +71,7 @@ def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=
         new_args.attention_options.pop("softmax", None)
     out = dict(sd)
     HD, dim = args.n_heads * args.head_dim, args.dim
-    for i in _bar(layers, "convert", progress):
+    for i in progress_bar(layers, "convert", progress):
         p = f"layers.{i}.attention."
         dtype = sd[f"{p}wq.weight"].dtype
         out[f"{p}wr.weight"] = torch.zeros(HD, dim, dtype=dtype)

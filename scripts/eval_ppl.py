@@ -1,6 +1,6 @@
 """Perplexity of a checkpoint on a local or hub text set, packed exactly as the trainer's validation packs it.
 
-    python scripts/eval_ppl.py RUN_OR_STEP_DIR --data val.jsonl.gz [--seq-len 512 --batch-size 8 --max-rows 0]
+    python -m scripts.eval_ppl RUN_OR_STEP_DIR --data val.jsonl.gz [--seq-len 512 --batch-size 8 --max-rows 0]
         [-o ppl.json] [-- train.py flags of the run, e.g. --job.config_file configs/x.toml]
 
 Documents are tokenized with BOS/EOS and packed into rows of ``seq_len + 1`` tokens (``data.loader.
@@ -21,7 +21,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def packed_rows(spec: str, cfg, tokenizer, seq_len: int):

@@ -1,6 +1,6 @@
 """Export a checkpoint to a Hugging Face folder (config.json + model.safetensors + tokenizer files).
 
-    python scripts/export_hf.py CKPT DST [--config run.toml] [--dtype bfloat16] [--tokenizer DIR]
+    python -m scripts.export_hf CKPT DST [--config run.toml] [--dtype bfloat16] [--tokenizer DIR]
 
 CKPT is a DCP step folder (architecture from ``--config``, its ``attnlab.json``, or inferred from shapes for
 softmax/Parallax) or an HF folder. An all-softmax Qwen3 model becomes a plain ``Qwen3ForCausalLM`` folder that
@@ -16,11 +16,10 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from models.hf import CheckpointError, args_from_job_config, build_model, is_plain_qwen3, load_checkpoint, save_hf  # noqa: E402
+from models.hf import CheckpointError, args_from_job_config, build_model, is_plain_qwen3, load_checkpoint, save_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

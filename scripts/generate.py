@@ -1,7 +1,7 @@
 """Generate text from a checkpoint with the decode caches (KV cache for softmax/Parallax, recurrent states for
 the linear family), printing the text and tokens/s.
 
-    python scripts/generate.py CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--temperature 0.8]
+    python -m scripts.generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--temperature 0.8]
                                [--top-k 50] [--top-p 0.95] [--greedy] [--config run.toml] [--tokenizer DIR]
 
 CKPT: an HF folder (scripts/export_hf.py or a Qwen3 download) or a DCP step folder (architecture from
@@ -18,12 +18,11 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from models.decode import generate  # noqa: E402
-from models.hf import CheckpointError, args_from_job_config, build_model, load_checkpoint  # noqa: E402
+from models.decode import generate
+from models.hf import CheckpointError, args_from_job_config, build_model, load_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

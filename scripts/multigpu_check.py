@@ -1,8 +1,8 @@
 """Multi-GPU correctness: FSDP on K devices vs one device at the same global batch, and resume across world sizes.
 
-    python scripts/multigpu_check.py                                   # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
-    python scripts/multigpu_check.py --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
-    python scripts/multigpu_check.py --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
+    python -m scripts.multigpu_check                                   # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
+    python -m scripts.multigpu_check --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
+    python -m scripts.multigpu_check --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
 
 What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_causal, compile off by default):
   1. a seed checkpoint on one process (sharded and unsharded initialisation draw different random numbers);
@@ -17,7 +17,7 @@ and PASS/FAIL against --tol. Default tolerances: 1e-4 in float32 (CPU: only summ
 3e-2 with bf16 (GPU: the 1-device run uses autocast over fp32 weights, FSDP bf16 parameters with fp32
 reduction; differences grow over steps, so the tolerance is for ~12 steps).
 
-The default data are synthetic (tests/utils.make_corpus: a word-level tokenizer and documents that each fill
+The default data are synthetic (scripts/tiny_runs.make_corpus: a word-level tokenizer and documents that each fill
 one packed row exactly), because only then do 1 and K processes see identical global batches. With real data
 (--data/--tokenizer) each rank packs its own document stream, so rows differ and the curves agree only
 statistically.
@@ -34,10 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.utils import losses, make_corpus, tiny_args  # noqa: E402
+from scripts.tiny_runs import REPO, losses, make_corpus, tiny_args
 
 
 def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:

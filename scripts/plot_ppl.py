@@ -1,6 +1,6 @@
 """Plot train and validation perplexity of several runs on one figure.
 
-    python scripts/plot_ppl.py RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9]
+    python -m scripts.plot_ppl RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9]
 
 Each RUN_DIR is a run's ``job.dump_folder`` holding ``metrics.jsonl`` (written by the trainer). Runs are
 labelled by folder name unless ``--labels`` is given; training curves are drawn solid (optionally EMA-smoothed),

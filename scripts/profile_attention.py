@@ -2,7 +2,7 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-        -o $OUT/attn python scripts/profile_attention.py
+        -o $OUT/attn python -m scripts.profile_attention
     ncu --import $OUT/attn.ncu-rep --page details --csv > attn.csv
 
 Warm-up calls (autotuning, cuDNN plan selection) run before ``cudaProfilerStart``; exactly one fwd+bwd of each
@@ -10,7 +10,7 @@ column runs inside the profiled region, so the report holds one launch per kerne
 target cell B=4, 16 q / 8 kv heads, T=4096, D=128, bf16, causal (override with --T / --D).
 Without ncu the script still prints the per-kernel CUDA time from ``torch.profiler`` for the same region.
 
-    python scripts/profile_attention.py --spills --D 128 --kernels dq,dkv   # no GPU needed
+    python -m scripts.profile_attention --spills --D 128 --kernels dq,dkv   # no GPU needed
 
 ``--spills`` compiles every candidate config (short autotune list + ``common.TUNE_EXTRA_*``) for sm_90a offline
 and prints ptxas' registers, spill bytes and shared memory per config: a cheap first filter before timing with
@@ -21,13 +21,10 @@ the dynamic traffic).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.bench_attention import TRAIN  # noqa: E402
+from scripts.bench_attention import TRAIN
 
 
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:

@@ -1,6 +1,6 @@
 """Small-scale replication of the Parallax paper's direction (issue 7): equal-token runs of a ~68M model.
 
-    python scripts/replicate.py --corpus DIR --out DIR [--budget-s 520] [--runs all]
+    python -m scripts.replicate --corpus DIR --out DIR [--budget-s 520] [--runs all]
         [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
 
 Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
@@ -53,7 +53,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 BASE = os.path.join(REPO, "configs", "replication", "repl_base.toml")
 
 ADAMW = ["--optimizer.name", "adamw", "--optimizer.lr", "1e-3", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
@@ -195,9 +194,7 @@ def _tail(path: str, n: int = 400) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_corpus = next((p for p in (os.path.join(REPO, "..", "shared", "corpus"), os.path.join(REPO, "shared", "corpus"))
-                           if os.path.isdir(p)), "../shared/corpus")
-    ap.add_argument("--corpus", default=default_corpus,
+    ap.add_argument("--corpus", required=True,
                     help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"))
     ap.add_argument("--runs", default="all", help=f"comma-separated subset of {list(RUNS)}")
@@ -295,7 +292,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             os.makedirs(dump)
             flags = [*common, "--model.attention", mech.split("_")[0], "--job.dump_folder", dump, "--training.steps", str(n),
                      "--metrics.log_freq", "5", "--checkpoint.no-enable"]
-            ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"),
+            ok, secs = _run([sys.executable, "-m", "scripts.replicate", "--train-one", *flags], os.path.join(dump, "train.log"),
                             min(args.timeout, left()))
             m = read_metrics(dump)
             if ok and m.get("tps"):
@@ -357,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 os.makedirs(dump, exist_ok=True)
                 with open(os.path.join(dump, "train_args.json"), "w") as f:
                     json.dump(flags, f)
-                ok, secs = _run([sys.executable, __file__, "--train-one", *flags], os.path.join(dump, "train.log"),
+                ok, secs = _run([sys.executable, "-m", "scripts.replicate", "--train-one", *flags], os.path.join(dump, "train.log"),
                                 min(args.timeout, left() - 10))  # keep 10 s for the table
                 row.update(ok=ok, seconds=round(secs, 1), **read_metrics(dump))
                 if not ok:
@@ -373,14 +370,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 from models.checkpoint_io import resolve_step_dir
 
                 src = str(resolve_step_dir(dump))
-                convert_job = _spawn([sys.executable, os.path.join(REPO, "scripts", "convert_to_parallax.py"), src,
+                convert_job = _spawn([sys.executable, "-m", "scripts.convert_to_parallax", src,
                                       conv_dir, "--rope-theta", str(fl.rope_theta), "--norm-eps", str(fl.norm_eps),
                                       "--no-progress"], os.path.join(out, "convert.log"))
             except FileNotFoundError as e:
                 with open(os.path.join(out, "convert.log"), "w") as f:
                     f.write(str(e))
         if row["ok"] and not args.no_analyze and any(m in name for m in ANALYZED):
-            proc = _spawn([sys.executable, os.path.join(REPO, "scripts", "analyze.py"), dump, "--data", val_file,
+            proc = _spawn([sys.executable, "-m", "scripts.analyze", dump, "--data", val_file,
                            "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024)),
                            # CPU: the per-head float64 eigh/SVD diagnostics ran > 4 min on the H100 next to a
                            # training run (cusolver, small matrices), ~1 min on 2 CPU cores
@@ -407,7 +404,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shutil.rmtree(conv_dir, ignore_errors=True)
     ran = [os.path.join(out, r["run"]) for r in results if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
     if ran:
-        _run([sys.executable, os.path.join(REPO, "scripts", "plot_ppl.py"), *ran, "-o", os.path.join(out, "ppl.png")],
+        _run([sys.executable, "-m", "scripts.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png")],
              os.path.join(out, "plot_ppl.log"), 120)
     try:
         plot_diagnostics(out, [r["run"] for r in results])

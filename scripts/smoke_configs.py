@@ -1,10 +1,10 @@
 """Smoke-test every paper configuration in configs/paper/: does it start and train a few steps at a reduced batch?
 
-    python scripts/smoke_configs.py --data .gpu/data --tokenizer .gpu/tok                 # one GPU, all configs
-    python scripts/smoke_configs.py --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node
-    python scripts/smoke_configs.py --only 'parallax*' --steps 5 --seq 1024 ...           # fnmatch filter(s)
-    python scripts/smoke_configs.py --only 'qwen3_0.6b_*' --parallel 4 ...                # 4 runs share a GPU
-    python scripts/smoke_configs.py --device cpu --flavor debug --only qwen3_0.6b_softmax -- --model.vocab_size 64
+    python -m scripts.smoke_configs --data .gpu/data --tokenizer .gpu/tok                 # one GPU, all configs
+    python -m scripts.smoke_configs --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node
+    python -m scripts.smoke_configs --only 'parallax*' --steps 5 --seq 1024 ...           # fnmatch filter(s)
+    python -m scripts.smoke_configs --only 'qwen3_0.6b_*' --parallel 4 ...                # 4 runs share a GPU
+    python -m scripts.smoke_configs --device cpu --flavor debug --only qwen3_0.6b_softmax -- --model.vocab_size 64
 
 Each config (configs/paper/*.toml) runs in its own torchrun
 subprocess with --timeout, --steps steps, --local-batch sequences per process (global batch = local x nproc, so

@@ -1,7 +1,7 @@
 """MAD-style synthetic token-manipulation tasks (Poli et al., 2024, "Mechanistic Design and Scaling of Hybrid
 Architectures") plus multi-query associative recall (Arora et al., 2023, Zoology), as in the Parallax paper §4.1.
 
-    python scripts/synthetic.py --attention softmax,parallax [--tasks all] [--sweep quick|paper|hard]
+    python -m scripts.synthetic --attention softmax,parallax [--tasks all] [--sweep quick|paper|hard]
         [--steps N --batch B --vocab V --seq-len T --device cuda]
 
 Every batch is generated on the fly (a fixed held-out batch measures accuracy). The model is the paper's:
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -37,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IGNORE = -100
 BLANK, MARK, FIRST = 0, 1, 2  # special tokens; content tokens start at FIRST

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from models.hf import build_model, load_checkpoint, load_dcp_state
-from tests.utils import REPO, make_corpus, run_train, tiny_args
-
-sys.path.insert(0, str(REPO / "scripts"))
-import convert_to_parallax as conv  # noqa: E402
-import export_hf  # noqa: E402
+from scripts import convert_to_parallax as conv
+from scripts import export_hf
+from tests.utils import make_corpus, run_train, tiny_args
 
 
 @pytest.fixture(scope="module")

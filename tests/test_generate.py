@@ -100,13 +100,8 @@ def test_cache_overflow_and_sampling_filters():
 
 
 def test_generate_script_greedy_matches_full_forward(tmp_path, capsys):
-    import sys
-
     from models.hf import save_hf
-    from tests.utils import REPO
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import generate as script
+    from scripts import generate as script
 
     model = _tiny("parallax")
     save_hf(model.state_dict(), model.model_args, tmp_path / "hf")

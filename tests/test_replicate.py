@@ -51,8 +51,8 @@ def test_read_metrics_median_tps_skips_step_one(tmp_path):
 
 def test_parse_args_rejects_unknown_runs():
     with pytest.raises(SystemExit):
-        R.parse_args(["--runs", "softmax_muon,nope"])
-    assert R.parse_args(["--budget-s", "520"]).budget_s == 520.0
+        R.parse_args(["--corpus", "c", "--runs", "softmax_muon,nope"])
+    assert R.parse_args(["--corpus", "c", "--budget-s", "520"]).budget_s == 520.0
 
 
 def test_table_and_diagnostics_plot(tmp_path):

@@ -2,17 +2,12 @@
 
 import json
 import math
-import sys
 
 import pytest
 import torch
 
-from tests.utils import REPO, make_corpus, read_metrics, run_train, tiny_args
-
-sys.path.insert(0, str(REPO / "scripts"))
-import analyze  # noqa: E402
-import eval_ppl  # noqa: E402
-import synthetic  # noqa: E402
+from scripts import analyze, eval_ppl, synthetic
+from tests.utils import make_corpus, read_metrics, run_train, tiny_args
 
 
 @pytest.fixture(scope="module")
