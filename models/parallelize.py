@@ -30,10 +30,8 @@ def sac_save_list() -> set:
     """Ops whose outputs selective activation checkpointing ("op" mode) keeps instead of recomputing: torchtitan's
     Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus the project's attention forward custom ops.
 
-    Without them the backward re-ran every layer's Triton attention forward: a profiled 0.6B Parallax step
-    (B2 x T4096, H100) spent 24.0 ms in ``_parallax_fwd_kernel`` against 13.6 ms in its dq pass, i.e. two forwards
-    per step, while softmax's ``_varlen_attn`` is on torchtitan's list (benchmarks/RESULTS.md, session 5). The
-    opaque ops (``attention.ops.opaque``) recompute their forward in their own backward; saving their output spares
+    Without them the backward re-runs every layer's Triton attention forward (two forwards per step), while
+    softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.opaque``) recompute their forward in their own backward; saving their output spares
     a third run."""
     for module in SAC_OP_MODULES:  # registers the ops (the Triton ones need triton, absent on some platforms)
         with contextlib.suppress(ImportError):

@@ -35,8 +35,8 @@ value for which 2 softmax runs, 3 Parallax runs, the converted fine-tune (steps/
 slot for GDN fit in the time left. GDN runs last and gets ``min(steps, what fits in the remaining time)``: equal
 tokens if it is fast enough or the fixed costs were overestimated,
 fewer otherwise (the table says so). AdamW lr: the paper's 3e-4 is for 0.6B/20k steps; a short run of a ~68M
-model needs a larger one (3e-3 with no warmup was unstable in the 2026-11-22 runs: softmax val ppl 483 vs 91
-under Muon; benchmarks/RESULTS.md), hence 1e-3.
+model needs a larger one, but 3e-3 without warmup was unstable (softmax val ppl 483 against 91 under Muon at 10.5M
+tokens), hence 1e-3.
 """
 
 from __future__ import annotations
