@@ -1,17 +1,16 @@
 """Every TOML in configs/ parses, validates and builds its model on the meta device."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from models import register_train_spec
 from models.args import get_flavor
 from models.model import Transformer
+from tests.utils import REPO
 from train import parse_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
-PAPER = Path(__file__).resolve().parents[1] / "configs" / "paper"
+CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
+PAPER = REPO / "configs" / "paper"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.utils import REPO
+
 _SCRIPT = """
 from scripts.sm90 import compile_sm90, loop_local_memory, resources
 from attention.ops.parallax.kernels import decode
@@ -25,7 +27,7 @@ def test_offline_compile_pipelines_the_decode_loop():
     """With the launcher's marks the decode kernel's K/V loads become async copies (6 at 3 stages) and it fits
     without spills; without them (the tools before session 13) there were none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     n_async, regs, spill, ldl, stl = (int(x) for x in res.stdout.split("RESULT")[1].split())
@@ -69,7 +71,7 @@ def test_spill_report_compiles_plain_and_tma_tiles():
     """``profile_attention.py --spills`` compiles a plain and a TMA (+ WS) tile of each Parallax kernel: every
     constexpr the kernels take is given (one left out is typed as a pointer and the compile fails)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     res = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT], env=env, capture_output=True, text=True, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("LINE")]
