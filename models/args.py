@@ -1,4 +1,4 @@
-"""Model arguments and flavors: the paper's Qwen3 sizes (spec ``parallax.md`` §4) plus a tiny debug model."""
+"""Model arguments and flavors: the Parallax paper's Qwen3 sizes (Table 2a, App. F) plus a tiny debug model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPU support for torchtitan 0.2.2, which assumes "cuda" when no accelerator is visible (platform.md).
+"""CPU support for torchtitan 0.2.2, which assumes "cuda" when no accelerator is visible.
 
 :func:`install_cpu_shim` points torchtitan's ``device_type``/``device_module`` at the CPU (in every
 torchtitan module that copied them at import) so the trainer, its memory monitor and gloo process groups

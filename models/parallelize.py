@@ -80,7 +80,7 @@ def apply_fsdp(model: nn.Module, mesh, job_config) -> None:
     fully_shard([model.tok_embeddings, model.norm, model.output], **cfg, reshard_after_forward=policy == "always")
     fully_shard(model, **cfg)
     disable_fsdp_gradient_division(model)  # the loss is already divided by the global token count
-    if torch.distributed.get_backend() == "gloo":  # gloo has no PREMUL_SUM (platform.md)
+    if torch.distributed.get_backend() == "gloo":  # gloo has no PREMUL_SUM
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)

@@ -41,7 +41,7 @@ class _ShardLocalStep:
     """Adam/AdamW that step FSDP2 (DTensor) parameters through their local shards.
 
     The update is elementwise, so it is the same arithmetic on the same shards, minus DTensor's dispatch of every
-    fused/foreach call: at 0.6B on 4×H200 FSDP2 stock AdamW ran 1.34 ms of GPU kernels under 9.2 ms of host time.
+    fused/foreach call, which left stock AdamW on FSDP2 shards host-bound (host time several times its GPU time).
     Parameters and state stay DTensors, so state dicts and DCP checkpoints are unchanged.
     """
 

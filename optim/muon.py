@@ -304,8 +304,8 @@ class Muon(torch.optim.Optimizer):
 
 def local_shard(t: Tensor) -> Tensor:
     """The local shard of a DTensor (a plain tensor as is), without ``to_local()``'s autograd Function: the
-    optimizers call it ~3× per matrix per step, and at 0.6B (~200 matrices) ``to_local`` made the 4-GPU Muon
-    step host-bound (measured 29 ms host). Shared with the shard-local Adam/AdamW in :mod:`optim.build`."""
+    optimizers call it ~3× per matrix per step, and at 0.6B (~200 matrices) ``to_local`` made the sharded Muon
+    step host-bound. Shared with the shard-local Adam/AdamW in :mod:`optim.build`."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -3,7 +3,7 @@
     python -m scripts.analyze RUN_OR_STEP_DIR --data val.jsonl.gz [-o out/] [--rows 16 --seq-len 512]
         [-- train.py flags of the run, e.g. --job.config_file configs/x.toml --model.attention parallax]
 
-Diagnostics (Parallax paper §4.3–4.4, eqs. 16–19; spec ``parallax.md`` §5), for a subset of query positions:
+Diagnostics (Parallax paper §4.3–4.4, eqs. 16–19), for a subset of query positions:
 
 - COR_i = ‖Σ_KV(i) ρ_i‖ / ‖v̄_i‖ (eq. 16); CPA_i = ‖Σ_KV(i) ρ_i‖ / (‖ρ_i‖ ‖Σ_KV(i)‖₂); probe norm ‖ρ_i‖;
 - KV correlation ‖Σ_VV^{-1/2} Σ_KV Σ_KK^{-1/2}‖_F (eq. 17; covariances under p_i·, ridge 1e-4·tr/D);

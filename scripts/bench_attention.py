@@ -9,18 +9,18 @@
 
 Training rows: B=4, 16 q heads, 8 kv heads, causal, bf16, T ∈ {1024, 4096, 8192, 16384}, D ∈ {64, 128}.
 FLOP counts (stated, not measured): causal softmax forward = 2·B·HQ·T²·D (two GEMMs, half the square);
-Parallax forward = 2× that (two more GEMMs on the same tiles, spec eq. 15); backward = 2.5× forward
+Parallax forward = 2× that (two more GEMMs on the same tiles: ρ·Kᵀ and the second P·V); backward = 2.5× forward
 (FlashAttention's convention), so fwd+bwd = 3.5× forward.
 
 Decode rows: one new token, cache of L tokens (all valid), 16/8 heads, D=128, bf16; µs per call in CUDA-graph
-replay; "floor" reads K and V once at 3.0 TB/s (the measured H100 device-copy bandwidth). Our columns come
+replay; "floor" reads K and V once at 3.0 TB/s (about an H100's device-to-device copy bandwidth). Our columns come
 twice: ``ours-*`` is the library default (a second merge kernel, launched as a programmatic dependent on Hopper),
 ``ours-*-fused`` folds the split merge into the split kernel (``merge="fused"``).
 
 Tune report (``--tune-report``): for T=4096, D ∈ {64, 128}, probe and softmax, each kernel (fwd, dq, dkv) is
 timed alone at every candidate config (the short autotune list plus ``common.TUNE_EXTRA_*``, after the
 autotuner's prune), bypassing the autotuner. Compilation runs first in parallel worker processes (Triton's disk
-cache then serves the timing process), so the report fits in about a minute on an H100.
+cache then serves the timing process), so the compiles do not add up one after another.
 
 Linear-family rows (``--linear``): the delta-rule ops (deltanet, gdn, kda, kda_bounded; every path) from
 ``scripts/bench_linear.py`` and gla, gated_linear, linear, fox, path from ``scripts/bench_linear_b.py``, at
@@ -49,7 +49,7 @@ from scripts.bench_common import median_ms, queued_ms
 
 TIMING = "queued"
 """How the training table times a call: "queued" (back-to-back calls, host launch cost overlapped as in training;
-the default since session 7) or "percall" (sync after each call: adds each call's host latency)."""
+the default) or "percall" (sync after each call: adds each call's host latency)."""
 
 
 def bench_ms(fn, rep: int = 20, warmup: int = 5) -> float:

@@ -5,7 +5,7 @@
 
 SRC is a run's DCP step folder (``<dump>/checkpoint/step-N``) or a Hugging Face Qwen3 safetensors folder; DST
 is written in the same format. Each converted layer gets ``wr = 0`` (so ρ = RMSNorm(0) = 0 and Parallax
-reduces to softmax attention, spec ``parallax.md`` §1), ``r_norm`` weights 1 and, with ``--rho-gate``, a gate
+reduces to softmax attention, Parallax paper §5), ``r_norm`` weights 1 and, with ``--rho-gate``, a gate
 with zero weights and bias ``--gate-bias``. Before anything is written both models run on a fixed batch in
 float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
 

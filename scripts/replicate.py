@@ -165,10 +165,8 @@ def _run(cmd: list[str], log: str, timeout: float) -> tuple[bool, float]:
 
 
 def _spawn(cmd: list[str], log: str) -> subprocess.Popen:
-    """A background job (analysis, conversion) writing to ``log``, on at most 4 CPU threads. With the default
-    (one OpenMP thread per core, 16-core H100 node) no analysis finished within 450 s beside the training runs,
-    which slowed from 378k tokens/s (no analysis running) to 160k-279k; with 4 threads all four finished.
-    One analysis alone takes ~45 s on 2 cores."""
+    """A background job (analysis, conversion) writing to ``log``, on at most 4 CPU threads: with one OpenMP
+    thread per core, analyses beside the training runs starve each other and slow training down."""
     env = {**_env(), "OMP_NUM_THREADS": "4"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
@@ -379,8 +377,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if row["ok"] and not args.no_analyze and any(m in name for m in ANALYZED):
             proc = _spawn([sys.executable, "-m", "scripts.analyze", dump, "--data", val_file,
                            "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024)),
-                           # CPU: the per-head float64 eigh/SVD diagnostics ran > 4 min on the H100 next to a
-                           # training run (cusolver, small matrices), ~1 min on 2 CPU cores
+                           # CPU: the per-head float64 eigh/SVD diagnostics (small matrices) are slower through
+                           # cusolver next to a training run than on a few CPU cores
                            "--device", "cpu"],
                           os.path.join(dump, "analyze.log"))
             background.append((row, dump, proc))

@@ -4,8 +4,8 @@ Used by ``profile_attention.py --spills`` and ``bench_lla.py --ptxas``. The comp
 Triton's launcher marks every pointer argument (torch allocations are 16-byte aligned) and every integer argument
 that is a multiple of 16 with ``tt.divisibility = 16``, and compiles an integer argument equal to 1 as a constant. Without those marks the loads cannot be vectorised or made
 asynchronous: K/V loop loads stay synchronous 2-byte loads (no ``cp.async`` pipeline), and the register and stack
-counts describe a kernel that never runs (session 13 found the decode kernel at 206 registers offline against 168
-with the marks, and no ``async_copy`` at all).
+counts describe a kernel that never runs (without the marks the decode kernel compiled to more registers than
+with them, and to no ``async_copy`` at all).
 """
 
 from __future__ import annotations

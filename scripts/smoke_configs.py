@@ -1,6 +1,6 @@
 """Smoke-test every paper configuration in configs/paper/: does it start and train a few steps at a reduced batch?
 
-    python -m scripts.smoke_configs --data .gpu/data --tokenizer .gpu/tok                 # one GPU, all configs
+    python -m scripts.smoke_configs --data DATA --tokenizer TOKDIR                        # one GPU, all configs
     python -m scripts.smoke_configs --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node
     python -m scripts.smoke_configs --only 'parallax*' --steps 5 --seq 1024 ...           # fnmatch filter(s)
     python -m scripts.smoke_configs --only 'qwen3_0.6b_*' --parallel 4 ...                # 4 runs share a GPU

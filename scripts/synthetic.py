@@ -305,8 +305,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
-    # width-128 models: kernel speed is irrelevant, cold autotuning is not (an H100 spent ~200 s of the first
-    # Parallax/GDN task autotuning); one config per kernel, ours and fla's (ATTNLAB_AUTOTUNE=all to override)
+    # width-128 models: kernel speed is irrelevant, cold autotuning is not (minutes before the first task);
+    # one config per kernel, ours and fla's (ATTNLAB_AUTOTUNE=all to override)
     os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
     if torch.cuda.is_available():
         from attention.ops.autotune import first_config_for_fla

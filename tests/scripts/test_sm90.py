@@ -25,7 +25,7 @@ print("RESULT", r["async"], r["regs"], r["spill_st"], *loop_local_memory(k))
 @pytest.mark.slow
 def test_offline_compile_pipelines_the_decode_loop():
     """With the launcher's marks the decode kernel's K/V loads become async copies (6 at 3 stages) and it fits
-    without spills; without them (the tools before session 13) there were none."""
+    without spills; without them there are none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(REPO)
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, cwd=root)
