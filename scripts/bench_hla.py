@@ -26,7 +26,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-
 from attention.ops.cala import local_context, normalized_linear_attention
 from attention.ops.hla import hla
 from scripts.bench_common import timeit

@@ -38,7 +38,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-
 from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm
 from attention.ops.delta_rule import chunk_delta_rule, delta_rule_op
 from scripts.bench_common import kernel_table, python_profile, timeit

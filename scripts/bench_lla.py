@@ -36,7 +36,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-
 from attention.ops.affine import affine_attention
 from attention.ops.lla import lla_attention, naive_lla
 from attention.ops.parallax.kernels import parallax_triton

@@ -17,7 +17,6 @@ import os
 import torch
 from torch import nn
 
-
 from optim.build import build_optimizers
 from optim.config import Optimizer
 from scripts.bench_common import median_ms as _time

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-
 import warnings
+from pathlib import Path
 
 import torch
 

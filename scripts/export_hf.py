@@ -16,7 +16,6 @@ import sys
 import warnings
 from pathlib import Path
 
-
 import torch
 
 from models.hf import CheckpointError, args_from_job_config, build_model, is_plain_qwen3, load_checkpoint, save_hf

@@ -18,7 +18,6 @@ import sys
 import warnings
 from pathlib import Path
 
-
 import torch
 
 from models.decode import generate
