@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.ops.parallax import parallax_attention, parallax_decode
-from attention.ops.parallax.naive import visibility_mask
+from attention.ops.common import visibility_mask
 from attention.registry import register_attention
 
 SOFTMAX_IMPLS = ("auto", "sdpa", "triton", "reference")

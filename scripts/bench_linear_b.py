@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable  # noqa: E402
+from attention.ops.common import fla_gated_backward_ok, fla_importable  # noqa: E402
 from attention.ops.fox import chunk_forgetting_attn, flex_forgetting_attn  # noqa: E402
 from attention.ops.linear_attn import chunk_gla, fla_gla  # noqa: E402
 from attention.ops.path import chunk_path_attn  # noqa: E402

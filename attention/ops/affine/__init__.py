@@ -13,7 +13,7 @@ import torch
 
 from attention.ops.affine.chunked import affine_chunked, causal_linear, segment_mean  # noqa: F401
 from attention.ops.affine.naive import MECHANISMS, naive_affine
-from attention.ops.lla import doc_bounds
+from attention.ops.common import doc_bounds
 from attention.ops.opaque import fake_attention_out, opaque_op
 
 Tensor = torch.Tensor

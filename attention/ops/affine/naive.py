@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.parallax.naive import visibility_mask
+from attention.ops.common import visibility_mask
 
 MECHANISMS = ("value_avg", "affine_linear", "mesa", "affine_mesa")
 

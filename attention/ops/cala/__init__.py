@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.cala.naive import local_feature, naive_cala, naive_local_context
 from attention.ops.hla.chunk import gla_chunk
 from attention.ops.parallax import parallax_attention
@@ -60,7 +60,7 @@ def normalized_linear_attention(qf, kf, v, *, eps: float = 1e-6, cu_seqlens=None
     stateful = initial_state is not None or output_final_state
     use_triton = impl == "triton" or (impl == "auto" and qf.is_cuda)
     if use_triton and not stateful:
-        from attention.ops.hla.triton_gla import gla_triton
+        from attention.ops.linear_attn.triton_gla import gla_triton
 
         o, st = gla_triton(qf, kf, va, None, doc=doc), None
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def local_feature(x: torch.Tensor, name: str = "elu") -> torch.Tensor:

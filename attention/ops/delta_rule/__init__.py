@@ -25,15 +25,14 @@ from types import SimpleNamespace
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, log_once
+from attention.ops.common import fla_gated_backward_ok, log_once
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
-from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
 from attention.ops.delta_rule.ops import check_gate_lower_bound, delta_rule_op
 
-__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "fla_hopper_delta_rule",
-           "delta_rule_op", "select_impl"]
+__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "delta_rule_op",
+           "select_impl"]
 
 DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla", "fla_hopper")
 

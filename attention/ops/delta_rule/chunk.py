@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
-from attention.linear_common import position_in_doc
+from attention.ops.common import document_ids, position_in_doc
 
 
 def chunk_delta_rule(

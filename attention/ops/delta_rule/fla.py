@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable
+from attention.ops.common import fla_gated_backward_ok, fla_importable
 from attention.ops.delta_rule.ops import cached_cu_seqlens
 
 

@@ -50,7 +50,7 @@ def naive_forgetting_attn(
     s = scale * qf @ kf.transpose(-1, -2) + c[..., :, None] - c[..., None, :]  # [B, HQ, T, T]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if cu_seqlens is not None:
-        from attention.base import document_ids
+        from attention.ops.common import document_ids
 
         doc = document_ids(cu_seqlens, B, T)  # [B, T]
         mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]

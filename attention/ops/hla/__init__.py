@@ -4,7 +4,8 @@
 (eq. 3, decayed per the spec's corrected operator), AHLA (eq. 7) and the corrected third order (spec §6.2).
 Implementations (``impl``):
 
-- "triton": chunked Triton kernels (``triton_gla.py``), forward and backward in Triton; training path;
+- "triton": the scalar-gated linear-attention Triton kernel (``attention/ops/linear_attn/triton_gla.py``) in
+  two or three passes, forward and backward in Triton; training path;
 - "chunk":  chunked PyTorch (``chunk.py``), supports initial/final states (prefill, decode), any device;
 - "serial": the token-by-token recurrence (``serial.py``), the decode state update;
 - "auto":   "triton" on CUDA when no state goes in or out, else "chunk".
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.hla.chunk import chunk_hla, compose_hla, safe_div_o
 from attention.ops.hla.serial import init_state, serial_hla
 
@@ -87,7 +88,7 @@ def hla(
         return chunk_hla(q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
                          chunk_size=chunk_size, doc=doc, initial_state=initial_state,
                          output_final_state=output_final_state)
-    from attention.ops.hla.triton_gla import gla_triton
+    from attention.ops.linear_attn.triton_gla import gla_triton
 
     return compose_hla(gla_triton, q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
                        chunk_size=chunk_size, doc=doc)

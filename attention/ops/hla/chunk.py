@@ -13,7 +13,7 @@ Normalisation appends a ones column to v (den = the same operator applied to v â
 
 Packed documents: ``doc`` [B, T] document ids; pairs across documents are masked and the carried state is
 dropped at document starts (chunks may straddle documents). This file is the reference of the Triton kernel in
-``triton_gla.py`` (same chunking and masking).
+``attention/ops/linear_attn/triton_gla.py`` (same chunking and masking).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def safe_div(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:

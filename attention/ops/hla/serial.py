@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def init_state(order: int, variant: str, B: int, H: int, K: int, V: int, device, dtype=torch.float32) -> tuple:

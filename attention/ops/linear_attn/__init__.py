@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable, log_once
+from attention.ops.common import fla_gated_backward_ok, fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla

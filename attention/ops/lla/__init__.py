@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import doc_bounds
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
@@ -27,18 +27,6 @@ from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # 
 Tensor = torch.Tensor
 
 IMPLS = ("auto", "reference", "chunk", "triton")
-
-
-def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """doc_start, doc_end: [B, T] int32, the first visible key of each query and the end (exclusive) of
-    its document, as positions inside the row."""
-    if cu_seqlens is None:
-        return (torch.zeros(B, T, dtype=torch.int32, device=device),
-                torch.full((B, T), T, dtype=torch.int32, device=device))
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = document_ids(cu, B, T)  # [B, T]
-    row0 = (torch.arange(B, device=device) * T)[:, None]
-    return (cu[doc] - row0).to(torch.int32), (cu[doc + 1] - row0).to(torch.int32)
 
 
 def _lam_btH(lam, B, T, HQ, device) -> torch.Tensor:

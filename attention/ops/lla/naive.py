@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from attention.ops.parallax.naive import visibility_mask
+from attention.ops.common import visibility_mask
 
 
 def relmm(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

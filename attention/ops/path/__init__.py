@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_importable, log_once
+from attention.ops.common import fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn

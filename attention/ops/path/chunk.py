@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.fox.naive import doc_cumsum
 
 

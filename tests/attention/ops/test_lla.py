@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from attention.ops.affine import naive_affine
-from attention.ops.lla import cg_solve, doc_bounds, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
+from attention.ops.common import doc_bounds
+from attention.ops.lla import cg_solve, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
 from attention.ops.lla.chunked import block_stats, lla_fwd_chunked
 from attention.ops.parallax.naive import naive_parallax
 

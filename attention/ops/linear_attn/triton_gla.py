@@ -1,8 +1,8 @@
-"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA is built from (see ``chunk.py``).
+"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA and CALA are built from.
 
     o_t = Σ_{s≤t, same document} b(s,t) (q_t·k_s) v_s,   b(s,t) = exp(g_{s+1} + ... + g_t)
 
-Chunk form (GLA / Lightning / RetNet style, spec hla.md §3.6): with local log-cumsum ℓ of the gates inside a
+Chunk form (GLA / Lightning / RetNet style, docs/kernels.md "Scalar-gated linear attention"): with local log-cumsum ℓ of the gates inside a
 chunk of BT tokens, state h_n [K, V] before chunk n,
 
     o_c  = diag(β) Q_c h_n + (D ⊙ tril(Q_c K_cᵀ)) V_c,    D_τσ = exp(ℓ_τ − ℓ_σ),  β_τ = exp(ℓ_τ)
@@ -14,7 +14,8 @@ Kernels (fla's ``chunk_simple_gla`` layout, written from scratch for this projec
 ``_bwd_dv``. States are recomputed in backward, never saved. Packed documents: a document id per token;
 cross-document pairs are masked and carried state is dropped at a document start (chunks may straddle
 documents). The gate gradient uses dG_t = q_t·dq_t − k_t·dk_t, dg = reverse cumsum(dG).
-Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (the decode path uses chunk.py).
+Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (prefill and decode use the PyTorch form,
+``attention.ops.hla.chunk.gla_chunk``).
 """
 
 from __future__ import annotations
@@ -210,8 +211,7 @@ def _blocks(K: int, V: int):
     """(BK, BV), always equal. With BK != BV and 16-bit inputs the kernels returned wrong values on an H100
     (Triton 3.6; relative error 1.3-4.1 at K/V = 16/17, 16/32, 16/64, 64/17, bf16 and fp16), and CALA's fullgraph
     GPU test at K/V = 16/17 faulted with an illegal address in ``_bwd_dqk_kernel``. fp32, the interpreter and every
-    equal pair tried (16, 32, 64) were right; which kernel miscompiles was not isolated (benchmarks/RESULTS.md,
-    session 15)."""
+    equal pair tried (16, 32, 64) were right; which kernel miscompiles was not isolated."""
     B = min(64, max(16, triton.next_power_of_2(max(K, V))))
     return B, B
 
