@@ -20,6 +20,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
 from attention.linear_common import GatedRMSNorm, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.fox import IMPLS, forgetting_attention, fox_decode
 from attention.registry import register_attention
 
@@ -56,9 +57,11 @@ class FoxCache:
 class ForgettingAttention(QKVAttentionBase):
     """Causal softmax attention whose logits are biased by cumulative log forget gates."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: FoxOptions):
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for fox; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "fox")
         qk_norm, out_gate, out_norm = (opts.qk_norm or opts.pro, opts.output_gate or opts.pro, opts.output_norm or opts.pro)
         super().__init__(args, qk_norm, rope=False)
         self.opts = opts

@@ -28,6 +28,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
+from attention.ops.common import check_impl
 from attention.ops.hla import IMPLS, hla, init_state
 from attention.ops.hla.serial import hla_step
 from attention.registry import register_attention
@@ -75,6 +76,9 @@ class HLACache:
 class HigherOrderLinearAttention(QKVAttentionBase):
     """Masked higher-order linear attention with per-head decay, q/k normalisation and output norm."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: HLAOptions):
         if opts.order not in (2, 3):
             raise ValueError(f"attention.hla.order={opts.order!r}; choose from [2, 3]")
@@ -88,8 +92,7 @@ class HigherOrderLinearAttention(QKVAttentionBase):
             raise ValueError(f"attention.hla.qk_norm={opts.qk_norm!r}; choose from {list(QK_NORMS)}")
         if opts.decay != "none" and not 0.0 < opts.gamma_init < 1.0:
             raise ValueError(f"attention.hla.gamma_init={opts.gamma_init} must be in (0, 1)")
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for hla; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "hla")
         super().__init__(args, opts.qk_norm == "rms", rope=opts.rope)
         self.opts = opts
         D = args.head_dim

@@ -1,6 +1,6 @@
 """Shared pieces of the linear-attention family (delta rule, GLA, gated/plain linear attention, ...).
 
-What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_family_and_cala.md`` §5, §9, §10):
+What is here, and where it comes from (fla-core 0.6.0's layers; docs/mechanisms.md, "The linear family"):
 
 - :class:`ShortConvolution`: causal depthwise conv (kernel 4) + SiLU on q/k/v (fla ``ShortConvolution``),
   respecting packed-document boundaries and carrying a decode state of the last ``kernel_size - 1`` inputs.
@@ -14,10 +14,9 @@ What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_fami
   re-wrapped (``to_empty``, FSDP), so modules call it again in ``init_weights``; the names (``conv*``,
   ``A_log``, ``dt_bias``, ``b_proj``, ``a_proj``/``g_proj``) are the fallback the optimizer can match.
 - :class:`RecurrentCache`: per-layer decode cache (conv states + recurrent state).
-- :func:`check_impl`: ``[attention] impl`` validation. The fla-core gate, the document helpers and the fallback
-  notices every op shares are in :mod:`attention.ops.common`.
 
-Part B of the family (gla, gated_linear, linear, fox, path) imports from this file: keep signatures stable.
+The ``impl`` vocabulary, the fla-core gate, the document helpers and the fallback notices every op shares are in
+:mod:`attention.ops.common`.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.ops.common import position_in_doc
-
-LINEAR_IMPLS = ("auto", "recurrent", "chunk", "fla")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -86,13 +83,6 @@ def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, d
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min_(dt_floor)
     p.copy_(dt + torch.log(-torch.expm1(-dt)))
     mark_adam(p)
-
-
-def check_impl(impl: str, mechanism: str, valid: tuple[str, ...] = LINEAR_IMPLS) -> str:
-    """Validate ``[attention] impl`` for a linear-family mechanism; returns it."""
-    if impl not in valid:
-        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(valid)}")
-    return impl
 
 
 # ----------------------------------------------------------------------------------------------- cache

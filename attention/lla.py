@@ -26,6 +26,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.ops.common import check_impl
 from attention.ops.lla import IMPLS as LLA_IMPLS
 from attention.ops.lla import lla_attention, lla_decode
 from attention.registry import register_attention
@@ -102,10 +103,12 @@ class KVCache:
 class LocalLinearAttention(QKVAttentionBase):
     """Causal LLA with GQA, q/k RMSNorm, RoPE and a learnable ridge λ (per head or per token)."""
 
+    impls = LLA_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: LLAOptions):
         super().__init__(args, opts.qk_norm)
-        if args.impl not in LLA_IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for lla; choose from {list(LLA_IMPLS)}")
+        check_impl(args.impl, self.impls, "lla")
         if opts.cg_iters < 1:
             raise ValueError(f"attention.lla.cg_iters={opts.cg_iters} must be >= 1")
         smallest = opts.lambda_min if opts.learn_lambda else opts.lambda_init  # fixed λ = lambda_init

@@ -21,6 +21,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.linear_common import ShortConvolution, l2norm, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.fox import fox_decode
 from attention.ops.path import IMPLS, householder_update_, path_attention
 from attention.registry import register_attention
@@ -61,9 +62,11 @@ class PathCache:
 class PathAttention(QKVAttentionBase):
     """Softmax attention whose q·k passes through a cumulative product of generalised Householder matrices."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: PathOptions):
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for path; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "path")
         super().__init__(args, opts.qk_norm, rope=False)
         self.opts = opts
         H, HKV, D = args.n_heads, args.n_kv_heads, args.head_dim

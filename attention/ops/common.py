@@ -1,4 +1,5 @@
-"""What every op shares: the geometry of packed documents, the fla-core gate, and one-line fallback notices.
+"""What every op shares: the ``impl`` vocabulary, the geometry of packed documents, the fla-core gate, and
+one-line fallback notices.
 
 Packed documents follow fla's varlen convention: ``cu_seqlens`` [N + 1] int32 offsets of the N documents in the
 flattened ``B*T`` token stream (every batch row boundary is also a document boundary), or None when every row is
@@ -12,6 +13,24 @@ import logging
 import torch
 
 logger = logging.getLogger(__name__)
+
+IMPLS = ("auto", "reference", "chunk", "triton", "fla")
+"""``[attention] impl``, one vocabulary for every mechanism (each accepts a subset, in this order):
+
+- "auto": the fastest path that can run the call on its device (each op says what it picks and logs a fallback);
+- "reference": the readable PyTorch path (token loop or explicit O(T²) form), float64-capable;
+- "chunk": chunked / blockwise PyTorch, any device, torch.compile-able;
+- "triton": the project's Triton kernels (for FoX: FlexAttention's generated Triton kernels; for the delta rule:
+  fla-core's kernels with ours in place of those Triton < 3.7.1 miscompiles on Hopper);
+- "fla": fla-core's Triton kernels (``pip install -e ".[fla]"``).
+"""
+
+
+def check_impl(impl: str, valid: tuple[str, ...], who: str) -> str:
+    """``impl`` if ``who`` accepts it (``valid``: a subset of :data:`IMPLS`), else a ValueError naming the key."""
+    if impl not in valid:
+        raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(valid)}")
+    return impl
 
 
 # ----------------------------------------------------------------------------------------------- packed documents

@@ -4,31 +4,30 @@
 (eq. 3, decayed per the spec's corrected operator), AHLA (eq. 7) and the corrected third order (spec §6.2).
 Implementations (``impl``):
 
+- "reference": the token-by-token recurrence (``serial.py``, float64-capable; also the decode state update);
+- "chunk":  chunked PyTorch (``chunk.py``), supports initial/final states (prefill, decode), any device;
 - "triton": the scalar-gated linear-attention Triton kernel (``attention/ops/linear_attn/triton_gla.py``) in
   two or three passes, forward and backward in Triton; training path;
-- "chunk":  chunked PyTorch (``chunk.py``), supports initial/final states (prefill, decode), any device;
-- "serial": the token-by-token recurrence (``serial.py``), the decode state update;
 - "auto":   "triton" on CUDA when no state goes in or out, else "chunk".
 
-The oracle is ``naive.py`` (definitions as triple/quadruple sums, float64).
+The test oracle is ``naive.py`` (the definitions as triple/quadruple sums, float64, O(T³)): too slow to be a path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attention.ops.common import document_ids
+from attention.ops.common import check_impl, document_ids
 from attention.ops.hla.chunk import chunk_hla, compose_hla, safe_div_o
 from attention.ops.hla.serial import init_state, serial_hla
 
-IMPLS = ("auto", "triton", "chunk", "serial")
+IMPLS = ("auto", "reference", "chunk", "triton")
 ORDERS = (2, 3)
 VARIANTS = ("symmetric", "asymmetric")
 
 
 def resolve_impl(impl: str, device: torch.device, stateful: bool = False) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for hla; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, "hla")
     if impl == "auto":
         return "triton" if device.type == "cuda" and not stateful else "chunk"
     if impl == "triton" and stateful:
@@ -75,7 +74,7 @@ def hla(
     if cu_seqlens is not None and stateful:
         raise ValueError("hla: initial/final states are not supported together with cu_seqlens")
     path = resolve_impl(impl, q.device, stateful)
-    if path == "serial":
+    if path == "reference":
         vv = torch.cat([v, torch.ones_like(v[..., :1])], -1) if normalize else v
         res = serial_hla(q, k, vv, g, order=order, variant=variant, cu_seqlens=cu_seqlens,
                          initial_state=initial_state, output_final_state=output_final_state)

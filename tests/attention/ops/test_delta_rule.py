@@ -158,7 +158,7 @@ def test_dispatch():
         select_impl("triton", q, gated=True, needs_grad=False)
     with pytest.raises(RuntimeError, match="fla"):
         delta_rule(q, k, v, beta, g, impl="fla")
-    o_r, _ = delta_rule(q, k, v, beta, g, impl="recurrent")
+    o_r, _ = delta_rule(q, k, v, beta, g, impl="reference")
     o_c, _ = delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=2)
     torch.testing.assert_close(o_c, o_r, rtol=1e-12, atol=1e-12)
 

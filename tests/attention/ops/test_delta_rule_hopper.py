@@ -139,8 +139,8 @@ def test_dqkwg_varlen_matches_reference(gated, monkeypatch):
 def test_fla_hopper_dispatch_on_cpu():
     q = torch.randn(1, 5, 1, 4)
     assert select_impl("auto", q, gated=True, needs_grad=True) == "chunk"
-    with pytest.raises(RuntimeError, match="fla_hopper"):
-        delta_rule(q, q, q, q[..., 0].sigmoid(), -q[..., 0].abs(), impl="fla_hopper")
+    with pytest.raises(RuntimeError, match="attention.impl='triton'"):
+        delta_rule(q, q, q, q[..., 0].sigmoid(), -q[..., 0].abs(), impl="triton")
 
 
 # ------------------------------------------------------------------------------------------------ GPU

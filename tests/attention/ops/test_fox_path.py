@@ -143,7 +143,7 @@ def test_bf16_blockwise_close():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["fla", "flex"])
+@pytest.mark.parametrize("impl", ["fla", "triton"])
 def test_fox_gpu_paths(impl):
     if impl == "fla":
         pytest.importorskip("fla")
