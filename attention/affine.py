@@ -1,5 +1,5 @@
 """The affine (uniform-weight) attention family of the Parallax paper (Zuo et al., 2026, §3.2, Fig. 1):
-the h → ∞ limits of softmax, Parallax and LLA, and MesaNet without decay (spec ``parallax.md`` §6).
+the h → ∞ limits of softmax, Parallax and LLA, and MesaNet without decay (docs/mechanisms.md).
 
     value_avg      o_i = v̄_i                                  probe zero        (eq. 11)
     affine_linear  o_i = v̄_i − S̃_i ρ_i, ρ_i = W_R x_i         probe learned     (eq. 12)

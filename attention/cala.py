@@ -1,4 +1,4 @@
-"""Context-Aggregated Linear Attention (CALA; Morgan 2025, ``papers/cala.txt``; spec ``linear_family_and_cala.md`` §15).
+"""Context-Aggregated Linear Attention (CALA; Morgan 2025; docs/mechanisms.md, "CALA").
 
 Linear attention whose queries and keys are first enriched with their local causal context:
 

@@ -2,7 +2,7 @@
 
     o_t = Σ_{i<=t} softmax_i( q_t·k_i / sqrt(D) + Σ_{j=i+1}^{t} log f_j ) v_i,   f_j = σ(w_h·x_j + b_h)
 
-(spec §12; fla ``ForgettingAttention``). One forget gate per query head; no RoPE by default (the gate
+(Variants eq. 31; fla ``ForgettingAttention``). One forget gate per query head; no RoPE by default (the gate
 already encodes recency). Options give the paper's "Pro" block pieces: QK-norm, output gate σ(W_g x) and
 output RMSNorm (``pro = true`` switches on all three; the Pro block's KV-shift is not implemented).
 Decoding uses a KV cache plus the cumulative log gate per query head.

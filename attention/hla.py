@@ -1,19 +1,19 @@
 """Higher-order Linear Attention (HLA; Zhang, Qin, Gu 2025, arXiv:2510.27258) as an attention sublayer.
 
-Token mixing (spec ``hla.md``; ops in ``attention/ops/hla``):
+Token mixing (docs/mechanisms.md, "HLA"; ops in ``attention/ops/hla``):
 
 - order 2, "symmetric" (masked HLA, eq. 3):  o_t = Σ_{i≤j≤t} b(i,t) b(j,t) (q_t·k_i)(k_i·q_j) v_j
 - order 2, "asymmetric" (AHLA, eq. 7):        o = (A_γ A_γ) V,  A_γ[t,i] = b(i,t) q_t·k_i
-- order 3 (corrected masked third order, spec §6.2 ERRATUM 6)
+- order 3 (masked third order)
 
-with b(i,t) = γ^{t−i} (decay "fixed" or "learnable" per head; "none": γ = 1), the spec's corrected decayed
-semantics (ERRATUM §3.3: each factor decays by its own age, so a chunk scan and the recurrence agree).
+with b(i,t) = γ^{t−i} (decay "fixed" or "learnable" per head; "none": γ = 1), each factor decaying by its own
+age, so a chunk scan and the recurrence agree.
 
 Departures from the paper (which has no experiments and prescribes no module): q and k are L2-normalised per
-head (or RMSNorm'd and scaled by D^-1/2) because unnormalised HLA grows like t²|q|²|k|² (spec §8); an RMSNorm
+head (or RMSNorm'd and scaled by D^-1/2) because unnormalised HLA grows like t²|q|²|k|²; an RMSNorm
 per head on the output (as GLA/RetNet) and an optional sigmoid output gate; optional RoPE; GQA by repeating
 k and v over the query heads. Optional normalisation divides by the same operator applied to v ≡ 1 with a
-sign-safe ε (spec §8). Decoding keeps the compact states of ``serial.py`` in the cache.
+sign-safe ε. Decoding keeps the compact states of ``serial.py`` in the cache.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class HLAOptions:
     gamma_init_min: float = 0.0
     """If in (0, gamma_init): heads get γ spread log-uniformly in (1 − γ) between gamma_init_min and gamma_init."""
     normalize: bool = False
-    """Divide by the same operator applied to v ≡ 1 (paper eq. 4), sign-safe ε (spec §8)."""
+    """Divide by the same operator applied to v ≡ 1 (paper eq. 4), sign-safe ε (its sign is not fixed when masked)."""
     eps: float = 1e-6
     """ε of the normalisation."""
     qk_norm: str = "l2"

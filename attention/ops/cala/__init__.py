@@ -1,7 +1,7 @@
 """CALA ops: the local context aggregation through the project's sliding-window softmax path, and normalised
 causal linear attention through the HLA primitive (``attention.ops.hla``'s gated linear attention, γ = 1).
 
-- :func:`local_context` — C_Q, C_K of CALA step 3 (spec §15) with ``parallax_attention(..., window_size=w)``:
+- :func:`local_context` — C_Q, C_K of CALA step 3 with ``parallax_attention(..., window_size=w)``:
   keys and values shifted right by one token so that query i sees tokens i−w .. i−1; the slot of a document's
   first token holds a pad key −M·1 with value 0 (φ_loc > 0 so its weight underflows to 0 whenever a real key is
   visible, and C = 0 exactly when none is). Both streams run in one call (batch concatenation).

@@ -1,4 +1,4 @@
-"""Blockwise FoX in PyTorch: FlashAttention-style online softmax over key blocks (spec §12 pseudocode).
+"""Blockwise FoX in PyTorch: FlashAttention-style online softmax over key blocks (docs/mechanisms.md, "FoX").
 
 Each tile computes ``scale · Q_I K_J^T + c_I − c_J`` and updates the running (max, sum, acc) per query
 row. The loop runs over the block distance δ = I − J and is vectorised over all query blocks, so there

@@ -1,6 +1,6 @@
 """FoX (Forgetting Transformer, Lin et al. 2025) reference: softmax attention with a forget-gate bias.
 
-    o_t = Σ_{i<=t} softmax_i( scale · q_t·k_i + c_t − c_i ) v_i,    c_t = Σ_{j<=t} log f_j      (spec §12, eq. 31)
+    o_t = Σ_{i<=t} softmax_i( scale · q_t·k_i + c_t − c_i ) v_i,    c_t = Σ_{j<=t} log f_j      (Variants eq. 31)
 
 with ``log f = logsigmoid(·) <= 0`` per query head (fla's convention: the gate is not scaled). O(T²) memory;
 float64 inputs are computed in float64, others in float32.

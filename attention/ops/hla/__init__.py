@@ -1,7 +1,7 @@
 """Higher-order Linear Attention (Zhang, Qin, Gu 2025, arXiv:2510.27258): public op.
 
 ``hla(q, k, v, g, order=2|3, variant="symmetric"|"asymmetric", normalize=...)`` — masked second-order HLA
-(eq. 3, decayed per the spec's corrected operator), AHLA (eq. 7) and the corrected third order (spec §6.2).
+(eq. 3, each factor decayed by its own age), AHLA (eq. 7) and the masked third order (docs/mechanisms.md, "HLA").
 Implementations (``impl``):
 
 - "reference": the token-by-token recurrence (``serial.py``, float64-capable; also the decode state update);
@@ -54,7 +54,7 @@ def hla(
     """Masked higher-order linear attention.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] per-token log-decay log γ_t ≤ 0 (fixed γ: ``log γ``
-    broadcast) or None. No scaling or feature map is applied (scale q, k before calling; spec §8).
+    broadcast) or None. No scaling or feature map is applied (scale q, k before calling).
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (state resets at each start).
     initial_state / final state: the decode state of ``serial.py`` ((S, U) | (P, E) | (S, P, Y), fp32, with V+1
     columns when ``normalize``). Returns o [B, T, H, V] in q's dtype (and the final state).

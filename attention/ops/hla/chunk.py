@@ -1,7 +1,7 @@
 """HLA in chunkwise matmul form (PyTorch), built from one primitive: causal scalar-gated linear attention.
 
 ``gla(q, k, v, g)`` computes o_t = Σ_{s≤t} b(s,t) (q_t·k_s) v_s with b(s,t) = exp(g_{s+1} + ... + g_t). The
-chunk forms of spec §3.6, §5.5 and §6.2 [ours] factor into two or three such passes (derivation: the inclusive
+chunk forms of every variant factor into two or three such passes (docs/mechanisms.md, "HLA"; the inclusive
 metric-vector r_t = S_t q_t is itself a gated linear attention with values k):
 
 - second order:  R = gla(q, k, k; g)     (R_t = S_t q_t)      O = gla(q, R, v; 2g)          [U = γ² U + R_t v_tᵀ]

@@ -1,4 +1,4 @@
-"""HLA ops: chunked == serial == naive (2nd, 3rd order, AHLA), decay variants and the spec's errata, scan
+"""HLA ops: chunked == serial == naive (2nd, 3rd order, AHLA), decay variants and the paper's errata, scan
 operator associativity, state passing, gradients vs float64, and the Triton kernels (interpreter on CPU)."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_chunk_sizes(w):
 
 
 def test_paper_tuple_equals_compact_and_U_identity():
-    """Thm 3.1 tuple (S, C, m, G, h) == compact U (spec §2.5): U_t = S_t C_t - G_t at every t; also with the
+    """Thm 3.1 tuple (S, C, m, G, h) == compact U: U_t = S_t C_t - G_t at every t; also with the
     corrected decay (G = γ² G + γ kkᵀ C)."""
     T, K, V = 9, 4, 3
     q, k, v = torch.randn(T, K, dtype=torch.float64), torch.randn(T, K, dtype=torch.float64), torch.randn(T, V, dtype=torch.float64)
@@ -98,7 +98,7 @@ def test_paper_tuple_equals_compact_and_U_identity():
 
 
 def test_erratum_paper_decayed_recurrence_is_not_masked():
-    """ERRATUM 2: the printed G = γG + kkᵀC_{t-1} recurrence does not give the decayed masked form."""
+    """Paper erratum: the printed G = γG + kkᵀC_{t-1} recurrence does not give the decayed masked form."""
     T, K, V = 8, 3, 2
     q, k, v = torch.randn(T, K, dtype=torch.float64), torch.randn(T, K, dtype=torch.float64), torch.randn(T, V, dtype=torch.float64)
     st = tuple(torch.zeros(s, dtype=torch.float64) for s in [(K, K), (K, V), (K,), (K, V), (K,)])
@@ -113,7 +113,7 @@ def test_erratum_paper_decayed_recurrence_is_not_masked():
 
 def test_third_order_corrected_and_paper_erratum():
     """Corrected tuple (S^K S^Q P − G1 − G3 − X) == compact == naive; the paper's Alg. 3 equals the 'max index
-    attained at least twice' sum, which differs from the masked (W Wᵀ W) V (ERRATUM 6)."""
+    attained at least twice' sum, which differs from the masked (W Wᵀ W) V (a paper erratum)."""
     T, K, V = 7, 3, 2
     q, k, v = torch.randn(T, K, dtype=torch.float64), torch.randn(T, K, dtype=torch.float64), torch.randn(T, V, dtype=torch.float64)
     z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
@@ -221,7 +221,7 @@ def test_chunk_gradcheck_finite_differences():
 
 
 def test_spec_adjoint_recurrence_matches_autograd():
-    """The explicit reverse-mode recurrences of spec §3.8 equal autograd through the chunk form."""
+    """The explicit reverse-mode recurrences equal autograd through the chunk form."""
     T, K, V, gam = 7, 3, 2, 0.9
     q, k, v = (torch.randn(T, K, dtype=torch.float64), torch.randn(T, K, dtype=torch.float64),
                torch.randn(T, V, dtype=torch.float64))

@@ -1,4 +1,4 @@
-"""LLA: the float64 reference against the spec's identities, the blockwise PyTorch and Triton paths against
+"""LLA: the float64 reference against the paper's identities, the blockwise PyTorch and Triton paths against
 the reference (forward and every gradient, incl. λ), float64 finite differences (gradcheck), decode."""
 
 import pytest
@@ -85,7 +85,7 @@ def test_max_shift_invariance_only_with_omega_ridge():
 
 
 def test_interpolation_form_softmax_plus_slope():
-    """LLA = softmax + Ŵ(q − k̄) with Ŵ the kernel-weighted ridge slope (spec §2.2 item 6)."""
+    """LLA = softmax + Ŵ(q − k̄) with Ŵ the kernel-weighted ridge slope (the LLA paper's interpolation form)."""
     T, D, lam = 8, 3, 0.2
     q, k, v, _ = inputs(1, T, 1, 1, D)
     o = naive_lla(q, k, v, lam, shift=False)
@@ -395,7 +395,7 @@ def _rel_errs(a, b):
 
 
 def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkeypatch):
-    """Why the GPU tests run at λ = 1 (spec §5: ρ_i solves Σ_i ρ = μ_i with ridge λω_i by a fixed number of CG
+    """Why the GPU tests run at λ = 1 (ρ_i solves Σ_i ρ = μ_i with ridge λω_i by a fixed number of CG
     iterations). With a small ridge (λ = 0.1) and few iterations (8 < D = 64) CG is truncated on
     ill-conditioned systems (rows < 2D of each document see fewer keys than 2D), and truncated CG is not a
     stable function of the arithmetic: the SAME chunked code on the SAME inputs in fp32 vs float64 differs by
@@ -432,7 +432,7 @@ def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkey
 
 @pytest.mark.parametrize("impl", ["chunk", "triton"])
 def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
-    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (spec §3.5), but
+    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (Σ_i is positive definite), but
     CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes
     ω − μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range.
     CG now solves against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by
