@@ -216,9 +216,9 @@ def test_triton_gla_tiles_are_square():
 _AOT = """
 from attention.ops.linear_attn import triton_gla
 from scripts.sm90 import compile_sm90
-const = dict(H=16, K=128, V=128, BT=64, BK=64, BV=64, HAS_DOC={has_doc}, PREC="tf32")
-ptr = dict(ell="*fp32", doc="*i32", h="*fp32", dh="*fp32", dG="*fp32")
-for name in ("_fwd_h_kernel", "_fwd_o_kernel", "_bwd_dh_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"):
+const = dict(H=16, K=128, V=128, BT=64, BK=64, BV=64, HAS_DOC={has_doc}, PREC="tf32", REVERSE=False)
+ptr = dict(ell="*fp32", doc="*i32", s="*fp32", h="*fp32", dh="*fp32", dG="*fp32")
+for name in ("_state_kernel", "_fwd_o_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"):
     fn = getattr(triton_gla, name)
     sig = {{a: "constexpr" if a in const else "i32" if a in ("T", "NT") else ptr.get(a, "*bf16") for a in fn.arg_names}}
     ints = {{a: v for a, v in dict(T=4096, NT=64).items() if a in fn.arg_names}}  # as a launch at T=4096 sees them

@@ -48,6 +48,14 @@ def _rows(P, o_t, o_d, s_t, T, D: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
+def _kv_rows(K, V, start, s_kt, T, D: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """The key tile [start, start + BC): its indices and its K and V rows ([BC, BD], zero padded)."""
+    o_c = start + tl.arange(0, BC)
+    o_d = tl.arange(0, BD)
+    return o_c, _rows(K, o_c, o_d, s_kt, T, D, MASK), _rows(V, o_c, o_d, s_kt, T, D, MASK)
+
+
+@triton.jit
 def _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK: tl.constexpr):
     """w = 2^(qk_scale·q kᵀ − m2) (= exp(scale q·k − m)), 0 on invisible pairs. [BR, BC] fp32."""
     s = tl.dot(q, tl.trans(k)) * qk_scale - m2[:, None]
@@ -114,11 +122,8 @@ def _sigma_tiles(acc, rs, q, p, qp, m2, K, s_kt, o_r, ds, a, b, qk_scale, T, D: 
 @triton.jit
 def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
                MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
-        o_c = start + tl.arange(0, BC)
-        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
-        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        o_c, k, v = _kv_rows(K, V, start, s_kt, T, D, MASK, BC, BD)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
         a_ = (w * (1 - (tl.dot(rho, tl.trans(k.to(rho.dtype))) - rq[:, None]))).to(rho.dtype)
         acc += tl.dot(a_, v.to(rho.dtype))
@@ -129,11 +134,8 @@ def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
 @triton.jit
 def _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
                  PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
-        o_c = start + tl.arange(0, BC)
-        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
-        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        o_c, k, v = _kv_rows(K, V, start, s_kt, T, D, MASK, BC, BD)
         c = tl.dot(g, tl.trans(v))  # issued before the exponentials, which it overlaps
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
         c = c * w * inv_d[:, None]
@@ -150,11 +152,8 @@ def _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, 
 @triton.jit
 def _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
                  D: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    o_d = tl.arange(0, BD)
     for start in range(a, b, BC):
-        o_c = start + tl.arange(0, BC)
-        k = _rows(K, o_c, o_d, s_kt, T, D, MASK)
-        v = _rows(V, o_c, o_d, s_kt, T, D, MASK)
+        o_c, k, v = _kv_rows(K, V, start, s_kt, T, D, MASK, BC, BD)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
         zr = tl.dot(rho_b, tl.trans(k)) - rq[:, None]
         zu = tl.dot(u_b, tl.trans(k)) - uq[:, None]
