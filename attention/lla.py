@@ -9,8 +9,8 @@ Departures from the softmax baseline (same Qwen3 projections ``wq wk wv wo q_nor
   with a floor), in the λω convention of the public FlashLLA code (shift-invariant);
 - λ → ∞ is exactly softmax attention.
 
-Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "triton", "chunk",
-"reference". Decoding keeps a KV cache (LLA has no recurrent state) and uses a single-pass D×D-accumulator decode
+Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "reference", "chunk",
+"triton". Decoding keeps a KV cache (LLA has no recurrent state) and uses a single-pass D×D-accumulator decode
 (``attention/ops/lla/decode.py``).
 """
 

@@ -1,15 +1,17 @@
 """Lower host cost for fla-core's Triton kernels: launch with the autotuner's chosen config, skip the wrapper layers.
 
-Why: a GDN fwd+bwd at the training shapes enqueues its fla kernels more slowly than the GPU runs them, and most
-of each launch's host time is not the ``JITFunction`` launch itself but fla's ``@dispatch`` (a ``torch.compiler.disable`` wrapper and a backend scan), ``@input_guard``
-(``.contiguous()`` on every argument, a device context), fla's autotune-key builder, Triton's ``Autotuner.run``
-and ``Heuristics.run``. In a GDN model that host time is per layer and independent of the batch size.
+Why: a GDN fwd+bwd at the training shapes enqueues its fla kernels more slowly than the GPU runs them, and most of
+each launch's host time is not the ``JITFunction`` launch itself but fla's ``@dispatch`` (a ``torch.compiler.disable``
+wrapper and a backend scan), ``@input_guard`` (``.contiguous()`` on every argument, a device context), fla's
+autotune-key builder, Triton's ``Autotuner.run`` and ``Heuristics.run``. In a GDN model that host time is per layer
+and independent of the batch size.
 
 - :func:`install` (called by :func:`attention.ops.common.fla_importable`, the gate of every fla path, after
   importing ``fla.ops``, which loads all of fla's ops) replaces every ``@triton.heuristics`` /
-  ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first launch per autotune key takes the normal path
-  (autotuning included), later launches call the ``JITFunction`` directly with the config that was chosen and the
-  heuristics computed here — the same kernel, config and arguments, so results are bitwise those of the normal path.
+  ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first
+  launch per autotune key takes the normal path (autotuning included), later launches call the ``JITFunction``
+  directly with the config that was chosen and the heuristics computed here — the same kernel, config and
+  arguments, so results are bitwise those of the normal path.
 - :func:`install` also replaces fla's ``@dispatch`` wrappers (a ``torch.compiler.disable`` layer and a scan of
   alternative backends: TileLang, Ascend, FlashKDA, ...) by the function they wrap, where none of the wrapper's
   backends is available and enabled here, so the wrapper would call that function anyway. fla's KDA pipeline

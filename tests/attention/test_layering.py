@@ -58,4 +58,5 @@ def test_relative_imports_resolve(tmp_path):
     pkg.mkdir(parents=True)
     f = pkg / "m.py"
     f.write_text("from . import y\nfrom ..common import z\nfrom ...base import w\n")
-    assert [m for _, m in imported_modules(f, tmp_path)] == ["attention.ops.x.y", "attention.ops.common.z", "attention.base.w"]
+    expected = ["attention.ops.x.y", "attention.ops.common.z", "attention.base.w"]
+    assert [m for _, m in imported_modules(f, tmp_path)] == expected

@@ -151,7 +151,8 @@ def ahla_token_segment(q, k, v):
 
 
 def op_ahla(A, B, *, decay_R: bool = False):
-    """HLA eq. (8), third order, with decay; R must not decay (a paper erratum): ``decay_R=True`` reproduces the printed operator."""
+    """HLA eq. (8), third order, with decay; R must not decay (a paper erratum): ``decay_R=True`` reproduces the
+    printed operator."""
     r = B["rho"]
     return dict(R=(r * A["R"] if decay_R else A["R"]) + B["R"], P=r * A["P"] + B["P"], m=r * A["m"] + B["m"],
                 E=r * A["E"] + B["E"] + B["R"] @ (r * A["P"]), n=r * A["n"] + B["n"] + B["R"] @ (r * A["m"]),

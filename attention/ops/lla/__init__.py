@@ -7,8 +7,8 @@ Implementations (``impl``):
 - "triton":    the blockwise Triton kernels (``kernels/``), forward and backward with the adjoint solve;
 - "auto":      Triton on CUDA, chunk elsewhere.
 
-All non-reference paths use the λω ridge (shift-invariant, docs/mechanisms.md "LLA"), compute in fp32 (float64 inputs:
-float64 on the chunked path) and return q's dtype. ρ is solved by ``cg_iters`` CG iterations; the
+All non-reference paths use the λω ridge (shift-invariant, docs/mechanisms.md "LLA"), compute in fp32
+(float64 inputs: float64 on the chunk path) and return q's dtype. ρ is solved by ``cg_iters`` CG iterations; the
 backward differentiates the exact solution (implicit function theorem), so it is the true gradient of
 the function once CG has converged (``cg_iters`` ≥ D in exact arithmetic).
 """
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from attention.ops.common import doc_bounds
+from attention.ops.common import check_impl, doc_bounds
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
@@ -141,8 +141,7 @@ lla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for lla; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, "lla")
     if impl == "auto":
         return "triton" if device.type == "cuda" else "chunk"
     return impl

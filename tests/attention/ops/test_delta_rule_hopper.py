@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from attention.linear_common import l2norm
-from attention.ops.delta_rule import chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule, select_impl
+from attention.ops.delta_rule import (chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule,
+                                      select_impl)
 from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
 
 

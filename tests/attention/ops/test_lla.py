@@ -432,12 +432,12 @@ def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkey
 
 @pytest.mark.parametrize("impl", ["chunk", "triton"])
 def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
-    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (Σ_i is positive definite), but
-    CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes
-    ω − μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range.
-    CG now solves against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by
-    construction. Measured here with the q-centred solve: δ ≤ 0 on 17 of 192 rows, max |o| 198 (chunked) /
-    288 (Triton) against 5.75 exact; centred: δ > 0, max |o| 7.8 / 7.9 (16 iterations are not converged)."""
+    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (Σ_i is positive
+    definite), but CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes ω −
+    μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range. CG now solves
+    against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by construction. Measured
+    here with the q-centred solve: δ ≤ 0 on 17 of 192 rows, max |o| 198 (chunked) / 288 (Triton) against 5.75 exact;
+    centred: δ > 0, max |o| 7.8 / 7.9 (16 iterations are not converged)."""
     gen = torch.Generator().manual_seed(0)
     B, T, HQ, HKV, D = 1, 96, 2, 1, 64
     cu = torch.tensor([0, 1, 3, 9, 40, 96], dtype=torch.int32)

@@ -101,9 +101,9 @@ def _bwd_kv_kernel(Q, K, V, DS, DE, DO, M, DELTA, BETA, ROWS, RB, UB, DMB, DK, D
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                    T, HQ, HKV, scale, qk_scale,
                    D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """dk, dv of a key tile over all q heads of its GQA group and all query tiles of its documents at or below
-    the diagonal, tiles held transposed ([key, query]) so no operand is transposed. The vectors ρ, u, Δμ come in the operand dtype
-    and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
+    """dk, dv of a key tile over all q heads of its GQA group and all query tiles of its documents at or below the
+    diagonal, tiles held transposed ([key, query]) so no operand is transposed. The vectors ρ, u, Δμ come in the
+    operand dtype and their row scalars precomputed (pass B), and each [key, query] tile is consumed as soon as it is
     complete, so the loop holds two accumulators, the key/value tiles and ~6 score tiles."""
     b, hk, c0, o_c, col_ok, o_d, q_lo, q_hi, k, v, n_kv = _key_tile(DE, K, V, s_kb, s_kt, s_kh, T, HKV, D, BR, BC,
                                                                        BD)

@@ -8,11 +8,11 @@ and writes the partials (m, d1, d2, O1, O2) in fp32, which are then merged:
     o = O1/d1 · (1 + d2/d1) − O2/d1
 
 Fused merge (one launch; slower than two launches at small batches, see ``ops.DECODE_MERGE``): after storing its
-partials, each program of a (batch row, kv head) bumps
-that row's int32 counter with an acquire-release atomic; the program that sees S − 1 (the last to finish)
-reads every split's partials back from L2, merges them online (the same rescaling as the main loop) and writes
-o, then resets the counter to 0, so the workspace is all zeros between calls (CUDA-graph capturable, no memset
-launch). Two-launch path (``merge="kernel"``, the default): ``_parallax_decode_merge_kernel`` merges after the split kernel.
+partials, each program of a (batch row, kv head) bumps that row's int32 counter with an acquire-release atomic; the
+program that sees S − 1 (the last to finish) reads every split's partials back from L2, merges them online (the same
+rescaling as the main loop) and writes o, then resets the counter to 0, so the workspace is all zeros between calls
+(CUDA-graph capturable, no memset launch). Two-launch path (``merge="kernel"``, the default):
+``_parallax_decode_merge_kernel`` merges after the split kernel.
 
 The number of splits depends only on static shapes (batch, heads, cache capacity, SM count), never on the
 per-sequence lengths, so a call is CUDA-graph capturable. With a single split the kernel writes o directly
