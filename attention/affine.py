@@ -1,5 +1,5 @@
 """The affine (uniform-weight) attention family of the Parallax paper (Zuo et al., 2026, §3.2, Fig. 1):
-the h → ∞ limits of softmax, Parallax and LLA, and MesaNet without decay (spec ``parallax.md`` §6).
+the h → ∞ limits of softmax, Parallax and LLA, and MesaNet without decay (docs/mechanisms.md).
 
     value_avg      o_i = v̄_i                                  probe zero        (eq. 11)
     affine_linear  o_i = v̄_i − S̃_i ρ_i, ρ_i = W_R x_i         probe learned     (eq. 12)
@@ -9,7 +9,7 @@ the h → ∞ limits of softmax, Parallax and LLA, and MesaNet without decay (sp
 Means run over the query's document (states reset at document starts). Same Qwen3 projections as softmax
 (q/k RMSNorm, RoPE, GQA); for affine_linear the q projection is the probe ρ (RMSNorm'd like Parallax's).
 mesa/affine_mesa solve by CG with a learnable ridge λ (per head or per token, like ``lla``) and an exact
-implicit gradient. Kernels: chunked PyTorch ("auto"/"chunked") or the explicit reference ("reference").
+implicit gradient. Kernels: chunked PyTorch ("auto"/"chunk") or the explicit reference ("reference").
 Decoding keeps running sums (``attention/ops/affine/decode.py``).
 """
 
@@ -27,6 +27,7 @@ from attention.base import QKVAttentionBase
 from attention.lla import RidgeLambda
 from attention.ops.affine import IMPLS as AFFINE_IMPLS
 from attention.ops.affine import AffineState, affine_attention, affine_step
+from attention.ops.common import check_impl
 from attention.registry import register_attention
 
 
@@ -81,19 +82,17 @@ class AffineCache:
     state: AffineState
 
 
-def _check_impl(args: AttentionArgs, name: str) -> None:
-    if args.impl not in AFFINE_IMPLS:
-        raise ValueError(f"attention.impl={args.impl!r} is not valid for {name}; choose from {list(AFFINE_IMPLS)}")
-
-
 class _AffineBase(QKVAttentionBase):
     """Shared forward/decode of affine_linear, mesa and affine_mesa."""
+
+    impls = AFFINE_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
 
     name = ""
 
     def __init__(self, args: AttentionArgs, opts):
         super().__init__(args, opts.qk_norm, opts.rope)
-        _check_impl(args, self.name)
+        check_impl(args.impl, self.impls, self.name)
         self.opts = opts
         self.ridge = None
 
@@ -146,11 +145,14 @@ class _AffineBase(QKVAttentionBase):
 class ValueAveraging(nn.Module):
     """o_i = mean of v over the document so far (softmax attention at h → ∞)."""
 
+    impls = AFFINE_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     name = "value_avg"
 
     def __init__(self, args: AttentionArgs, opts: ValueAvgOptions):
         super().__init__()
-        _check_impl(args, self.name)
+        check_impl(args.impl, self.impls, self.name)
         self.args, self.opts = args, opts
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)

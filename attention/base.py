@@ -110,14 +110,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)).type_as(x)
 
 
-def document_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[B, T] int64 document index of every token, from fla-style ``cu_seqlens`` over ``B*T`` tokens.
-    A cumulative sum of document starts (inductor cannot lower ``searchsorted`` on these views)."""
-    starts = torch.zeros(B * T, dtype=torch.int64, device=cu_seqlens.device)
-    starts[cu_seqlens[1:-1].to(torch.int64)] = 1
-    return starts.cumsum(0).view(B, T)
-
-
 class QKVAttentionBase(nn.Module):
     """Qwen3-style q/k/v/o projections (torchtitan Qwen3 names: wq wk wv wo q_norm k_norm) with optional
     q/k RMSNorm and RoPE: the front end shared by softmax, Parallax, LLA and the affine family."""

@@ -1,4 +1,4 @@
-"""Context-Aggregated Linear Attention (CALA; Morgan 2025, ``papers/cala.txt``; spec ``linear_family_and_cala.md`` §15).
+"""Context-Aggregated Linear Attention (CALA; Morgan 2025; docs/mechanisms.md, "CALA").
 
 Linear attention whose queries and keys are first enriched with their local causal context:
 
@@ -26,10 +26,11 @@ from torch import nn
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.ops.cala import local_context, normalized_linear_attention
+from attention.ops.common import check_impl
 from attention.registry import register_attention
 
 FEATURE_MAPS = ("elu", "relu", "favor")
-CALA_IMPLS = ("auto", "triton", "chunk", "reference")
+CALA_IMPLS = ("auto", "reference", "chunk", "triton")
 
 
 @dataclass
@@ -61,6 +62,9 @@ class CALACache:
 class ContextAggregatedLinearAttention(QKVAttentionBase):
     """CALA: local softmax context aggregation into q and k, LayerNorm, feature map, normalised linear attention."""
 
+    impls = CALA_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: CALAOptions):
         if opts.feature_map not in FEATURE_MAPS:
             raise ValueError(f"attention.cala.feature_map={opts.feature_map!r}; choose from {list(FEATURE_MAPS)}")
@@ -68,8 +72,7 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
             raise ValueError(f"attention.cala.local_feature_map={opts.local_feature_map!r}; choose from ['elu', 'softplus']")
         if opts.window_size < 1:
             raise ValueError(f"attention.cala.window_size={opts.window_size} must be >= 1")
-        if args.impl not in CALA_IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for cala; choose from {list(CALA_IMPLS)}")
+        check_impl(args.impl, self.impls, "cala")
         super().__init__(args, qk_norm=False, rope=False)  # CALA normalises q/k with LayerNorm after aggregation
         self.opts = opts
         D = args.head_dim

@@ -1,6 +1,6 @@
 """DeltaNet (Schlag et al. 2021; Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule").
 
-    S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (spec §5, eq. 11)
+    S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (docs/mechanisms.md, "Delta rule")
 
 Parameterisation of fla-core's ``DeltaNet`` layer: q/k/v projections, a short causal depthwise conv (kernel 4)
 with SiLU on each, L2-normalised q and k, ``beta = sigmoid(b_proj x)`` (x2 with ``allow_neg_eigval``, giving
@@ -11,8 +11,8 @@ recurrence is position-aware by itself.
 KDA (``kda.py``) subclass it and only add a decay gate (``log_decay``) and their output-gate flavour.
 
 Compute paths (``[attention] impl``): "auto" (fla-core on CUDA when safe, else "chunk"), "chunk" (PyTorch
-WY/UT form, torch.compile-able), "recurrent" (token loop, the oracle), "fla" (fla-core, error if unavailable),
-"fla_hopper" (fla-core with our Hopper-safe dqkwg backward kernel; "auto" picks it on Hopper + Triton < 3.7.1).
+WY/UT form, torch.compile-able), "reference" (token loop, the oracle), "fla" (fla-core, error if unavailable),
+"triton" (fla-core with our Hopper-safe dqkwg backward kernel; "auto" picks it on Hopper + Triton < 3.7.1).
 Decoding keeps a :class:`~attention.linear_common.RecurrentCache` (conv states + [B, H, K, V] float32 state).
 """
 
@@ -28,6 +28,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
 from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.delta_rule import DELTA_RULE_IMPLS, delta_rule
 from attention.registry import register_attention
 
@@ -57,14 +58,16 @@ class DeltaNetOptions:
 class DeltaRuleAttention(nn.Module):
     """Shared delta-rule layer: projections, short convs, L2 q/k, beta, optional decay gate, gated norm."""
 
+    impls = DELTA_RULE_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
     gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
 
     def __init__(self, args: AttentionArgs, opts):
         super().__init__()
         name = getattr(self, "mechanism", type(self).__name__)
-        if args.impl not in DELTA_RULE_IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for {name}; choose from {list(DELTA_RULE_IMPLS)}")
+        check_impl(args.impl, self.impls, name)
         H = opts.num_heads or args.n_heads
         K = opts.head_k_dim or args.head_dim
         V = int(round(K * opts.expand_v))

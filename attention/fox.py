@@ -2,7 +2,7 @@
 
     o_t = Σ_{i<=t} softmax_i( q_t·k_i / sqrt(D) + Σ_{j=i+1}^{t} log f_j ) v_i,   f_j = σ(w_h·x_j + b_h)
 
-(spec §12; fla ``ForgettingAttention``). One forget gate per query head; no RoPE by default (the gate
+(Variants eq. 31; fla ``ForgettingAttention``). One forget gate per query head; no RoPE by default (the gate
 already encodes recency). Options give the paper's "Pro" block pieces: QK-norm, output gate σ(W_g x) and
 output RMSNorm (``pro = true`` switches on all three; the Pro block's KV-shift is not implemented).
 Decoding uses a KV cache plus the cumulative log gate per query head.
@@ -20,6 +20,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
 from attention.linear_common import GatedRMSNorm, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.fox import IMPLS, forgetting_attention, fox_decode
 from attention.registry import register_attention
 
@@ -56,9 +57,11 @@ class FoxCache:
 class ForgettingAttention(QKVAttentionBase):
     """Causal softmax attention whose logits are biased by cumulative log forget gates."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: FoxOptions):
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for fox; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "fox")
         qk_norm, out_gate, out_norm = (opts.qk_norm or opts.pro, opts.output_gate or opts.pro, opts.output_norm or opts.pro)
         super().__init__(args, qk_norm, rope=False)
         self.opts = opts

@@ -1,4 +1,4 @@
-"""Scalar-gated linear attention (Mamba2 / RetNet / "simple GLA" style; spec §7).
+"""Scalar-gated linear attention (Mamba2 / RetNet / "simple GLA" style; Variants eq. 18).
 
     h_t = γ_t h_{t-1} + k_t v_t^T,   o_t = h_t^T q_t / sqrt(K),   one γ_t ∈ (0, 1) per head and token
 

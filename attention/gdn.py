@@ -1,6 +1,6 @@
 """Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule").
 
-    S_t = gamma_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (spec §9, eq. 24)
+    S_t = gamma_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (Variants eq. 24)
 
 DeltaNet (``deltanet.py``) plus a scalar decay per head and token, parameterised as in Mamba2 and fla's
 ``GatedDeltaNet`` layer: ``log gamma_t = -exp(A_log) * softplus(a_proj x_t + dt_bias)`` with

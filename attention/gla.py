@@ -2,14 +2,14 @@
 
     h_t = diag(α_t) h_{t-1} + k_t v_t^T,  o_t = h_t^T q_t / sqrt(K),  log α_t = logsigmoid(W_2 W_1 x_t + b) / 16
 
-(spec ``linear_family_and_cala.md`` §8). Parameterisation of fla's ``GatedLinearAttention`` layer:
+(docs/mechanisms.md, "The linear family"). Parameterisation of fla's ``GatedLinearAttention`` layer:
 low-rank (16) gate projection, logit normaliser 16, key dim ``expand_k = 0.5`` of the value dim, no short
 conv by default, output ``RMSNorm(o) * swish(W_g x)`` per head. GQA: k/v use ``n_kv_heads`` and are shared
 by groups of query heads (gates are per query head).
 
 This file also holds :class:`LinearFamilyAttention`, the shared layer of ``gla``, ``gated_linear`` and
-``linear``: projections, optional short convs, the op dispatch (``[attention] impl`` = "auto" | "recurrent"
-| "reference" | "chunk" | "fla"), output gate/norm, and decoding with a recurrent state cache.
+``linear``: projections, optional short convs, the op dispatch (``[attention] impl`` = "auto" | "reference"
+| "chunk" | "fla"), output gate/norm, and decoding with a recurrent state cache.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
 from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.linear_attn import IMPLS, gated_linear_attention
 from attention.registry import register_attention
 
@@ -35,13 +36,15 @@ class LinearFamilyAttention(nn.Module):
     (and optionally :meth:`feature_map`). ``self.normalize`` adds the Katharopoulos denominator.
     """
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     normalize: bool = False
 
     def _build(self, args: AttentionArgs, opts, key_dim: int, output_norm: bool, output_gate: bool) -> None:
         if args.n_heads % args.n_kv_heads:
             raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.n_kv_heads}")
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for {self.mechanism}; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, self.mechanism)
         if opts.chunk_size < 1 or opts.chunk_size & (opts.chunk_size - 1):
             raise ValueError(f"attention.{self.mechanism}.chunk_size={opts.chunk_size} must be a power of 2")
         self.args, self.opts = args, opts
@@ -142,7 +145,7 @@ class LinearFamilyAttention(nn.Module):
         if cache is not None:
             o, cache.state = gated_linear_attention(
                 q, k, v, g, gk, initial_state=cache.state, output_final_state=True, chunk_size=C,
-                impl="recurrent" if T == 1 else impl)
+                impl="reference" if T == 1 else impl)
             cache.seen += T
             return o
         if ctx.cu_seqlens is not None:

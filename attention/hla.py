@@ -1,19 +1,19 @@
 """Higher-order Linear Attention (HLA; Zhang, Qin, Gu 2025, arXiv:2510.27258) as an attention sublayer.
 
-Token mixing (spec ``hla.md``; ops in ``attention/ops/hla``):
+Token mixing (docs/mechanisms.md, "HLA"; ops in ``attention/ops/hla``):
 
 - order 2, "symmetric" (masked HLA, eq. 3):  o_t = Σ_{i≤j≤t} b(i,t) b(j,t) (q_t·k_i)(k_i·q_j) v_j
 - order 2, "asymmetric" (AHLA, eq. 7):        o = (A_γ A_γ) V,  A_γ[t,i] = b(i,t) q_t·k_i
-- order 3 (corrected masked third order, spec §6.2 ERRATUM 6)
+- order 3 (masked third order)
 
-with b(i,t) = γ^{t−i} (decay "fixed" or "learnable" per head; "none": γ = 1), the spec's corrected decayed
-semantics (ERRATUM §3.3: each factor decays by its own age, so a chunk scan and the recurrence agree).
+with b(i,t) = γ^{t−i} (decay "fixed" or "learnable" per head; "none": γ = 1), each factor decaying by its own
+age, so a chunk scan and the recurrence agree.
 
 Departures from the paper (which has no experiments and prescribes no module): q and k are L2-normalised per
-head (or RMSNorm'd and scaled by D^-1/2) because unnormalised HLA grows like t²|q|²|k|² (spec §8); an RMSNorm
+head (or RMSNorm'd and scaled by D^-1/2) because unnormalised HLA grows like t²|q|²|k|²; an RMSNorm
 per head on the output (as GLA/RetNet) and an optional sigmoid output gate; optional RoPE; GQA by repeating
 k and v over the query heads. Optional normalisation divides by the same operator applied to v ≡ 1 with a
-sign-safe ε (spec §8). Decoding keeps the compact states of ``serial.py`` in the cache.
+sign-safe ε. Decoding keeps the compact states of ``serial.py`` in the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
+from attention.ops.common import check_impl
 from attention.ops.hla import IMPLS, hla, init_state
 from attention.ops.hla.serial import hla_step
 from attention.registry import register_attention
@@ -49,7 +50,7 @@ class HLAOptions:
     gamma_init_min: float = 0.0
     """If in (0, gamma_init): heads get γ spread log-uniformly in (1 − γ) between gamma_init_min and gamma_init."""
     normalize: bool = False
-    """Divide by the same operator applied to v ≡ 1 (paper eq. 4), sign-safe ε (spec §8)."""
+    """Divide by the same operator applied to v ≡ 1 (paper eq. 4), sign-safe ε (its sign is not fixed when masked)."""
     eps: float = 1e-6
     """ε of the normalisation."""
     qk_norm: str = "l2"
@@ -75,6 +76,9 @@ class HLACache:
 class HigherOrderLinearAttention(QKVAttentionBase):
     """Masked higher-order linear attention with per-head decay, q/k normalisation and output norm."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: HLAOptions):
         if opts.order not in (2, 3):
             raise ValueError(f"attention.hla.order={opts.order!r}; choose from [2, 3]")
@@ -88,8 +92,7 @@ class HigherOrderLinearAttention(QKVAttentionBase):
             raise ValueError(f"attention.hla.qk_norm={opts.qk_norm!r}; choose from {list(QK_NORMS)}")
         if opts.decay != "none" and not 0.0 < opts.gamma_init < 1.0:
             raise ValueError(f"attention.hla.gamma_init={opts.gamma_init} must be in (0, 1)")
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for hla; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "hla")
         super().__init__(args, opts.qk_norm == "rms", rope=opts.rope)
         self.opts = opts
         D = args.head_dim

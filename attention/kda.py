@@ -1,6 +1,6 @@
 """Kimi Delta Attention (Kimi Team 2025, "Kimi Linear"): the delta rule with a per-channel decay.
 
-    S_t = S_{t-1} diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (spec §10)
+    S_t = S_{t-1} diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t     (docs/mechanisms.md)
 
 Gated DeltaNet with the scalar decay replaced by a vector over the key channels, parameterised as in fla's
 ``KimiDeltaAttention``: ``log alpha_t = -exp(A_log[h]) * softplus(a_proj(x_t) + dt_bias)`` in R^K per head,
@@ -47,9 +47,8 @@ class KDAOptions(DeltaNetOptions):
     gate_lower_bound: float | None = None
     """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
     gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA forward use tensor cores on the diagonal
-    blocks (safe_gate); our backward kernel (``attention/ops/delta_rule/kda_intra.py``) does so for either gate.
-    The op's fwd+bwd at B4 T4096 H16 D128 bf16 on an H100 (Triton 3.6): 3.71 ms bounded (-5) against 3.79 ms
-    with the softplus gate (benchmarks/RESULTS.md, session 10)."""
+    blocks (safe_gate); our backward kernel (``attention/ops/delta_rule/kda_intra.py``) does so for either gate, so
+    the two gates cost about the same."""
 
 
 @register_attention("kda", options=KDAOptions,

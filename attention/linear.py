@@ -1,4 +1,4 @@
-"""Plain (ungated) linear attention (Katharopoulos et al., 2020; spec §2, §3).
+"""Plain (ungated) linear attention (Katharopoulos et al., 2020; Variants eqs. 2-3).
 
     h_t = h_{t-1} + φ(k_t) v_t^T,   o_t = h_t^T φ(q_t) / sqrt(K)    [ / (φ(q_t)^T z_t) with normalize ]
 

@@ -1,6 +1,6 @@
 """Shared pieces of the linear-attention family (delta rule, GLA, gated/plain linear attention, ...).
 
-What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_family_and_cala.md`` §5, §9, §10):
+What is here, and where it comes from (fla-core 0.6.0's layers; docs/mechanisms.md, "The linear family"):
 
 - :class:`ShortConvolution`: causal depthwise conv (kernel 4) + SiLU on q/k/v (fla ``ShortConvolution``),
   respecting packed-document boundaries and carrying a decode state of the last ``kernel_size - 1`` inputs.
@@ -14,15 +14,13 @@ What is here, and where it comes from (fla-core 0.6.0 layers, spec ``linear_fami
   re-wrapped (``to_empty``, FSDP), so modules call it again in ``init_weights``; the names (``conv*``,
   ``A_log``, ``dt_bias``, ``b_proj``, ``a_proj``/``g_proj``) are the fallback the optimizer can match.
 - :class:`RecurrentCache`: per-layer decode cache (conv states + recurrent state).
-- :func:`check_impl` / :func:`fla_gated_backward_ok`: ``[attention] impl`` validation and the fla safety
-  check (fla-core 0.6.0 refuses gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1, issue #640).
 
-Part B of the family (gla, gated_linear, linear, fox, path) imports from this file: keep signatures stable.
+The ``impl`` vocabulary, the fla-core gate, the document helpers and the fallback notices every op shares are in
+:mod:`attention.ops.common`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 
@@ -30,11 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.base import document_ids
-
-logger = logging.getLogger(__name__)
-
-LINEAR_IMPLS = ("auto", "recurrent", "chunk", "fla")
+from attention.ops.common import position_in_doc
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -89,74 +83,6 @@ def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, d
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min_(dt_floor)
     p.copy_(dt + torch.log(-torch.expm1(-dt)))
     mark_adam(p)
-
-
-def check_impl(impl: str, mechanism: str, valid: tuple[str, ...] = LINEAR_IMPLS) -> str:
-    """Validate ``[attention] impl`` for a linear-family mechanism; returns it."""
-    if impl not in valid:
-        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(valid)}")
-    return impl
-
-
-_LOGGED: set[str] = set()
-
-
-def log_once(msg: str) -> None:
-    """One-line log message, printed once per distinct text (fallback notices)."""
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        logger.warning(msg)
-
-
-def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
-    """Whether fla-core's *gated* chunk backward (GDN, KDA, GLA, simple GLA, ...) is safe on ``device``.
-
-    fla-core 0.6.0 raises in ``chunk_bwd_dqkwg`` on Hopper (sm_90) with 3.4.0 <= Triton < 3.7.1 (a Triton
-    miscompile, fla issue #640). Returns (ok, reason).
-    """
-    if device.type != "cuda":
-        return False, "not a CUDA device"
-    import triton
-    from packaging.version import Version
-
-    tv = Version(triton.__version__.split("+")[0])
-    major, _ = torch.cuda.get_device_capability(device)
-    if major == 9 and Version("3.4.0") <= tv < Version("3.7.1"):
-        return False, f"Triton {triton.__version__} on Hopper (sm_90) miscompiles fla's gated backward (needs >= 3.7.1)"
-    return True, ""
-
-
-def fla_importable() -> tuple[bool, str]:
-    """Whether ``fla`` (fla-core) imports; (ok, reason). Every fla path asks this first, so this is also where
-    fla's kernels get their low-host-cost launchers (:func:`attention.ops.fla_launch.install`, idempotent):
-    every fla op in the process launches the same way, whichever mechanism ran first."""
-    try:
-        import fla.ops  # noqa: F401  (imports all of fla's ops, so install() sees every kernel)
-    except Exception as e:  # ImportError, or a Triton/driver error at import time
-        return False, f"fla-core not importable ({type(e).__name__}: {e})"
-    from attention.ops.fla_launch import install
-
-    install()
-    return True, ""
-
-
-# ----------------------------------------------------------------------------------------------- packing
-def position_in_doc(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
-    """[B, T] int64 index of each token inside its document (``cu_seqlens`` over the flattened B*T
-    tokens, fla's convention); without documents simply ``arange(T)`` per row."""
-    if cu_seqlens is None:
-        return torch.arange(T, device=device).expand(B, T)
-    seq = torch.arange(B * T, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = document_ids(cu, B, T).flatten()
-    return (seq - cu[doc]).view(B, T)
-
-
-def row_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
-    """int64 cu_seqlens over the flattened B*T tokens: the given ones, or one document per row."""
-    if cu_seqlens is not None:
-        return cu_seqlens.to(device=device, dtype=torch.int64)
-    return torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------- cache

@@ -1,6 +1,6 @@
 """Parallax attention (Zuo et al., 2026): softmax attention plus a learned probe of the KV covariance.
 
-    o_i = v̄_i − Σ_KV(i) ρ_i,   ρ_i = RMSNorm(W_R x_i) per q head   (eq. 8; spec ``parallax.md`` §1)
+    o_i = v̄_i − Σ_KV(i) ρ_i,   ρ_i = RMSNorm(W_R x_i) per q head   (eq. 8; docs/mechanisms.md)
 
 Departures from softmax attention: one more projection ``wr`` (q's shape and head grouping), an RMSNorm
 ``r_norm`` on ρ, optional RoPE on ρ (same positions and θ as q, k), an optional sigmoid gate per head
@@ -69,5 +69,5 @@ class ParallaxAttention(SoftmaxAttention):
         return r
 
     def flops_per_token(self, seq_len: int) -> int:
-        # Two more GEMMs per tile (ρ·k and p∘t · v): twice softmax's mixing FLOPs (spec eq. 15).
+        # Two more GEMMs per tile (ρ·k and p∘t · v): twice softmax's mixing FLOPs (Parallax eq. 15).
         return 2 * super().flops_per_token(seq_len)

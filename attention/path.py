@@ -1,7 +1,7 @@
 """PaTH attention (Yang et al., 2025): softmax attention with a data-dependent Householder position encoding.
 
     logit_{t,i} = scale · k_i^T (M_{i+1} ··· M_t) q_t,   M_j = I − β_j ν_j ν_j^T,
-    β_j = 2 σ(w_β·x_j + b),   ν_j = L2norm(SiLU(ShortConv_3(W_2 W_1 x_j)))          (spec §13)
+    β_j = 2 σ(w_β·x_j + b),   ν_j = L2norm(SiLU(ShortConv_3(W_2 W_1 x_j)))          (Variants eq. 33)
 
 fla ``PaTHAttention`` parameterisation: rank-32 projection for ν, a kernel-3 short conv + SiLU on it, then
 L2 normalisation (float32); β per kv head; no RoPE (the Householder path is the position encoding);
@@ -21,6 +21,7 @@ from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
 from attention.linear_common import ShortConvolution, l2norm, mark_adam
+from attention.ops.common import check_impl
 from attention.ops.fox import fox_decode
 from attention.ops.path import IMPLS, householder_update_, path_attention
 from attention.registry import register_attention
@@ -61,9 +62,11 @@ class PathCache:
 class PathAttention(QKVAttentionBase):
     """Softmax attention whose q·k passes through a cumulative product of generalised Householder matrices."""
 
+    impls = IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: PathOptions):
-        if args.impl not in IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for path; choose from {list(IMPLS)}")
+        check_impl(args.impl, self.impls, "path")
         super().__init__(args, opts.qk_norm, rope=False)
         self.opts = opts
         H, HKV, D = args.n_heads, args.n_kv_heads, args.head_dim
@@ -102,7 +105,7 @@ class PathAttention(QKVAttentionBase):
 
     def flops_per_token(self, seq_len: int) -> int:
         # softmax attention's q·k and p·v, plus the rank-m key/query transforms (about 2 more GEMMs of
-        # the same size in the blockwise form, spec §13 cost).
+        # the same size in the blockwise form).
         return 2 * 2 * 2 * self.n_heads * self.head_dim * seq_len
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

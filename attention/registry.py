@@ -2,8 +2,9 @@
 
 Adding a mechanism is one module file in ``attention/`` that decorates its ``nn.Module`` with
 :func:`register_attention` (giving its options dataclass and a one-line description), plus one line in
-``attention/__init__.py`` importing that file. The options dataclass becomes the TOML section
-``[attention.<name>]`` automatically (see ``config.py``).
+``attention/__init__.py`` importing that file. The module class lists the ``[attention] impl`` values it accepts in
+``impls`` (a subset of :data:`attention.ops.common.IMPLS`, "auto" included). The options dataclass becomes the TOML
+section ``[attention.<name>]`` automatically (see ``config.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from attention.base import AttentionArgs
+from attention.ops.common import IMPLS
 
 
 @dataclass
@@ -41,6 +43,9 @@ def register_attention(name: str, *, options: type = NoOptions, description: str
             raise ValueError(f"attention mechanism {name!r} is registered twice")
         if not dataclasses.is_dataclass(options):
             raise TypeError(f"options of attention {name!r} must be a dataclass, got {options!r}")
+        impls = getattr(cls, "impls", ())
+        if "auto" not in impls or not set(impls) <= set(IMPLS):
+            raise TypeError(f"attention {name!r}: impls={impls!r} must contain 'auto' and be a subset of {list(IMPLS)}")
         desc = description or (cls.__doc__ or "").strip().splitlines()[0]
         REGISTRY[name] = Mechanism(name, cls, options, desc)
         cls.mechanism = name
@@ -62,6 +67,9 @@ def build_attention(name: str, args: AttentionArgs, opts: Any = None) -> nn.Modu
 
 
 def describe() -> str:
-    """One line per registered mechanism (``python train.py --list-attention``)."""
-    width = max(len(n) for n in REGISTRY)
-    return "\n".join(f"{n:<{width}}  {REGISTRY[n].description}" for n in sorted(REGISTRY))
+    """One line per registered mechanism (``python train.py --list-attention``): name, the ``[attention] impl``
+    values it accepts, description."""
+    impls = {n: " | ".join(m.cls.impls) for n, m in REGISTRY.items()}
+    w1, w2 = max(len(n) for n in REGISTRY), max(len(i) for i in impls.values())
+    head = f"{'name':<{w1}}  {'impl':<{w2}}  mechanism"
+    return "\n".join([head] + [f"{n:<{w1}}  {impls[n]:<{w2}}  {REGISTRY[n].description}" for n in sorted(REGISTRY)])

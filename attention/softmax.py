@@ -3,12 +3,13 @@
 Parameter names follow torchtitan's Qwen3 (``wq wk wv wo q_norm k_norm``) so its Hugging Face state-dict
 adapter applies unchanged. Kernels (``[attention] impl``):
 
-- "auto": SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA torch's
-  ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``scripts/analyze.py``), a boolean-masked SDPA
-  (exact, O(T²) memory);
-- "sdpa": always SDPA with an explicit mask when documents or a window are present;
-- "triton": the project's streaming kernel (``attention/ops/parallax``, probe off);
-- "reference": the float32 PyTorch oracle ``naive_parallax``.
+- "auto": torch's fused kernels: SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA
+  torch's ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``scripts/analyze.py``), a boolean-masked
+  SDPA (exact, O(T²) memory). These are torch's paths, not the project's, so they have no word of their own in
+  the ``impl`` vocabulary (``attention.ops.common.IMPLS``); Parallax (a probe) resolves "auto" per
+  ``attention.ops.parallax``;
+- "reference": the PyTorch oracle ``naive_parallax`` (float32, float64 for float64 inputs);
+- "triton": the project's streaming kernel (``attention/ops/parallax``, probe off).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.ops.common import check_impl, visibility_mask
 from attention.ops.parallax import parallax_attention, parallax_decode
-from attention.ops.parallax.naive import visibility_mask
 from attention.registry import register_attention
 
-SOFTMAX_IMPLS = ("auto", "sdpa", "triton", "reference")
+SOFTMAX_IMPLS = ("auto", "reference", "triton")
 
 
 @dataclass
@@ -97,9 +98,11 @@ class KVCache:
 class SoftmaxAttention(QKVAttentionBase):
     """Multi-head causal softmax attention with GQA, q/k RMSNorm and RoPE."""
 
+    impls = SOFTMAX_IMPLS
+    """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+
     def __init__(self, args: AttentionArgs, opts: SoftmaxOptions):
-        if args.impl not in SOFTMAX_IMPLS:
-            raise ValueError(f"attention.impl={args.impl!r} is not valid for {self.mechanism}; choose from {list(SOFTMAX_IMPLS)}")
+        check_impl(args.impl, self.impls, self.mechanism)
         super().__init__(args, opts.qk_norm)
         self.opts = opts
         self.scale = args.head_dim**-0.5
@@ -108,14 +111,14 @@ class SoftmaxAttention(QKVAttentionBase):
         """Token mixing: [B, T, HQ, D]. ``r`` is the probe (None for softmax)."""
         window = self.opts.window_size or None
         impl = self.args.impl
-        if r is None and impl in ("auto", "sdpa"):
-            if impl == "auto" and q.is_cuda and ctx.cu_seqlens is not None and q.dtype in _FLASH_DTYPES:
+        if r is None and impl == "auto":
+            if q.is_cuda and ctx.cu_seqlens is not None and q.dtype in _FLASH_DTYPES:
                 if not window or "window_size" in _varlen_params():
                     return _varlen(q, k, v, ctx, window, self.scale)
             else:
                 return _sdpa(q, k, v, ctx, window, self.scale)
         return parallax_attention(q, k, v, r, scale=self.scale, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
-                                  window_size=window, impl="auto" if impl == "sdpa" else impl)
+                                  window_size=window, impl=impl)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
         """Empty cache for ``max_len`` tokens per sequence: k, v [B, max_len, HKV, D], seqlens [B] = 0."""
@@ -131,10 +134,9 @@ class SoftmaxAttention(QKVAttentionBase):
         cache.k[row, slot] = k.to(cache.k.dtype)
         cache.v[row, slot] = v.to(cache.v.dtype)
         cache.seqlens += T
-        impl = {"sdpa": "auto"}.get(self.args.impl, self.args.impl)
         o = parallax_decode(q.to(cache.k.dtype), cache.k, cache.v, cache.seqlens,
                             None if r is None else r.to(cache.k.dtype), scale=self.scale,
-                            window_size=self.opts.window_size or None, impl=impl)
+                            window_size=self.opts.window_size or None, impl=self.args.impl)
         return o.to(q.dtype)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torchtitan.tools.logging import logger
 
 
 SAC_OP_MODULES = ("attention", "attention.ops.parallax.kernels.ops", "attention.ops.delta_rule.ops",
-                  "attention.ops.hla.triton_gla")
+                  "attention.ops.linear_attn.triton_gla")
 """Modules that register attention custom ops: the package (mechanism modules import their ops) and those imported
 lazily, at a module's first forward, which is after this list is built."""
 

@@ -38,7 +38,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable, l2norm
+from attention.linear_common import l2norm
+from attention.ops.common import fla_gated_backward_ok, fla_importable
 from attention.ops.delta_rule import chunk_delta_rule, delta_rule_op
 from scripts.bench_common import kernel_table, python_profile, timeit
 
@@ -129,7 +130,7 @@ def bench_mech(mech, path, a, dtype):
         ok, why = fla_importable()
         if not ok or a.device != "cuda":
             return "n/a", "n/a", why or "needs CUDA"
-        from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule as op
+        op = functools.partial(delta_rule_op, backend="fla_hopper")
         bwd_ok, bwd_why = True, ""
     elif path == "chunk":
         op = torch.compile(chunk_delta_rule, dynamic=False)

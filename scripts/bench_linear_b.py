@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable
+from attention.ops.common import fla_gated_backward_ok, fla_importable
 from attention.ops.fox import chunk_forgetting_attn, flex_forgetting_attn
 from attention.ops.linear_attn import chunk_gla, fla_gla
 from attention.ops.path import chunk_path_attn

@@ -1,30 +1,25 @@
 """LLA (and affine family) benchmark against SDPA softmax attention on one GPU.
 
-    python -m scripts.bench_lla --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, v0/v1/v2 LLA-8, 2 tiles
-    python -m scripts.bench_lla --quick --variant v1 --scratch   # also v1 with triton.SCRATCH (x, r in L2)
-    python -m scripts.bench_lla --ptxas 64x64x8,64x32x8 --variant v1   # no GPU: sm_90 registers / spills
-    python -m scripts.bench_lla             # also T=1024, Jacobi, the affine family, chunked PyTorch LLA
-    python -m scripts.bench_lla --quick --variant v1 --iters 4,16 --tiles none   # v1 at other CG counts
+    python -m scripts.bench_lla --quick     # B=4, T=4096, HQ=16, HKV=8, D=128: softmax, LLA-8, 2 pinned tiles
+    python -m scripts.bench_lla --ptxas 64x64x4,128x64x8   # no GPU: sm_90 registers / spills of every kernel
+    python -m scripts.bench_lla             # also T=1024, Jacobi, the affine family, the chunk PyTorch LLA
+    python -m scripts.bench_lla --quick --iters 4,16 --tiles none   # other CG counts
 
-``--variant v0,v1,v2`` (default) times the first Triton kernels (``triton_v0.py``, fp32/TF32 tiles (32, 32)) and
-the current ones (``triton.py``: bf16 operands, autotuned tiles; rows "tiles (BR, BC)" pin a tile; "precise"
-(``--precise``): ``triton.PRECISE``, fp32/TF32 statistics and Σ·p products) in one run. Each CG count and
-each PRECISE value compiles and autotunes its own kernels (3 configs × 3 kernels), so split long sweeps:
-    python -m scripts.bench_lla --quick --variant v1 --iters 16 --tiles none --precise
+Rows "LLA-N" run the Triton kernels (``attention/ops/lla/kernels``) with N CG iterations, autotuned; rows
+"tiles (BR, BC)" pin one tile for every kernel; "precise" (``--precise``): ``kernels.common.PRECISE``, fp32/TF32
+statistics, Σ·p and output products (each PRECISE value autotunes its own kernels).
 
-Columns: ms forward, ms forward+backward, ratio of fwd+bwd to SDPA softmax (target: LLA-8 ≤ 10×) and to this
+Columns: ms forward, ms forward+backward, ratio of fwd+bwd to SDPA softmax and to this
 project's Triton softmax kernel (row "softmax (ours)": ``parallax_triton`` without a probe), peak
 memory (GiB) of fwd+bwd, and for LLA the relative error of the output against the exact float64 solve
 (``naive_lla``: Σ_i explicit, ``torch.linalg.solve``) on the first 512 tokens of 2 heads, over all rows
 ("err") and over rows ≥ 2D ("err≥2D"): rows i < 2D have a nearly rank-deficient Σ_i (λ = 0.1 of ω),
-δ_i ≪ ω_i, and truncated CG errors there are amplified by ω/δ (expected, not a kernel bug; float64 CG on
-this data: 8 iterations 0.26 all rows / 0.086 rows ≥ 256, 16: 0.028 / 0.002, 32: 3e-4). Inputs bf16, q/k
+δ_i ≪ ω_i, and truncated CG errors there are amplified by ω/δ (expected, not a kernel bug). Inputs bf16, q/k
 RMS-normalised (as after the model's RMSNorm), λ = 0.1 per head.
-FLOPs, in units of one causal Q·Kᵀ (softmax: fwd 2, fwd+bwd 7): v2 forward 2 + (3·iters − 1) + 3 (stats, CG steps
+FLOPs, in units of one causal Q·Kᵀ (softmax: fwd 2, fwd+bwd 7): forward 2 + (3·iters − 1) + 3 (stats, CG steps
 (the last needs only pᵀΣp: 2), output), backward 4 + (3·iters − 1) + 5 (passes A, CG, B) + 8 (dk/dv): LLA-8 =
-28 + 40 = 68 units ≈ 9.7× softmax fwd+bwd, so ≤ 10× softmax time needs every pass to run as efficiently as
-cuDNN/FA3 softmax does.
-``--profile`` prints each LLA row's GPU kernels; ``--variant v2`` times the one-launch-per-CG-step kernels.
+28 + 40 = 68 units ≈ 9.7× softmax fwd+bwd.
+``--profile`` prints each LLA row's GPU kernels.
 """
 
 from __future__ import annotations
@@ -80,16 +75,14 @@ def ours_softmax(q, k, v):
     return parallax_triton(q, k, v, None)
 
 
-def lla_op(iters, jacobi=False, block=None, impl="triton", variant="v1", precise=False, scratch=False):
+def lla_op(iters, jacobi=False, block=None, impl="triton", precise=False):
     lam = torch.full((16,), 0.1, device="cuda")
 
     def op(q, k, v):
-        import attention.ops.lla.triton as v1
+        from attention.ops.lla.kernels import common
 
-        v1.PRECISE = precise
-        v1.SCRATCH = scratch
-        return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block,
-                             kernel=variant)
+        common.PRECISE = precise
+        return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block)
     return op
 
 
@@ -111,34 +104,33 @@ def lla_error(op, q, k, v):
     return rel(out, ref), rel(out[:, 2 * D:], ref[:, 2 * D:])
 
 
-def ptxas_report(tiles, iters, variant):
+def ptxas_report(tiles):
     """Compile the LLA kernels for sm_90 without a GPU (as a launch at T=4096 sees them: ``scripts/sm90.py``) and
     print registers, stack (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
     import inspect
 
-    from attention.ops.lla import _triton_ops
+    from attention.ops.lla.kernels import bwd, cg, fwd
     from scripts.sm90 import compile_sm90, resources, sass, sass_loop_local_memory
 
-    mod = _triton_ops(variant)
+    kernels = {"_stats_kernel": fwd, "_cg_step_kernel": cg, "_out_kernel": fwd, "_bwd_a_kernel": bwd,
+               "_bwd_b_kernel": bwd, "_bwd_kv_kernel": bwd}
     B, T, HQ, HKV, D = 4, 4096, 16, 8, 128  # the benchmark's shape; λ per head, expanded over (B, T)
     ints = dict(T=T, HQ=HQ, HKV=HKV, s_qb=T * HQ * D, s_qt=HQ * D, s_qh=D, s_kb=T * HKV * D, s_kt=HKV * D, s_kh=D,
                 s_lb=0, s_lt=0, s_lh=1)
-    const = {"D": 128, "G": 2, "CG_ITERS": iters, "JACOBI": False, "BD": 128, "PRECISE": False, "SCRATCH": False,
-             "LAST": os.environ.get("LLA_LAST") == "1",  # v2 CG step: the last one sums x from the history
-             "EVEN": True}  # v2 CG step: T a multiple of BR (the benchmark's T), no masks on its state tiles
-    names = ("_stats_kernel,_cg_step_kernel,_out_kernel,_bwd_a_kernel,_bwd_b_kernel,_bwd_kv_kernel" if variant == "v2"
-             else "_lla_fwd_kernel,_lla_bwd_q_kernel,_lla_bwd_kv_kernel")
-    for name in os.environ.get("LLA_KERNELS", names).split(","):
-        fn = getattr(mod, name)
+    const = {"D": 128, "G": 2, "JACOBI": False, "BD": 128, "PRECISE": False,
+             "LAST": os.environ.get("LLA_LAST") == "1",  # CG step: the last one sums x from the history
+             "EVEN": True}  # CG step: T a multiple of BR (the benchmark's T), no masks on its state tiles
+    for name in os.environ.get("LLA_KERNELS", ",".join(kernels)).split(","):
+        fn = getattr(kernels[name], name)
         fn = fn.fn if hasattr(fn, "configs") else fn  # an autotuner's JIT function
         params = list(inspect.signature(fn.fn).parameters)
         for br, bc, nw in tiles:
             sig, cex = {}, {}
             for n in params:
-                if n in ("BR", "BC") or (n in const and not (variant == "v0" and n == "D")):
+                if n in ("BR", "BC") or n in const:
                     sig[n] = "constexpr"
                     cex[n] = {"BR": br, "BC": bc}.get(n, const.get(n))
-                elif n in ("Q", "K", "V", "DO", "P", "CB", "RB", "UB", "DMB") and not (variant == "v0" and n == "DO"):
+                elif n in ("Q", "K", "V", "DO", "P", "CB", "RB", "UB", "DMB"):
                     sig[n] = "*bf16"
                 elif n in ("DS", "DE"):
                     sig[n] = "*i32"
@@ -151,7 +143,7 @@ def ptxas_report(tiles, iters, variant):
             listing = sass(k)
             r, (ldl, stl) = resources(k), sass_loop_local_memory(listing)
             ldl1, stl1 = sass_loop_local_memory(listing, innermost=True)
-            print(f"{variant} {name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={r['regs']} stack={r['stack']}B "
+            print(f"{name:<20} BR={br:<4} BC={bc:<4} warps={nw}  regs={r['regs']} stack={r['stack']}B "
                   f"spill st/ld={r['spill_st']}/{r['spill_ld']}B LDL/STL in loops={ldl}/{stl} "
                   f"(innermost {ldl1}/{stl1}) smem={r['smem']}B "
                   f"wgmma={r['wgmma']} "
@@ -162,25 +154,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variant", default="v0,v1,v2", help="comma list of Triton kernel versions (lla_attention's "
-                    "kernel=, attention.lla.kernel): v0 (first), v1, v2 (one launch per CG iteration)")
     ap.add_argument("--profile", action="store_true", help="print each LLA row's GPU kernels (torch.profiler, "
                     "2 fwd+bwd calls)")
     ap.add_argument("--iters", default=None, help="comma list of CG iteration counts (default 8 with --quick, "
-                    "else 4,8,16); every count compiles (and autotunes) its own kernels")
-    ap.add_argument("--tiles", default=None, help="v1 LLA-8 pinned tiles BRxBC, or none (default 64x32,64x64 with "
-                    "--quick (the autotune set: no extra compiles), else also 64x128,128x64)")
-    ap.add_argument("--precise", action="store_true", help="also v1 with triton.PRECISE (fp32 Σ·p products)")
-    ap.add_argument("--scratch", action="store_true", help="also v1 with triton.SCRATCH (CG x, r in global memory)")
+                    "else 4,8,16)")
+    ap.add_argument("--tiles", default=None, help="LLA-8 pinned tiles BRxBC, or none (default 64x32,64x64 with "
+                    "--quick, else also 64x128,128x64)")
+    ap.add_argument("--precise", action="store_true", help="also with kernels.common.PRECISE (fp32 products)")
     ap.add_argument("--ptxas", default=None, help="no GPU needed: compile for sm_90 at tiles BRxBCxWARPS,... "
-                    "(e.g. 64x64x8,64x32x8) and print registers / spill stack / smem, then exit")
+                    "(e.g. 64x64x4,128x64x8) and print registers / spill stack / smem, then exit")
     args = ap.parse_args()
     if args.ptxas:
-        for var in args.variant.split(","):
-            ptxas_report([tuple(int(x) for x in t.split("x")) for t in args.ptxas.split(",")],
-                         int((args.iters or "8").split(",")[0]), var)
+        ptxas_report([tuple(int(x) for x in t.split("x")) for t in args.ptxas.split(",")])
         return
-    variants = args.variant.split(",")
     iters = [int(i) for i in (args.iters or ("8" if args.quick else "4,8,16")).split(",")]
     args.tiles = args.tiles or ("64x32,64x64" if args.quick else "64x32,64x64,64x128,128x64")
     tiles = [] if args.tiles == "none" else [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
@@ -195,16 +181,13 @@ def main():
         f, fb, mem = measure(ours_softmax, q, k, v, 10)
         ours = fb
         rows.append((shape, "softmax (ours)", f, fb, fb / base, mem, "", "", None))
-        cases = [(f"{var} LLA-{i}", lla_op(i, variant=var), True) for var in variants for i in iters]
-        if "v1" in variants:
-            cases += [(f"v1 LLA-8 tiles {b[0]}x{b[1]}", lla_op(8, block=b), False) for b in tiles]
-            if args.scratch:
-                cases += [(f"v1 LLA-{i} scratch", lla_op(i, scratch=True), True) for i in iters]
-            if args.precise:
-                cases += [(f"v1 LLA-{i} precise", lla_op(i, precise=True), True) for i in iters]
+        cases = [(f"LLA-{i}", lla_op(i), True) for i in iters]
+        cases += [(f"LLA-8 tiles {b[0]}x{b[1]}", lla_op(8, block=b), False) for b in tiles]
+        if args.precise:
+            cases += [(f"LLA-{i} precise", lla_op(i, precise=True), True) for i in iters]
         if not args.quick:
-            cases += [("v1 LLA-8 jacobi", lla_op(8, jacobi=True), True),
-                      ("LLA-8 chunked torch", lla_op(8, impl="chunked"), False)]
+            cases += [("LLA-8 jacobi", lla_op(8, jacobi=True), True),
+                      ("LLA-8 chunk torch", lla_op(8, impl="chunk"), False)]
             lam = torch.full((HQ,), 1.0, device="cuda")
             for mech in ("value_avg", "affine_linear", "mesa", "affine_mesa"):
                 cases.append((mech, (lambda m: lambda q, k, v: affine_attention(m, q, k, v, lam, cg_iters=8))(mech), False))

@@ -28,8 +28,8 @@ def candidates(configs: list) -> list:
 def first_config_for_fla() -> None:
     """Under ``ATTNLAB_AUTOTUNE=first``, fla-core kernels decorated after this call keep only their first config.
 
-    fla autotunes every kernel over its full list at every new key (a cold GDN fwd+bwd spent ~100 s on an H100;
-    the delta-rule GPU tests, with several head dims and varlen, ran out of a 300 s limit). Call before fla is
+    fla autotunes every kernel over its full list at every new key (a cold GDN fwd+bwd spends minutes on it).
+    Call before fla is
     imported (``tests/conftest.py`` does). Our own kernels go through :func:`candidates` instead.
     """
     import functools
@@ -71,9 +71,8 @@ def compile_candidates(job: tuple, follow: Callable[[], list] | None = None) -> 
     meta) of the launch about to run. ``follow``, called only at a new key of ``job``: the jobs of launches that will
     follow it (a forward passes its backward's, with stand-in buffers); their new keys compile in the same pool.
 
-    Triton's autotuner compiles each candidate on first use, one after another: for the Parallax kernels at D = 128
-    on an H100 (cold cache) the first fwd+bwd took 46.1 s that way and 18.8 s with one pool per kernel (softmax
-    34.0 -> 12.8 s; benchmarks/RESULTS.md, session 21). A no-op under the interpreter and where Triton lacks
+    Triton's autotuner compiles each candidate on first use, one after another; one pool per kernel takes the
+    first fwd+bwd of a cold cache to well under half that time. A no-op under the interpreter and where Triton lacks
     ``AsyncCompileMode``; a single candidate alone is left to the autotuner."""
     if not PRECOMPILE or os.environ.get("TRITON_INTERPRET", "0") == "1" or not _new_key(job):
         return

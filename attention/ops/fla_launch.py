@@ -1,31 +1,30 @@
 """Lower host cost for fla-core's Triton kernels: launch with the autotuner's chosen config, skip the wrapper layers.
 
-Measured on an H100 host (torch 2.11, Triton 3.6, fla-core 0.6.0): GDN's fwd+bwd at B4 T4096 H16 D128 runs 2.1 ms
-of GPU kernels (CUDA-graph replay) but took 3.9 ms of host time to enqueue — ~13 fla launches at ~90-350 µs each.
-One ``chunk_local_cumsum`` call cost 90 µs against 19 µs for the bare ``JITFunction`` launch of the same kernel:
-the rest is fla's ``@dispatch`` (a ``torch.compiler.disable`` wrapper and a backend scan), ``@input_guard``
-(``.contiguous()`` on every argument, a device context), fla's autotune-key builder, Triton's ``Autotuner.run``
-and ``Heuristics.run``. In a GDN model that host time is per layer and independent of the batch size.
+Why: a GDN fwd+bwd at the training shapes enqueues its fla kernels more slowly than the GPU runs them, and most of
+each launch's host time is not the ``JITFunction`` launch itself but fla's ``@dispatch`` (a ``torch.compiler.disable``
+wrapper and a backend scan), ``@input_guard`` (``.contiguous()`` on every argument, a device context), fla's
+autotune-key builder, Triton's ``Autotuner.run`` and ``Heuristics.run``. In a GDN model that host time is per layer
+and independent of the batch size.
 
-- :func:`install` (called by :func:`attention.linear_common.fla_importable`, the gate of every fla path, after
+- :func:`install` (called by :func:`attention.ops.common.fla_importable`, the gate of every fla path, after
   importing ``fla.ops``, which loads all of fla's ops) replaces every ``@triton.heuristics`` /
-  ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first launch per autotune key takes the normal path
-  (autotuning included), later launches call the ``JITFunction`` directly with the config that was chosen and the
-  heuristics computed here — the same kernel, config and arguments, so results are bitwise those of the normal path.
+  ``@triton.autotune`` kernel object in the loaded ``fla.ops`` modules by a :class:`FastLaunch` proxy: the first
+  launch per autotune key takes the normal path (autotuning included), later launches call the ``JITFunction``
+  directly with the config that was chosen and the heuristics computed here — the same kernel, config and
+  arguments, so results are bitwise those of the normal path.
 - :func:`install` also replaces fla's ``@dispatch`` wrappers (a ``torch.compiler.disable`` layer and a scan of
   alternative backends: TileLang, Ascend, FlashKDA, ...) by the function they wrap, where none of the wrapper's
   backends is available and enabled here, so the wrapper would call that function anyway. fla's KDA pipeline
   (``chunk_kda_fwd`` / ``chunk_kda_bwd``, which our op calls) reaches ~8 such wrappers per fwd+bwd.
 - :func:`install` also widens the autotune lists of the kernels in :data:`HOPPER_EXTRA_CONFIGS` on Hopper, where
-  fla-core 0.6.0 leaves out 8 warps (``NUM_WARPS = [2, 4] if IS_NVIDIA_HOPPER``). KDA's fused backward kernel
-  ``chunk_kda_bwd_kernel_wy_dqkg_fused`` (B4 T4096 H16 D128 bf16, H100, Triton 3.6) took 1.53-1.55 ms at fla's
-  pick (BK 64, BV 64, 4 warps) and 0.97 ms at (64, 64, 8 warps, 3 stages), outputs equal to 1.2e-6 relative;
+  fla-core 0.6.0 leaves out 8 warps (``NUM_WARPS = [2, 4] if IS_NVIDIA_HOPPER``): KDA's fused backward kernel
+  ``chunk_kda_bwd_kernel_wy_dqkg_fused`` ran much faster at 8 warps at the training shapes, with equal outputs;
   the autotuner still chooses, now among both lists.
 - :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
   (:mod:`attention.ops.delta_rule.kda_intra`) and the softmax/Parallax kernels
   (:mod:`attention.ops.parallax.kernels.ops`) launch through it too.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
-  current CUDA device, which the ``fla_hopper`` path guarantees.
+  current CUDA device, which the delta rule's ``triton`` path (``fla_hopper.py``) guarantees.
 
 Only fla-core 0.6.0 is patched (the version whose wrappers were read); another version keeps fla's own path.
 """

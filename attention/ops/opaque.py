@@ -2,8 +2,8 @@
 
 torchtitan compiles every transformer block with ``fullgraph=True``. A mechanism whose compute path dynamo
 cannot trace — Triton launches inside an ``autograd.Function``, data-dependent Python loops, fla-core entry
-points wrapped in ``torch.compiler.disable`` — breaks the graph and the run fails at its first step (measured on
-an H100: the lla, hla, cala and affine_mesa 0.6B configs, session 5). :func:`opaque_op` registers
+points wrapped in ``torch.compiler.disable`` — breaks the graph and the run fails at its first step.
+:func:`opaque_op` registers
 
 - ``attnlab::<name>``: the forward, ``fn`` run as is (inside the op autograd records nothing);
 - ``attnlab::<name>_bwd``: the backward by recomputation: ``fn`` again under autograd on detached copies of the

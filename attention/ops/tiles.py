@@ -2,14 +2,12 @@
 
 A causal query tile's work grows with its index (a key tile's shrinks), so the order of a grid's programs decides
 how long the last ones run on their own. The GPU starts a grid's programs in launch order (x fastest), each as a
-slot frees up. A list-scheduling model (programs as jobs of length key blocks + 0.5, greedy on free slots; Parallax
-forward at T=4096: 64 (batch, head) pairs × 32 tiles on 132 slots) gives the makespan over the work's lower bound:
+slot frees up. Orders, with a list-scheduling model's makespan over the work's lower bound (Parallax forward,
+T=4096: 64 (batch, head) pairs × 32 tiles on 132 slots):
 
-- tiles fastest, one pair's tiles after another's (the order before session 18): 1.069. The heaviest tile of the
-  last pair starts near the end and runs alone.
-- pairs fastest, every pair's heaviest tile first: 1.005. But the programs running together then read the K/V of
-  every pair, so each key tile comes from DRAM once per query tile instead of once per pair. On an H100 the LLA CG
-  step ran 1.048 -> 1.104 ms that way.
+- tiles fastest, one pair's tiles after another's: 1.069; the heaviest tile of the last pair runs alone at the end.
+- pairs fastest, every pair's heaviest tile first: 1.005, but the programs running together then read the K/V of
+  every pair, so each key tile comes from DRAM once per query tile instead of once per pair (slower in practice).
 - groups of GROUP // tiles pairs, one group after another, inside a group the pairs fastest and the tiles from the
   heaviest down (``tile_program``): 1.001 at 4 or 8 pairs per group, with the K/V of one group in flight. The
   Parallax / softmax kernels and LLA's dk/dv run so (``GROUP_PROGRAMS``).
@@ -25,17 +23,13 @@ import triton
 import triton.language as tl
 
 GROUP_PROGRAMS = tl.constexpr(256)
-"""Programs per group of ``tile_program``. H100, T=4096, B4, 16/8 heads, bf16, each kernel alone at its autotuned
-tile (session 18), tiles fastest (the order before) -> groups of 256 programs: Parallax D=128 fwd + dq + dkv
-4.215-4.252 -> 4.073-4.081 ms (groups of 128 and 512: 4.066, 4.051); softmax D=128 2.513-2.633 -> 2.399-2.491; LLA's
-dk/dv 3.63 -> 3.35-3.44. Parallax D=128 at T = 1k / 4k / 8k / 16k: -18 / -6 / -1.4 / -0.6 % (benchmarks/RESULTS.md)."""
+"""Programs per group of ``tile_program`` (groups of 128-512 programs measured alike; far faster than the tiles
+fastest at short T, where the last tiles' tail is a larger share)."""
 
 TAIL_PROGRAMS = tl.constexpr(512)
 """Programs of the one group that ``tile_program(TAIL_PROGRAMS, TAIL=True)`` forms at the end of the grid: the LLA row
-kernels. Grouped throughout, their CG step ran 2-6 % slower than with the tiles fastest (0.98 -> 1.00-1.03 ms; the
-programs of one pair share K in L2, and the step is partly DRAM-bound). With the tiles fastest except for a last group
-of 512 programs it ran 0.957 ms against 0.988 (H100, T=4096, B4, 16/8 heads, LLA-8; means of 4 and 5 runs, every
-paired run faster; a last group of 2048 programs: 0.982)."""
+kernels. The programs of one pair share K in L2 and the CG step is partly DRAM-bound, so grouping throughout made it
+slower; tiles fastest with one last group of 512 programs was the fastest order tried."""
 
 
 def tile_grid(n_tiles: int, n_pairs: int) -> tuple[int, int]:

@@ -83,7 +83,7 @@ def test_recurrent_equals_chunk_and_gradients_reach_every_parameter(name, extra)
         assert torch.isfinite(g).all() and g.abs().max() > 0, f"no gradient reaches {n}"
     m.zero_grad()
     x.grad = None
-    m.args.impl = "recurrent"
+    m.args.impl = "reference"
     y_rec = m(x, ctx_for(B, T))
     y_rec.square().sum().backward()
     torch.testing.assert_close(y_chunk, y_rec, rtol=1e-10, atol=1e-10)

@@ -41,7 +41,7 @@ def test_naive_documents_and_window():
     B, T, D = 2, 11, 8
     q, k, v, r = (torch.randn(B, T, 2, D, dtype=torch.float64) for _ in range(4))
     cu = torch.tensor([0, 4, 11, 13, 22], dtype=torch.int32)  # docs over the flattened 22 tokens
-    doc = attention.base.document_ids(cu, B, T)
+    doc = attention.ops.common.document_ids(cu, B, T)
     torch.testing.assert_close(naive_parallax(q, k, v, r, cu_seqlens=cu), loop_parallax(q, k, v, r, D**-0.5, doc))
     # a window of 3 equals a loop restricted to the last 3 keys: check one row by hand
     out = naive_parallax(q, k, v, None, window_size=3)

@@ -1,6 +1,6 @@
 """Public entry for the affine family (value averaging, affine linear attention, MesaNet, affine MesaNet).
 
-``affine_attention(mechanism, q, k, v, lam=None, ...)`` with ``impl`` "chunked" (default for "auto";
+``affine_attention(mechanism, q, k, v, lam=None, ...)`` with ``impl`` "chunk" (what "auto" runs;
 chunked PyTorch, any device) or "reference" (:func:`naive_affine`, explicit d×d matrices). Equations in
 ``naive.py``; Parallax paper §3.2, eqs. 9-13.
 """
@@ -13,12 +13,12 @@ import torch
 
 from attention.ops.affine.chunked import affine_chunked, causal_linear, segment_mean  # noqa: F401
 from attention.ops.affine.naive import MECHANISMS, naive_affine
-from attention.ops.lla import doc_bounds
+from attention.ops.common import check_impl, doc_bounds
 from attention.ops.opaque import fake_attention_out, opaque_op
 
 Tensor = torch.Tensor
 
-IMPLS = ("auto", "chunked", "reference")
+IMPLS = ("auto", "reference", "chunk")
 
 
 def _affine_eager(q: Tensor, k: Tensor, v: Tensor, lam: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -64,8 +64,7 @@ def affine_attention(
     """
     if mechanism not in MECHANISMS:
         raise ValueError(f"model.attention={mechanism!r} is not an affine mechanism; choose from {list(MECHANISMS)}")
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, mechanism)
     if mechanism in ("mesa", "affine_mesa") and lam is None:
         raise ValueError(f"{mechanism} needs a ridge lam")
     if impl == "reference":

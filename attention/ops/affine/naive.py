@@ -1,4 +1,4 @@
-"""The affine (uniform-weight) family of the Parallax paper §3.2 (spec ``parallax.md`` §6), reference.
+"""The affine (uniform-weight) family of the Parallax paper §3.2 (docs/mechanisms.md), reference.
 
 With uniform weights over the visible keys j ≤ i of the query's document (n_i of them) and
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.parallax.naive import visibility_mask
+from attention.ops.common import visibility_mask
 
 MECHANISMS = ("value_avg", "affine_linear", "mesa", "affine_mesa")
 

@@ -1,7 +1,7 @@
 """CALA ops: the local context aggregation through the project's sliding-window softmax path, and normalised
 causal linear attention through the HLA primitive (``attention.ops.hla``'s gated linear attention, γ = 1).
 
-- :func:`local_context` — C_Q, C_K of CALA step 3 (spec §15) with ``parallax_attention(..., window_size=w)``:
+- :func:`local_context` — C_Q, C_K of CALA step 3 with ``parallax_attention(..., window_size=w)``:
   keys and values shifted right by one token so that query i sees tokens i−w .. i−1; the slot of a document's
   first token holds a pad key −M·1 with value 0 (φ_loc > 0 so its weight underflows to 0 whenever a real key is
   visible, and C = 0 exactly when none is). Both streams run in one call (batch concatenation).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.cala.naive import local_feature, naive_cala, naive_local_context
 from attention.ops.hla.chunk import gla_chunk
 from attention.ops.parallax import parallax_attention
@@ -60,7 +60,7 @@ def normalized_linear_attention(qf, kf, v, *, eps: float = 1e-6, cu_seqlens=None
     stateful = initial_state is not None or output_final_state
     use_triton = impl == "triton" or (impl == "auto" and qf.is_cuda)
     if use_triton and not stateful:
-        from attention.ops.hla.triton_gla import gla_triton
+        from attention.ops.linear_attn.triton_gla import gla_triton
 
         o, st = gla_triton(qf, kf, va, None, doc=doc), None
     else:

@@ -1,6 +1,6 @@
-"""Context-Aggregated Linear Attention (CALA; Morgan 2025, ``papers/cala.txt``): naive per-token reference.
+"""Context-Aggregated Linear Attention (CALA; Morgan 2025): naive per-token reference.
 
-Per head (spec ``linear_family_and_cala.md`` §15, App. A "Option A", App. C causal form):
+Per head (CALA Steps 3-6, App. A "Option A", App. C causal form; docs/mechanisms.md):
 
     Q'_loc, K'_loc = φ_loc(Q), φ_loc(K)                                   (φ_loc = elu + 1)
     C_Q[i] = Σ_{j∈N(i)} softmax_j(Q'_loc,i·K'_loc,j / √d) Q_j,   N(i) = {max(0, i−w), ..., i−1}  (excludes i)
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def local_feature(x: torch.Tensor, name: str = "elu") -> torch.Tensor:

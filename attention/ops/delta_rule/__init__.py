@@ -2,20 +2,20 @@
 
 ``delta_rule(..., impl=)`` is the public entry:
 
-- "recurrent": :func:`naive.naive_recurrent_delta_rule`, token loop, float64-capable (the oracle);
+- "reference": :func:`naive.naive_recurrent_delta_rule`, token loop, float64-capable (the oracle);
 - "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
 - "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
-- "fla_hopper": fla-core's kernels with our Triton replacement of the one backward kernel that Triton
+- "triton": fla-core's kernels with our Triton replacement of the one backward kernel that Triton
   3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`), and for KDA our intra-chunk backward kernel
   (:mod:`kda_intra`: tensor-core diagonal blocks for any gate; fla's loops over them unless the gate is
-  bounded); any CUDA GPU where fla imports. ``impl="fla_hopper"`` picks it on any GPU;
-- "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "fla_hopper" when
+  bounded); any CUDA GPU where fla imports. The op calls this backend "fla_hopper";
+- "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "triton" when
   only fla's gated-backward check fails (Hopper + Triton < 3.7.1); else "chunk", with a one-line log message
   saying why. The same choice is made inside ``torch.compile``.
 
-"fla" and "fla_hopper" run through the custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd``
+"fla" and "triton" run through the custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd``
 (:mod:`ops`): opaque to torch.compile, so torchtitan's ``fullgraph=True`` block compile has no graph break.
-KDA's ``gate_lower_bound`` (every g >= it, in [-5, 0)) runs fla's KDA kernels with ``safe_gate``; "recurrent" and
+KDA's ``gate_lower_bound`` (every g >= it, in [-5, 0)) runs fla's KDA kernels with ``safe_gate``; "reference" and
 "chunk" are exact for any g and ignore it.
 """
 
@@ -25,24 +25,23 @@ from types import SimpleNamespace
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, log_once
+from attention.ops.common import check_impl, fla_gated_backward_ok, log_once
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
-from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
 from attention.ops.delta_rule.ops import check_gate_lower_bound, delta_rule_op
 
-__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "fla_hopper_delta_rule",
-           "delta_rule_op", "select_impl"]
+__all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "delta_rule_op",
+           "select_impl"]
 
-DELTA_RULE_IMPLS = ("auto", "recurrent", "chunk", "fla", "fla_hopper")
+DELTA_RULE_IMPLS = ("auto", "reference", "chunk", "triton", "fla")
 
 
 def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: str = "delta_rule") -> str:
-    """Resolve "auto" to "fla", "fla_hopper" or "chunk" for this call; validate explicit names."""
-    if impl not in DELTA_RULE_IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(DELTA_RULE_IMPLS)}")
-    if impl in ("recurrent", "chunk"):
+    """The path that runs this call: "reference", "chunk", "fla" or "fla_hopper" (impl "triton"); "auto" resolved
+    per call, explicit names validated."""
+    check_impl(impl, DELTA_RULE_IMPLS, who)
+    if impl in ("reference", "chunk"):
         return impl
     return _resolve(impl, x.device.type, x.device.index, gated, needs_grad, who)
 
@@ -51,20 +50,20 @@ def select_impl(impl: str, x: torch.Tensor, gated: bool, needs_grad: bool, who: 
 def _resolve(impl: str, device_type: str, device_index: int | None, gated: bool, needs_grad: bool, who: str) -> str:
     dev = torch.device(device_type) if device_index is None else torch.device(device_type, device_index)
     x = SimpleNamespace(is_cuda=device_type == "cuda", device=dev)  # all fla_unavailable_reason reads
-    if impl == "fla_hopper":
+    if impl == "triton":
         why = fla_unavailable_reason(x, gated, needs_grad=False)  # the gated backward is ours: no Hopper check
         if why:
-            raise RuntimeError(f"attention.impl='fla_hopper' cannot run {who} here: {why}; use 'auto' or 'chunk'")
+            raise RuntimeError(f"attention.impl='triton' cannot run {who} here: {why}; use 'auto' or 'chunk'")
         return "fla_hopper"
     why = fla_unavailable_reason(x, gated, needs_grad)
     if impl == "fla":
         if why:
             raise RuntimeError(f"attention.impl='fla' cannot run {who} here: {why}; "
-                               "use 'auto', 'fla_hopper' or 'chunk'")
+                               "use 'auto', 'triton' or 'chunk'")
         return "fla"
     if why and not fla_unavailable_reason(x, gated, needs_grad=False):
         # only fla's gated-backward check failed (Hopper + Triton < 3.7.1): swap in our dqkwg kernel
-        log_once(f"{who}: {fla_gated_backward_ok(x.device)[1]}; using fla-core with our dqkwg kernel (fla_hopper)")
+        log_once(f"{who}: {fla_gated_backward_ok(x.device)[1]}; using fla-core with our dqkwg kernel (impl 'triton')")
         return "fla_hopper"
     if why:
         if x.is_cuda:
@@ -93,7 +92,7 @@ def delta_rule(
     g: None (DeltaNet), [B, T, H] (GDN) or [B, T, H, K] (KDA), log-space decay <= 0.
     scale: default K**-0.5. initial_state: [N, H, K, V]; cu_seqlens: [N + 1] over T with B == 1.
     gate_lower_bound: KDA only (g [B, T, H, K]), in [-5, 0), with every g >= it (KDA's bounded gate): fla's
-    ``safe_gate`` kernels on the fla paths; ignored by "recurrent" and "chunk".
+    ``safe_gate`` kernels on the fla paths; ignored by "reference" and "chunk".
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] float32 or None).
     """
     check_gate_lower_bound(g, gate_lower_bound)
@@ -101,7 +100,7 @@ def delta_rule(
         t is not None and t.requires_grad for t in (q, k, v, beta, g, initial_state))
     path = select_impl(impl, q, g is not None, needs_grad)
     args = (q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens)
-    if path == "recurrent":
+    if path == "reference":
         return naive_recurrent_delta_rule(*args)
     if path in ("fla", "fla_hopper"):  # custom ops: no graph break under torch.compile
         return delta_rule_op(*args, backend=path, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)

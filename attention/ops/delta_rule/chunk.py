@@ -1,6 +1,6 @@
 """Chunked (WY / UT-transform) delta rule in PyTorch: runs on the CPU and, under ``torch.compile``, on any GPU.
 
-Spec ``linear_family_and_cala.md`` §1 (Corollary C.8), §5 (eqs. 12–16), §9 and §10 ("stable chunk form").
+The WY/UT chunk form of Variants eqs. 12-16 (Corollary C.8), with the gates folded in as in eqs. 25-26.
 Per chunk of m tokens with chunk-local cumulative log gates G (G_i = sum of g over the chunk up to i, so every
 exp(G_i - G_j), i >= j, is <= 1 and nothing can overflow), in fla's layout h = S^T [K, V]:
 
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
-from attention.linear_common import position_in_doc
+from attention.ops.common import document_ids, position_in_doc
 
 
 def chunk_delta_rule(

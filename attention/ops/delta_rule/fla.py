@@ -7,14 +7,14 @@
 Same contract as :func:`attention.ops.delta_rule.chunk.chunk_delta_rule` (fla's own: seq-first, h = S^T,
 final state float32). fla is used only when it imports, the tensors are on CUDA, and — for the *gated*
 kernels when a backward is needed — the GPU/Triton pair is safe: fla-core 0.6.0 miscompiles (and for GDN
-refuses) the gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1 (spec ``platform.md``).
+refuses) the gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1 (fla issue #640).
 """
 
 from __future__ import annotations
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable
+from attention.ops.common import fla_gated_backward_ok, fla_importable
 from attention.ops.delta_rule.ops import cached_cu_seqlens
 
 

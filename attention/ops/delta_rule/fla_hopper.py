@@ -54,7 +54,7 @@ def _fla() -> types.SimpleNamespace:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from attention.linear_common import fla_importable
+    from attention.ops.common import fla_importable
     from attention.ops.fla_launch import raw
 
     fla_importable()
@@ -135,12 +135,3 @@ def kda_bwd(*, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, cu_seq
                                          dq_dtype=q.dtype, dk_dtype=k.dtype, **kw)
     dg = F.cumsum(dg, chunk_size=BT, reverse=True, **kw)
     return dq, dk, dv, db, dg, dh0
-
-
-def fla_hopper_delta_rule(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``delta_rule_op(..., backend="fla_hopper")``: the contract (arguments, shapes, returns) of
-    :func:`attention.ops.delta_rule.fla.fla_delta_rule`. CUDA only; runs through the custom op
-    ``attnlab::delta_rule_fwd`` (:mod:`ops`), which also holds the autograd wiring."""
-    from attention.ops.delta_rule.ops import delta_rule_op
-
-    return delta_rule_op(*args, backend="fla_hopper", **kwargs)

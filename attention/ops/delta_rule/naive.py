@@ -1,6 +1,6 @@
 """Recurrent reference of the (gated) delta rule: the oracle for ``chunk.py`` and fla's kernels.
 
-Spec ``linear_family_and_cala.md`` §5 (DeltaNet, eq. 11), §9 (Gated DeltaNet, eq. 24) and §10 (KDA), in
+Variants eq. 11 (DeltaNet), eq. 24 (Gated DeltaNet) and the per-channel gate of KDA (docs/mechanisms.md), in
 fla's layout ``h = S^T`` ([K, V]) and with fla's ``scale`` applied to q:
 
     h_t = diag(exp(g_t)) h_{t-1}                       (g = None: no decay; g [H]: scalar; g [H, K]: per key channel)

@@ -44,8 +44,9 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok
+from attention.ops.common import fla_gated_backward_ok
 from attention.ops.delta_rule.chunk import chunk_delta_rule
+from attention.ops.delta_rule.fla_hopper import _bwd, _fwd, kda_bwd
 from attention.ops.opaque import autograd_inside_op
 
 Tensor = torch.Tensor
@@ -171,7 +172,6 @@ def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_
     intra-chunk kernel ("fla_hopper"). (dq, dk, dv, dbeta, dg, dh0)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
-    from attention.ops.delta_rule.fla_hopper import kda_bwd
 
     if gk is None or Aqk is None or Akk is None or 0 in (gk.numel(), Aqk.numel(), Akk.numel()):
         raise ValueError("attnlab::delta_rule_bwd: KDA on fla needs delta_rule_fwd's saved (gk, Aqk, Akk)")
@@ -190,16 +190,12 @@ def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_
 
 
 def _fla_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state):
-    from attention.ops.delta_rule.fla_hopper import _fwd
-
     q, k, v, beta, g, h0, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
     return _fwd(q, k, v, beta, g, scale, h0, output_final_state, cu, ci)
 
 
 def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
     """DeltaNet / GDN: (dq, dk, dv, dbeta, dg or None, dh0 or None) in fla's dtypes (cast by the caller)."""
-    from attention.ops.delta_rule.fla_hopper import _bwd
-
     q, k, v, beta, gf, h0f, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
     dqkwg = None
     if backend == "fla" and (gf is None or fla_gated_backward_ok(q.device)[0]):

@@ -4,11 +4,11 @@
 
 - "reference": :func:`naive_forgetting_attn` (O(T²) memory, float64-capable, the oracle);
 - "chunk":     :func:`chunk_forgetting_attn` (blockwise online softmax in PyTorch, any device);
-- "flex":      FlexAttention with ``score_mod = s + c_q − c_k`` and a causal/document block mask
-               (CUDA, compiled; gradients flow into the captured cumulative gate);
+- "triton":    FlexAttention (torch's generated Triton kernels) with ``score_mod = s + c_q − c_k`` and a
+               causal/document block mask (CUDA, compiled; gradients flow into the captured cumulative gate);
 - "fla":       fla-core 0.6.0 ``parallel_forgetting_attn`` (its backward is not one of the refused gated
                chunk kernels);
-- "auto":      fla on CUDA when importable, else flex on CUDA, else chunk.
+- "auto":      fla on CUDA when importable, else "triton" on CUDA, else "chunk".
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_importable, log_once
+from attention.ops.common import check_impl, fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.fox.chunk import chunk_forgetting_attn
 from attention.ops.fox.naive import doc_cumsum, naive_forgetting_attn
 
-IMPLS = ("auto", "reference", "recurrent", "chunk", "flex", "fla")
+IMPLS = ("auto", "reference", "chunk", "triton", "fla")
 
 __all__ = ["forgetting_attention", "naive_forgetting_attn", "chunk_forgetting_attn", "fox_decode", "IMPLS"]
 
@@ -30,17 +30,15 @@ Tensor = torch.Tensor
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for fox; choose from {list(IMPLS)}")
-    if impl == "recurrent":
-        return "reference"
+    """The path that runs: "reference", "chunk", "triton" (FlexAttention) or "fla"."""
+    check_impl(impl, IMPLS, "fox")
     if impl in ("auto", "fla"):
         ok, why = (False, "not a CUDA device") if device.type != "cuda" else fla_importable()
         if ok:
             return "fla"
         if impl == "fla":
-            log_once(f"attention.impl='fla' unavailable for fox ({why}); using {'flex' if device.type == 'cuda' else 'chunk'}")
-        return "flex" if device.type == "cuda" else "chunk"
+            log_once(f"attention.impl='fla' unavailable for fox ({why}); using {'triton' if device.type == 'cuda' else 'chunk'}")
+        return "triton" if device.type == "cuda" else "chunk"
     return impl
 
 
@@ -57,7 +55,7 @@ def flex_forgetting_attn(q, k, v, g, scale=None, cu_seqlens=None):
     B, T, HQ, D = q.shape
     c = doc_cumsum(g.float(), cu_seqlens).transpose(1, 2).contiguous()  # [B, HQ, T]
     if cu_seqlens is not None:
-        from attention.base import document_ids
+        from attention.ops.common import document_ids
 
         doc = document_ids(cu_seqlens, B, T)
 
@@ -103,7 +101,7 @@ def forgetting_attention(
         return naive_forgetting_attn(q, k, v, g, scale, cu_seqlens)
     if path == "chunk":
         return chunk_forgetting_attn(q, k, v, g, scale, cu_seqlens, block_size)
-    if path == "flex":
+    if path == "triton":
         return flex_forgetting_attn(q, k, v, g, scale, cu_seqlens)
     scale = D**-0.5 if scale is None else float(scale)
     if cu_seqlens is not None:

@@ -1,4 +1,4 @@
-"""Blockwise FoX in PyTorch: FlashAttention-style online softmax over key blocks (spec §12 pseudocode).
+"""Blockwise FoX in PyTorch: FlashAttention-style online softmax over key blocks (docs/mechanisms.md, "FoX").
 
 Each tile computes ``scale · Q_I K_J^T + c_I − c_J`` and updates the running (max, sum, acc) per query
 row. The loop runs over the block distance δ = I − J and is vectorised over all query blocks, so there
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.fox.naive import doc_cumsum
 
 

@@ -1,6 +1,6 @@
 """FoX (Forgetting Transformer, Lin et al. 2025) reference: softmax attention with a forget-gate bias.
 
-    o_t = Σ_{i<=t} softmax_i( scale · q_t·k_i + c_t − c_i ) v_i,    c_t = Σ_{j<=t} log f_j      (spec §12, eq. 31)
+    o_t = Σ_{i<=t} softmax_i( scale · q_t·k_i + c_t − c_i ) v_i,    c_t = Σ_{j<=t} log f_j      (Variants eq. 31)
 
 with ``log f = logsigmoid(·) <= 0`` per query head (fla's convention: the gate is not scaled). O(T²) memory;
 float64 inputs are computed in float64, others in float32.
@@ -50,7 +50,7 @@ def naive_forgetting_attn(
     s = scale * qf @ kf.transpose(-1, -2) + c[..., :, None] - c[..., None, :]  # [B, HQ, T, T]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if cu_seqlens is not None:
-        from attention.base import document_ids
+        from attention.ops.common import document_ids
 
         doc = document_ids(cu_seqlens, B, T)  # [B, T]
         mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]

@@ -1,33 +1,33 @@
 """Higher-order Linear Attention (Zhang, Qin, Gu 2025, arXiv:2510.27258): public op.
 
 ``hla(q, k, v, g, order=2|3, variant="symmetric"|"asymmetric", normalize=...)`` — masked second-order HLA
-(eq. 3, decayed per the spec's corrected operator), AHLA (eq. 7) and the corrected third order (spec §6.2).
+(eq. 3, each factor decayed by its own age), AHLA (eq. 7) and the masked third order (docs/mechanisms.md, "HLA").
 Implementations (``impl``):
 
-- "triton": chunked Triton kernels (``triton_gla.py``), forward and backward in Triton; training path;
+- "reference": the token-by-token recurrence (``serial.py``, float64-capable; also the decode state update);
 - "chunk":  chunked PyTorch (``chunk.py``), supports initial/final states (prefill, decode), any device;
-- "serial": the token-by-token recurrence (``serial.py``), the decode state update;
+- "triton": the scalar-gated linear-attention Triton kernel (``attention/ops/linear_attn/triton_gla.py``) in
+  two or three passes, forward and backward in Triton; training path;
 - "auto":   "triton" on CUDA when no state goes in or out, else "chunk".
 
-The oracle is ``naive.py`` (definitions as triple/quadruple sums, float64).
+The test oracle is ``naive.py`` (the definitions as triple/quadruple sums, float64, O(T³)): too slow to be a path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import check_impl, document_ids
 from attention.ops.hla.chunk import chunk_hla, compose_hla, safe_div_o
 from attention.ops.hla.serial import init_state, serial_hla
 
-IMPLS = ("auto", "triton", "chunk", "serial")
+IMPLS = ("auto", "reference", "chunk", "triton")
 ORDERS = (2, 3)
 VARIANTS = ("symmetric", "asymmetric")
 
 
 def resolve_impl(impl: str, device: torch.device, stateful: bool = False) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for hla; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, "hla")
     if impl == "auto":
         return "triton" if device.type == "cuda" and not stateful else "chunk"
     if impl == "triton" and stateful:
@@ -54,7 +54,7 @@ def hla(
     """Masked higher-order linear attention.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] per-token log-decay log γ_t ≤ 0 (fixed γ: ``log γ``
-    broadcast) or None. No scaling or feature map is applied (scale q, k before calling; spec §8).
+    broadcast) or None. No scaling or feature map is applied (scale q, k before calling).
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (state resets at each start).
     initial_state / final state: the decode state of ``serial.py`` ((S, U) | (P, E) | (S, P, Y), fp32, with V+1
     columns when ``normalize``). Returns o [B, T, H, V] in q's dtype (and the final state).
@@ -74,7 +74,7 @@ def hla(
     if cu_seqlens is not None and stateful:
         raise ValueError("hla: initial/final states are not supported together with cu_seqlens")
     path = resolve_impl(impl, q.device, stateful)
-    if path == "serial":
+    if path == "reference":
         vv = torch.cat([v, torch.ones_like(v[..., :1])], -1) if normalize else v
         res = serial_hla(q, k, vv, g, order=order, variant=variant, cu_seqlens=cu_seqlens,
                          initial_state=initial_state, output_final_state=output_final_state)
@@ -87,7 +87,7 @@ def hla(
         return chunk_hla(q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
                          chunk_size=chunk_size, doc=doc, initial_state=initial_state,
                          output_final_state=output_final_state)
-    from attention.ops.hla.triton_gla import gla_triton
+    from attention.ops.linear_attn.triton_gla import gla_triton
 
     return compose_hla(gla_triton, q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
                        chunk_size=chunk_size, doc=doc)

@@ -1,7 +1,7 @@
 """HLA in chunkwise matmul form (PyTorch), built from one primitive: causal scalar-gated linear attention.
 
 ``gla(q, k, v, g)`` computes o_t = Σ_{s≤t} b(s,t) (q_t·k_s) v_s with b(s,t) = exp(g_{s+1} + ... + g_t). The
-chunk forms of spec §3.6, §5.5 and §6.2 [ours] factor into two or three such passes (derivation: the inclusive
+chunk forms of every variant factor into two or three such passes (docs/mechanisms.md, "HLA"; the inclusive
 metric-vector r_t = S_t q_t is itself a gated linear attention with values k):
 
 - second order:  R = gla(q, k, k; g)     (R_t = S_t q_t)      O = gla(q, R, v; 2g)          [U = γ² U + R_t v_tᵀ]
@@ -13,7 +13,7 @@ Normalisation appends a ones column to v (den = the same operator applied to v �
 
 Packed documents: ``doc`` [B, T] document ids; pairs across documents are masked and the carried state is
 dropped at document starts (chunks may straddle documents). This file is the reference of the Triton kernel in
-``triton_gla.py`` (same chunking and masking).
+``attention/ops/linear_attn/triton_gla.py`` (same chunking and masking).
 """
 
 from __future__ import annotations

@@ -1,26 +1,26 @@
 """Higher-order Linear Attention (Zhang, Qin, Gu 2025, arXiv:2510.27258): naive definitions (the oracle).
 
-Everything here is written from the *definitions* (spec ``hla.md`` §2.1, §5.1, §6.2, §4.1), not from the
-recurrences, with per-token log-decays ``g`` (``b(i,t) = exp(g_{i+1} + ... + g_t)``; a fixed γ is
-``g = log γ``; ``g=None`` is no decay). The decayed semantics are the spec's corrected ones (ERRATUM §3.3):
-each factor decays by its own age.
+Everything here is written from the *definitions* (HLA eqs. 3, 7 and the masked third order;
+docs/mechanisms.md, "HLA"), not from the recurrences, with per-token log-decays ``g``
+(``b(i,t) = exp(g_{i+1} + ... + g_t)``; a fixed γ is ``g = log γ``; ``g=None`` is no decay). Each factor decays by
+its own age, so the recurrence and a chunk scan agree.
 
 - second order (masked, eq. 3):  o_t = Σ_{i≤j≤t} b(i,t) b(j,t) (q_t·k_i)(k_i·q_j) v_j
 - AHLA (eq. 7):                   o_t = Σ_{j≤i≤t} b(i,t) b(j,i) (q_t·k_i)(q_i·k_j) v_j      = (A_γ A_γ) V
-- third order (corrected §6.2):   o_t = Σ_{u≤t} Σ_{i≤u} Σ_{j≤u} b(i,t) b(u,t) b(j,t) (q_t·k_i)(k_i·q_u)(q_u·k_j) v_j
+- third order (masked):           o_t = Σ_{u≤t} Σ_{i≤u} Σ_{j≤u} b(i,t) b(u,t) b(j,t) (q_t·k_i)(k_i·q_u)(q_u·k_j) v_j
 
 Normalised variants divide by the same sum with v ≡ 1 (``safe_div``: sign(den)(|den|+ε), a documented deviation
-from the paper's den+ε because the masked denominator is not sign-definite, spec §8).
+from the paper's den+ε (eq. 4) because the masked denominator is not sign-definite).
 Shapes: q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] (log-decays ≤ 0) or None; returns [B, T, H, V].
 Cost O(T³) (second order, AHLA) and O(T⁴) (third order): tiny T only. Computes in float64.
-The scan operators of spec §3.2/§3.3/§5.3 (paper-printed and corrected) are at the end, for associativity tests.
+The scan operators (as printed in the paper and corrected) are at the end, for associativity tests.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def safe_div(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +49,7 @@ def _finish(num, den, normalize, eps, dtype):
 
 
 def naive_hla2(q, k, v, g=None, *, normalize=False, eps=1e-6, cu_seqlens=None):
-    """Masked second-order HLA as the triple sum over i ≤ j ≤ t (spec §2.1, decayed per §4.1 [ours])."""
+    """Masked second-order HLA as the triple sum over i ≤ j ≤ t (HLA eq. 3, each factor decayed by its age)."""
     qf, kf, vf, Lg = _prep(q, k, v, g, cu_seqlens)
     B, H, T, _ = qf.shape
     qk = qf @ kf.transpose(-1, -2)  # [B, H, t, i] q_t·k_i
@@ -68,7 +68,7 @@ def naive_hla2_matrix(q, k, v):
 
 
 def naive_ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, cu_seqlens=None):
-    """AHLA O = (A_γ A_γ) V with A_γ[t, i] = b(i,t) q_t·k_i, i ≤ t (spec §5.1)."""
+    """AHLA O = (A_γ A_γ) V with A_γ[t, i] = b(i,t) q_t·k_i, i ≤ t (HLA eq. 7)."""
     qf, kf, vf, Lg = _prep(q, k, v, g, cu_seqlens)
     A = (qf @ kf.transpose(-1, -2)) * torch.exp(Lg)  # [B, H, T, T]
     AA = A @ A
@@ -76,7 +76,7 @@ def naive_ahla(q, k, v, g=None, *, normalize=False, eps=1e-6, cu_seqlens=None):
 
 
 def naive_hla3(q, k, v, g=None, *, normalize=False, eps=1e-6, cu_seqlens=None):
-    """Corrected masked third order (spec §6.2 ERRATUM 6) as the explicit sum over triples (i, u, j), per t."""
+    """Masked third order (docs/mechanisms.md, "HLA") as the explicit sum over triples (i, u, j), per t."""
     qf, kf, vf, Lg = _prep(q, k, v, g, cu_seqlens)
     B, H, T, _ = qf.shape
     qk = qf @ kf.transpose(-1, -2)  # [B, H, a, b] q_a·k_b
@@ -94,14 +94,14 @@ def naive_hla3(q, k, v, g=None, *, normalize=False, eps=1e-6, cu_seqlens=None):
 
 
 def naive_hla3_matrix(q, k, v):
-    """Undecayed corrected third order in matrix form O = tril(A Aᵀ)(A V) (spec §10.1)."""
+    """Undecayed masked third order in matrix form O = tril(A Aᵀ)(A V)."""
     qf, kf, vf = (x.double().transpose(1, 2) for x in (q, k, v))
     A = (qf @ kf.transpose(-1, -2)).tril()
     return ((A @ A.transpose(-1, -2)).tril() @ (A @ vf)).transpose(1, 2)
 
 
 def naive_hla3_paper(q, k, v):
-    """What the paper's Thm 7.1 / Alg. 3 actually computes (ERRATUM 6): the sum over triples (i, u, j) ≤ t whose
+    """What the paper's Thm 7.1 / Alg. 3 actually computes (a paper erratum): the sum over triples (i, u, j) ≤ t whose
     maximum index is attained at least twice. Single head, q, k: [T, K], v: [T, V] -> [T, V]."""
     qk = q.double() @ k.double().T
     T = q.shape[0]
@@ -116,7 +116,7 @@ def naive_hla3_paper(q, k, v):
     return out
 
 
-# ---- scan operators (spec §3.2, §3.3, §5.3); segments are dicts of per-head tensors -------------------------
+# ---- scan operators (the paper's associative operators); segments are dicts of per-head tensors -------------------------
 
 def token_segment(q, k, v):
     """Single-token segment of the masked second-order tuple (S, C, m, G, h) with ρ = γ."""
@@ -132,7 +132,7 @@ def op_masked(A, B):
 
 def op_decay(A, B, *, paper: bool = False):
     """Decayed masked operator ⊕_γ; ``paper=True`` is the printed (non-associative) one, else the corrected
-    G_AB = ρ_B² G_A + G_B + ρ_B S_B C_A (spec §3.3 ERRATUM). Segments carry ``rho``."""
+    G_AB = ρ_B² G_A + G_B + ρ_B S_B C_A (the paper's decayed operator, corrected). Segments carry ``rho``."""
     r = B["rho"]
     out = dict(S=r * A["S"] + B["S"], C=r * A["C"] + B["C"], m=r * A["m"] + B["m"], rho=A["rho"] * B["rho"])
     if paper:
@@ -145,13 +145,14 @@ def op_decay(A, B, *, paper: bool = False):
 
 
 def ahla_token_segment(q, k, v):
-    """Single-token AHLA segment (R, P, m, E, n); E is nonzero (spec §5.3 [ours])."""
+    """Single-token AHLA segment (R, P, m, E, n); E is nonzero."""
     qk = q @ k
     return dict(R=torch.outer(k, q), P=torch.outer(k, v), m=k.clone(), E=qk * torch.outer(k, v), n=qk * k)
 
 
 def op_ahla(A, B, *, decay_R: bool = False):
-    """Eq. (8)/(6.2) with decay; R must not decay (ERRATUM 3): ``decay_R=True`` reproduces the printed operator."""
+    """HLA eq. (8), third order, with decay; R must not decay (a paper erratum): ``decay_R=True`` reproduces the
+    printed operator."""
     r = B["rho"]
     return dict(R=(r * A["R"] if decay_R else A["R"]) + B["R"], P=r * A["P"] + B["P"], m=r * A["m"] + B["m"],
                 E=r * A["E"] + B["E"] + B["R"] @ (r * A["P"]), n=r * A["n"] + B["n"] + B["R"] @ (r * A["m"]),

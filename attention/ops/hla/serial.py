@@ -1,6 +1,6 @@
 """HLA as a streaming recurrence, one token at a time: the decode path and a second oracle.
 
-Compact states (spec §2.5, §5.2, §6.2 [ours]), per head, with a per-token decay γ_t = exp(g_t):
+Compact states (docs/mechanisms.md, "HLA"), per head, with a per-token decay γ_t = exp(g_t):
 
 - second order:  S = γ S + k kᵀ;  U = γ² U + (S q) vᵀ;                o = qᵀ U          state (S [K,K], U [K,V])
 - AHLA:          P = γ P + k vᵀ;  E = γ E + k (qᵀ P);                 o = qᵀ E          state (P [K,V], E [K,V])
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 
 
 def init_state(order: int, variant: str, B: int, H: int, K: int, V: int, device, dtype=torch.float32) -> tuple:
@@ -74,7 +74,7 @@ def serial_hla(q, k, v, g=None, *, order=2, variant="symmetric", cu_seqlens=None
 
 def hla2_step_paper(state, q, k, v, gamma: float = 1.0, corrected: bool = True):
     """Paper tuple (S, C, m, G, h), Thm 3.1 / §2.4, single head: q, k: [K], v: [V]. With decay, ``corrected``
-    uses G = γ² G + γ k kᵀ C_{t-1} (spec §3.3); otherwise the printed G = γ G + k kᵀ C_{t-1} (ERRATUM 2).
+    uses the corrected G = γ² G + γ k kᵀ C_{t-1}; otherwise the printed G = γ G + k kᵀ C_{t-1}.
     Returns (o = qᵀ(S C − G), den = qᵀ(S m − h), state)."""
     S, C, m, G, h = state
     kkC, kkm = torch.outer(k, k @ C), k * (k @ m)  # use C_{t-1}, m_{t-1}
@@ -90,7 +90,7 @@ def hla2_step_paper(state, q, k, v, gamma: float = 1.0, corrected: bool = True):
 
 def hla3_step_paper(state, q, k, v):
     """The paper's Algorithm 3 (undecayed), single head; it computes the 'max index attained twice' sum, NOT the
-    masked (W Wᵀ W) V (ERRATUM 6). state = (SK, SQ, P, G1, G2, G3)."""
+    masked (W Wᵀ W) V (a paper erratum). state = (SK, SQ, P, G1, G2, G3)."""
     SK, SQ, P, G1, G2, G3 = state
     u1 = SQ @ k
     G1 = G1 + torch.outer(k, u1 @ P)
@@ -105,7 +105,7 @@ def hla3_step_paper(state, q, k, v):
 
 
 def hla3_step_corrected(state, q, k, v):
-    """Corrected paper-style third order: qᵀ(S^K S^Q P − G1 − G3 − X), X += (kᵀ S^Q_{t-1} k) k vᵀ (spec §6.2).
+    """Corrected paper-style third order: qᵀ(S^K S^Q P − G1 − G3 − X), X += (kᵀ S^Q_{t-1} k) k vᵀ.
     state = (SK, SQ, P, G1, G3, X)."""
     SK, SQ, P, G1, G3, X = state
     G1 = G1 + torch.outer(k, (SQ @ k) @ P)

@@ -4,9 +4,9 @@
 
     h_t = exp(g_t) · diag(exp(gk_t)) · h_{t-1} + k_t v_t^T,      o_t = h_t^T (scale · q_t)
 
-(spec ``linear_family_and_cala.md`` §3, §7, §8; fla's layout ``h = S^T``). ``impl``:
+(docs/mechanisms.md, "The linear family"; fla's layout ``h = S^T``). ``impl``:
 
-- "recurrent" / "reference": :func:`naive_recurrent_gla` (token loop, float64-capable, the oracle);
+- "reference": :func:`naive_recurrent_gla` (token loop, float64-capable, the oracle);
 - "chunk": :func:`chunk_gla` (PyTorch, chunk-local log space, compile-friendly, any device);
 - "fla":   fla-core 0.6.0 (``chunk_gla`` / ``chunk_simple_gla`` / ``chunk_linear_attn``);
 - "auto":  fla on CUDA when importable and safe for the requested pass, else "chunk".
@@ -21,12 +21,12 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_gated_backward_ok, fla_importable, log_once
+from attention.ops.common import check_impl, fla_gated_backward_ok, fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
-IMPLS = ("auto", "recurrent", "reference", "chunk", "fla")
+IMPLS = ("auto", "reference", "chunk", "fla")
 
 __all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
 
@@ -46,11 +46,8 @@ def fla_usable(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
 
 
 def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: str = "gated linear attention") -> str:
-    """Map ``[attention] impl`` to "recurrent" | "chunk" | "fla" (logs one line when "fla" falls back)."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for {mechanism}; choose from {list(IMPLS)}")
-    if impl == "reference":
-        return "recurrent"
+    """Map ``[attention] impl`` to "reference" | "chunk" | "fla" (logs one line when "fla" falls back)."""
+    check_impl(impl, IMPLS, mechanism)
     if impl in ("auto", "fla"):
         ok, why = fla_usable(device, needs_grad)
         if ok:
@@ -126,7 +123,7 @@ def gated_linear_attention(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, gk, initial_state))
     path = resolve_impl(impl, q.device, needs_grad)
-    if path == "recurrent":
+    if path == "reference":
         return naive_recurrent_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
     if path == "fla":
         return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)

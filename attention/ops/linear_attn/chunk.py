@@ -1,6 +1,6 @@
 """Chunked gated linear attention in PyTorch (runs on CPU; compiled, on any GPU, forward and backward).
 
-Chunkwise-parallel form of spec ``linear_family_and_cala.md`` §3 (6), §7 (19)–(21) and §8 (22)/(23), in
+Chunkwise-parallel form of Variants eqs. 6, 19-21 and 22-23, in
 chunk-local log space so that no exponent is ever positive (nothing can overflow, whatever the gates):
 
 - inter-chunk: ``o += (q ⊙ exp(G_i)) S_in`` and ``S_out = exp(G_last) ⊙ S_in + (k ⊙ exp(G_last − G_j))^T V``,
@@ -10,7 +10,7 @@ chunk-local log space so that no exponent is ever positive (nothing can overflow
   tensor, by *recursive secondary chunking*: the chunk is split in halves, the lower-left block is one
   matmul of ``q ⊙ exp(G_i − G_r)`` and ``k ⊙ exp(G_r − G_j)`` with the reference row ``r`` = the last row of
   the upper half (both exponents <= 0), and the two diagonal halves recurse down to single tokens. This is
-  fla's two-level ``BT``/``BC`` scheme (§8) taken to every level: the same FLOPs as one dense C×C matmul.
+  fla's two-level ``BT``/``BC`` scheme taken to every level: the same FLOPs as one dense C×C matmul.
 
 The state pass over chunks is a sequential loop (``S`` is [K, V] per head). Packed documents are laid out
 so that every chunk belongs to one document (each document padded to a multiple of the chunk size with

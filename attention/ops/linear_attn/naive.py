@@ -1,7 +1,7 @@
 """Recurrent reference (the oracle) for the gated linear-attention family.
 
-One recurrence covers plain, scalar-gated and column-gated (GLA) linear attention (spec
-``linear_family_and_cala.md`` §3 eq. (3), §7 eq. (18), §8), in fla's state layout ``h = S^T`` ([K, V]):
+One recurrence covers plain, scalar-gated and column-gated (GLA) linear attention (Variants eqs. 3, 18, 21), in
+fla's state layout ``h = S^T`` ([K, V]):
 
     h_t = diag(exp(gk_t)) · exp(g_t) · h_{t-1} + k_t v_t^T,      o_t = h_t^T (scale · q_t)
 

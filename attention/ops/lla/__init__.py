@@ -3,13 +3,12 @@
 Implementations (``impl``):
 
 - "reference": :func:`naive_lla` (explicit Σ_i and ``torch.linalg.solve``; exact solve, O(T²·D) memory);
-- "chunked":   blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
-- "triton":    the blockwise Triton kernels, forward and backward with the adjoint solve, in two versions
-               (``kernel``): "v0" (``triton_v0.py``), "v1" (``triton.py``) and "v2" (``triton_v2.py``);
-- "auto":      Triton on CUDA, chunked elsewhere.
+- "chunk":     blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
+- "triton":    the blockwise Triton kernels (``kernels/``), forward and backward with the adjoint solve;
+- "auto":      Triton on CUDA, chunk elsewhere.
 
-All non-reference paths use the λω ridge (shift-invariant, spec §5.3), compute in fp32 (float64 inputs:
-float64 on the chunked path) and return q's dtype. ρ is solved by ``cg_iters`` CG iterations; the
+All non-reference paths use the λω ridge (shift-invariant, docs/mechanisms.md "LLA"), compute in fp32
+(float64 inputs: float64 on the chunk path) and return q's dtype. ρ is solved by ``cg_iters`` CG iterations; the
 backward differentiates the exact solution (implicit function theorem), so it is the true gradient of
 the function once CG has converged (``cg_iters`` ≥ D in exact arithmetic).
 """
@@ -20,45 +19,14 @@ from typing import Optional
 
 import torch
 
-from attention.base import document_ids
+from attention.ops.common import check_impl, doc_bounds
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
 
 Tensor = torch.Tensor
 
-IMPLS = ("auto", "triton", "chunked", "reference")
-KERNELS = ("v0", "v1", "v2")
-"""Triton kernel versions (``lla_attention(kernel=...)``, ``attention.lla.kernel``; compared in LLAOptions.kernel):
-"v0" ``triton_v0.py`` (fp32/TF32 tiles), "v1" ``triton.py`` (bf16 tensor-core operands, autotuned tiles, one
-program per query tile for the whole solve), "v2" ``triton_v2.py`` (v1's math, one launch per CG iteration with the
-CG state in global memory)."""
-DEFAULT_KERNEL = "v2"
-"""Default of ``lla_attention(kernel=...)`` and of ``attention.lla.kernel``: switching is this one line."""
-
-
-def check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"attention.lla.kernel={kernel!r}; choose from {list(KERNELS)}")
-
-
-def _triton_ops(kernel: str):
-    import importlib
-
-    return importlib.import_module({"v0": "attention.ops.lla.triton_v0", "v1": "attention.ops.lla.triton",
-                                    "v2": "attention.ops.lla.triton_v2"}[kernel])
-
-
-def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """doc_start, doc_end: [B, T] int32, the first visible key of each query and the end (exclusive) of
-    its document, as positions inside the row."""
-    if cu_seqlens is None:
-        return (torch.zeros(B, T, dtype=torch.int32, device=device),
-                torch.full((B, T), T, dtype=torch.int32, device=device))
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = document_ids(cu, B, T)  # [B, T]
-    row0 = (torch.arange(B, device=device) * T)[:, None]
-    return (cu[doc] - row0).to(torch.int32), (cu[doc + 1] - row0).to(torch.int32)
+IMPLS = ("auto", "reference", "chunk", "triton")
 
 
 def _lam_btH(lam, B, T, HQ, device) -> torch.Tensor:
@@ -84,20 +52,21 @@ def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
 # whole forward, CG solves included, before its own adjoint solve.) The ops are opaque to torch.compile.
 @torch.library.custom_op("attnlab::lla_fwd", mutates_args=())
 def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
-            jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int],
-            kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int]
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o in q's dtype [B, T, HQ, D], then for the backward: aux, ρ, δ, m, ω).
 
-    Triton (``lla_fwd_triton`` of the kernel's module): aux, ρ [B, T, HQ, D] fp32, aux being o except for v2 (k̄
-    and the Jacobi diagonal, [1 + jacobi, B, T, HQ, D]); δ, m, ω [B, T, HQ] fp32. Chunked: aux = o_c, ρ
-    [B, HQ, T, D] and δ [B, HQ, T] in fp32 (float64 for float64 inputs); m and ω empty."""
+    Triton (:func:`kernels.lla_fwd_triton`): aux = k̄ and the Jacobi diagonal [1 + jacobi, B, T, HQ, D], ρ
+    [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunk: aux = o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in fp32
+    (float64 for float64 inputs); m and ω empty."""
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        ops = _triton_ops(kernel)
-        out, o, rho, delta, m, om = ops.lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                       lam.to(torch.float32).contiguous(), ds, scale, cg_iters,
-                                                       jacobi, rtol, block_r, block_c)
+        from attention.ops.lla.kernels import lla_fwd_triton
+
+        out, o, rho, delta, m, om = lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                   lam.to(torch.float32).contiguous(), ds, scale, cg_iters,
+                                                   jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
@@ -109,14 +78,14 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
 
 
 @lla_fwd.register_fake
-def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c, kernel):
+def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c):
     B, T, HQ, D = q.shape
     ct = _compute_dtype(q, use_triton)
     if use_triton:
         big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
     else:
         big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
-    aux = (1 + bool(jacobi), *big) if use_triton and kernel == "v2" else big
+    aux = (1 + bool(jacobi), *big) if use_triton else big
     return (q.new_empty(B, T, HQ, D), q.new_empty(aux, dtype=ct), q.new_empty(big, dtype=ct),
             q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
 
@@ -125,17 +94,17 @@ def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block
 def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor],
             out: Optional[Tensor], o: Tensor, rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float,
             cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
-            block_c: Optional[int], kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics (o:
     the forward's aux; out: its output, Triton only)."""
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        dd = do.to(torch.float32).contiguous() if kernel == "v0" else do.contiguous()  # v1: do in its dtype
-        ops = _triton_ops(kernel)
-        dq, dk, dv, dlam = ops.lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                              lam.to(torch.float32).contiguous(), ds, de, out, o, dd, rho, delta, m,
-                                              om, scale, cg_iters, jacobi, rtol, block_r, block_c)
+        from attention.ops.lla.kernels import lla_bwd_triton
+
+        dq, dk, dv, dlam = lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                          lam.to(torch.float32).contiguous(), ds, de, out, o, do.contiguous(), rho,
+                                          delta, m, om, scale, cg_iters, jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         dq, dk, dv, dlam = lla_bwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
@@ -150,7 +119,7 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
 
 @lla_bwd.register_fake
 def _(do, q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
-      block_c, kernel):
+      block_c):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
@@ -158,7 +127,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, lam, cu_seqlens, *args = inputs
     out, o, rho, delta, m, om = output
     ctx.mark_non_differentiable(o, rho, delta, m, om)
-    out = out if args[4] else None  # use_triton: v2's backward reads the output (v0 and v1 read their fp32 o)
+    out = out if args[4] else None  # use_triton: the Triton backward reads the output (β = dO·o)
     ctx.save_for_backward(q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om)
     ctx.args = args
 
@@ -172,10 +141,9 @@ lla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for lla; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, "lla")
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "chunked"
+        return "triton" if device.type == "cuda" else "chunk"
     return impl
 
 
@@ -192,7 +160,6 @@ def lla_attention(
     rtol: float = 1e-6,
     impl: str = "auto",
     block: tuple[int, int] | None = None,
-    kernel: str = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Causal Local Linear Attention with the λω ridge.
 
@@ -201,12 +168,7 @@ def lla_attention(
     scale: kernel exp(scale·q·k), default D**-0.5. cg_iters: CG iterations (paper: 16 suffice in bf16).
     jacobi: Jacobi-preconditioned CG. rtol: CG stops per row at ‖r‖ ≤ rtol·‖b‖.
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens.
-    block: (query, key) tile sizes; default: autotuned for Triton (v1, v2; v0: (32, 32) at D > 64, else (64, 64)),
-    (128, ·) for the chunked path.
-    kernel: the Triton kernels of impl "triton" ("auto" on CUDA): "v2" (the default: v1's math, one launch per CG
-    iteration, 2.0x faster fwd+bwd than v1 on an H100), "v1" (bf16 tensor-core operands, 3.8x faster than v0) or
-    "v0" (fp32/TF32 tiles, the more accurate gradients); measurements in
-    ``attention.lla.LLAOptions.kernel``. Validated on every path; the chunked and reference paths ignore it.
+    block: (query, key) tile sizes; default: autotuned for Triton, (128, ·) for the chunk path.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
     B, T, HQ, D = q.shape
@@ -215,7 +177,6 @@ def lla_attention(
                          f"[B, T, HQ, D] and [B, T, HKV, D] with HQ % HKV == 0")
     if cg_iters < 0:
         raise ValueError(f"attention.lla.cg_iters={cg_iters} must be >= 0")
-    check_kernel(kernel)
     scale = D**-0.5 if scale is None else scale
     impl = resolve_impl(impl, q.device)
     if impl == "reference":
@@ -227,10 +188,8 @@ def lla_attention(
     if block is None:
         if not use_triton:
             block = (128, 128)
-        elif kernel == "v0":
-            block = (32, 32) if D > 64 else (64, 64)
         else:
             block = (None, None)  # autotuned
     br, bc = (None if b is None else int(b) for b in block)
     return lla_fwd(q, k, v, lam_full, cu_seqlens, float(scale), int(cg_iters), bool(jacobi), float(rtol), use_triton,
-                   br, bc, kernel)[0]
+                   br, bc)[0]

@@ -1,10 +1,10 @@
-"""Blockwise LLA in PyTorch: the FlashLLA algorithm (spec ``lla.md`` §5-6) one query block at a time.
+"""Blockwise LLA in PyTorch: the FlashLLA algorithm (LLA paper §4, docs/kernels.md "LLA") one query block at a time.
 
 Every query block of ``block`` rows sees its key range [doc start, block end) as one ``[B, H, BR, L]``
 weight tile, so memory is O(BR·T) per step; no T×T and no T×d×d tensor is formed. Forward: statistics
 (ω, μ̃, optional Jacobi diagonal), ρ by CG on the matrix-free Σ (eq. 13), δ, output (eq. 16).
-Backward: the exact gradient of the λω-ridge forward (spec §6 with errata 7-8 fixed and the λω term of
-§6.2 added), with the second (adjoint) CG solve u = Σ⁻¹ Σ_j c_ij z_ij, and dλ_i = c·(u_iᵀρ_i − β_i‖ρ_i‖²).
+Backward: the exact gradient of the λω-ridge forward (the paper's backward, corrected, with the λω ridge's
+term added), with the second (adjoint) CG solve u = Σ⁻¹ Σ_j c_ij z_ij, and dλ_i = c·(u_iᵀρ_i − β_i‖ρ_i‖²).
 
 Derivation used here (per row i; g = dL/do_i, γ_j = g·v_j, a_j = w_j n_j / δ, n_j = 1 − z_jᵀρ):
     β = g·o/δ,  c_j = γ_j w_j/δ,  τ = Σ c_j,  u = Σ⁻¹(Σ c_j k_j − τ q),  Δμ = 2βρ − u,
@@ -45,7 +45,7 @@ def _block_mask(doc_start, r0, r1, lo, device):
 def _solve(kbar, kb, w, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
     """CG against Σ_c (keys centred at their weighted mean k̄ = μ̃/ω, :func:`naive.from_centred`): Σ_c⁻¹ rhs."""
     diag = None
-    if jacobi:  # diag Σ_c = Σ_j w k² − ω k̄² + ridge  (spec §5.2 with q → k̄)
+    if jacobi:  # diag Σ_c = Σ_j w k² − ω k̄² + ridge  (the Jacobi diagonal, centred at k̄)
         diag = ksq_w - mu_t * kbar + rid[..., None]
     mv = lambda p: sigma_matvec(p, kbar, kb, w, rid)  # noqa: E731
     return cg_solve(mv, rhs, cg_iters, diag=diag, rtol=rtol)

@@ -1,4 +1,4 @@
-"""Single-pass LLA decode (spec ``lla.md`` §8, design 2): one sweep over the KV cache per new token.
+"""Single-pass LLA decode: one sweep over the KV cache per new token.
 
 For one query q with weights w_j = exp(scale·q·k_j − m) over the cached keys, accumulate
 ω, μ̃ = Σ w k, ṽ = Σ w v, Σ̃ = Σ w k kᵀ (D×D) and A = Σ w v kᵀ (D×D); then

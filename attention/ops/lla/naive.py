@@ -1,20 +1,20 @@
 """Local Linear Attention (Zuo et al., ICLR 2026), reference implementation: the oracle for every other path.
 
 Per query head and query i, with kernel weights w_ij = exp(scale·q_i·k_j − m_i) over the visible keys j
-(causal, same document) and centred keys z_ij = k_j − q_i (spec ``lla.md`` §2, eqs. 7-8):
+(causal, same document) and centred keys z_ij = k_j − q_i (LLA eqs. 7-8; docs/mechanisms.md):
 
     ω_i = Σ_j w_ij,   μ_i = Σ_j w_ij z_ij,   Σ_i = Σ_j w_ij z_ij z_ijᵀ + λ_i·c_i·I
     ρ_i = Σ_i⁻¹ μ_i,  δ_i = ω_i − μ_iᵀρ_i,   o_i = Σ_j w_ij (1 − z_ijᵀρ_i) v_j / δ_i
 
-The closed form is the definition (it is the exact minimiser of eq. 6 with a λ/2 penalty, erratum 1).
-``ridge="omega"`` uses c_i = ω_i (the public FlashLLA convention, spec §5.3): the output is then invariant
+The closed form is the definition (the exact minimiser of eq. 6 with a λ/2 penalty on W).
+``ridge="omega"`` uses c_i = ω_i (the public FlashLLA convention): the output is then invariant
 to the max-shift m_i, so any stabiliser gives the same function. ``ridge="const"`` uses c_i = 1 (literal
 eq. 7), which is only shift-invariant without the shift (``shift=False``); kept to test the convention.
 
 Everything is explicit here: per-row d×d matrices Σ_i ([B, H, T, D, D]) and ``torch.linalg.solve``;
 O(T²·D + T·D²) memory, for small shapes only. Computes in float32 (float64 for float64 inputs).
 The primitives of the blockwise algorithm (``relmm`` eq. 12, the matrix-free Σ·p of eq. 13, batched CG of
-Algorithm 2 with the errata fixed) live here too and are shared by the other paths.
+Algorithm 2, corrected) live here too and are shared by the other paths.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from attention.ops.parallax.naive import visibility_mask
+from attention.ops.common import visibility_mask
 
 
 def relmm(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from attention.ops.common import check_impl
 from attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = ("auto", "reference", "triton")
 
 
 def _kernels():
@@ -33,8 +34,7 @@ def _triton_impl():
 
 def resolve_impl(impl: str, q: torch.Tensor) -> str:
     """The implementation that runs for query ``q`` [B, T, HQ, D] (its device, head dim and dtype)."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for softmax/parallax; choose from {list(IMPLS)}")
+    check_impl(impl, IMPLS, "softmax/parallax")
     if impl == "auto":
         k = _kernels() if q.is_cuda else None
         return "triton" if k is not None and k.supports(q) else "reference"

@@ -13,21 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import document_ids
-
-
-def visibility_mask(
-    B: int, T: int, device, cu_seqlens: torch.Tensor | None = None, window_size: int | None = None
-) -> torch.Tensor:
-    """[B, 1, T, T] bool: key j is visible from query i (causal, same document, inside the window)."""
-    i = torch.arange(T, device=device)
-    mask = (i[:, None] >= i[None, :])[None, None]  # [1, 1, T, T]
-    if window_size is not None and window_size > 0:
-        mask = mask & ((i[:, None] - i[None, :]) < window_size)[None, None]
-    if cu_seqlens is not None:
-        doc = document_ids(cu_seqlens, B, T)  # [B, T]
-        mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
-    return mask
+from attention.ops.common import visibility_mask
 
 
 def naive_parallax(

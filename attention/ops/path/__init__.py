@@ -14,15 +14,15 @@ from typing import Optional
 
 import torch
 
-from attention.linear_common import fla_importable, log_once
+from attention.ops.common import check_impl, fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn
 
-IMPLS = ("auto", "reference", "recurrent", "chunk", "fla")
+IMPLS = ("auto", "reference", "chunk", "fla")
 FLA_DIMS = (32, 64, 128)
 """Head dims given to fla's PaTH kernels. 16 is left out: fla 0.6.0's ``parallel_path_attn`` hit an illegal memory
-access at D=16 (T=40, packed or not, eager) on an H100 with Triton 3.6, while D=64 ran (session 5)."""
+access at D=16 (T=40, packed or not, eager) on an H100 with Triton 3.6, while D=64 ran."""
 
 __all__ = ["path_attention", "naive_path_attn", "chunk_path_attn", "householder_update_", "IMPLS"]
 
@@ -30,10 +30,7 @@ Tensor = torch.Tensor
 
 
 def resolve_impl(impl: str, device: torch.device, head_dim: int) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention.impl={impl!r} is not valid for path; choose from {list(IMPLS)}")
-    if impl == "recurrent":
-        return "reference"
+    check_impl(impl, IMPLS, "path")
     if impl in ("auto", "fla"):
         if device.type != "cuda":
             ok, why = False, "not a CUDA device"
@@ -97,7 +94,7 @@ _fla_path_op = opaque_op("fla_path", _fla_path_eager, fake_attention_out)
 
 @torch.no_grad()
 def householder_update_(k_cache: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, n: int) -> None:
-    """Decode step: cached keys k_i <- M_t k_i = k_i − β_t (k_i·ν_t) ν_t for i < n (spec §13, in place).
+    """Decode step: cached keys k_i <- M_t k_i = k_i − β_t (k_i·ν_t) ν_t for i < n (in place).
 
     k_cache: [B, L, H, D]; w: [B, H, D] (ν_t); beta: [B, H]."""
     kc = k_cache[:, :n]

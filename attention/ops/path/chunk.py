@@ -1,4 +1,4 @@
-"""Blockwise PaTH attention in PyTorch (spec §13, tiling algorithm (34) with one local inverse per block).
+"""Blockwise PaTH attention in PyTorch (Variants eq. 34, tiling algorithm with one local inverse per block).
 
 Per block J of m tokens (N_J = ν rows, β_J):
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import document_ids
+from attention.ops.common import document_ids
 from attention.ops.fox.naive import doc_cumsum
 
 

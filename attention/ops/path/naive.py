@@ -1,11 +1,11 @@
 """PaTH attention reference (Yang et al., 2025): softmax attention with a Householder-product position
-encoding (spec ``linear_family_and_cala.md`` §13, eq. (32)/(33)).
+encoding (Variants eqs. 32-33).
 
     A_{t,i} = k_i^T P_{i+1:t} q_t,   P_{i+1:t} = M_{i+1} ··· M_t,   M_j = I − β_j ν_j ν_j^T
     o_t = Σ_{i<=t} softmax_i( scale · (A_{t,i} + c_t − c_i) ) v_i                     (fla's convention)
 
 with ‖ν_j‖ = 1, β_j ∈ (0, 2), and an optional forget gate (``c`` = per-document cumsum of log gates; fla
-scales the gate together with the scores). Computed token by token with the decode form (spec §13): the
+scales the gate together with the scores). Computed token by token with the decode form: the
 cached keys are replaced by ``M_t k_i`` at every step, so at step t the cache holds ``P_{i+1:t}^T k_i``.
 """
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attention.ops.affine import AffineState, affine_attention, affine_step, causal_linear, naive_affine
-from attention.ops.lla import doc_bounds
+from attention.ops.common import doc_bounds
 
 f64 = torch.float64
 MECHS = ["value_avg", "affine_linear", "mesa", "affine_mesa"]

@@ -28,7 +28,7 @@ def make_inputs(B, T, H, K, V, gate, dtype=torch.float64, device="cpu", decay=1.
 
 
 def independent_loop(q, k, v, beta, g, scale, S0=None):
-    """Doc convention (spec §5, §9, §10): S [V, K], S_t = S_{t-1} D_t (I - b k k^T) + b v k^T, o_t = S_t q_t."""
+    """The Variants notes' convention (eqs. 11, 24): S [V, K], S_t = S_{t-1} D_t (I - b k k^T) + b v k^T, o_t = S_t q_t."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.zeros(B, T, H, V, dtype=torch.float64)
@@ -155,10 +155,10 @@ def test_dispatch():
     q, k, v, beta, g = make_inputs(1, 5, 1, 4, 4, "scalar")
     assert select_impl("auto", q, gated=True, needs_grad=True) == "chunk"  # CPU: never fla
     with pytest.raises(ValueError, match="attention.impl"):
-        select_impl("triton", q, gated=True, needs_grad=False)
+        select_impl("flash", q, gated=True, needs_grad=False)
     with pytest.raises(RuntimeError, match="fla"):
         delta_rule(q, k, v, beta, g, impl="fla")
-    o_r, _ = delta_rule(q, k, v, beta, g, impl="recurrent")
+    o_r, _ = delta_rule(q, k, v, beta, g, impl="reference")
     o_c, _ = delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=2)
     torch.testing.assert_close(o_c, o_r, rtol=1e-12, atol=1e-12)
 

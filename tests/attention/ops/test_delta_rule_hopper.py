@@ -8,12 +8,18 @@ bf16 kernel test is a GPU test). GPU (``-m gpu``): the whole fla_hopper path (fl
 backward against the PyTorch chunk path and the recurrent oracle, with packed documents and an initial state.
 """
 
+import functools
+
 import pytest
 import torch
 
 from attention.linear_common import l2norm
-from attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
+from attention.ops.delta_rule import (chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule,
+                                      select_impl)
 from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
+
+
+fla_hopper = functools.partial(delta_rule_op, backend="fla_hopper")  # fla-core with our dqkwg / KDA intra kernels
 
 
 def _chunks(B, T, BT, cu):
@@ -134,8 +140,8 @@ def test_dqkwg_varlen_matches_reference(gated, monkeypatch):
 def test_fla_hopper_dispatch_on_cpu():
     q = torch.randn(1, 5, 1, 4)
     assert select_impl("auto", q, gated=True, needs_grad=True) == "chunk"
-    with pytest.raises(RuntimeError, match="fla_hopper"):
-        delta_rule(q, q, q, q[..., 0].sigmoid(), -q[..., 0].abs(), impl="fla_hopper")
+    with pytest.raises(RuntimeError, match="attention.impl='triton'"):
+        delta_rule(q, q, q, q[..., 0].sigmoid(), -q[..., 0].abs(), impl="triton")
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -176,15 +182,13 @@ def _compare(got, ref, tol, what):
 def test_fla_hopper_matches_chunk_fp32(gate, varlen):
     """Whole path, float32 inputs (fla's dots run in TF32: tolerance 1e-2), with h0 and final-state gradient."""
     pytest.importorskip("fla")
-    from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
-
     B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 203, 4, 64, 64)  # fla's autotune keys: share H, K, V
     cu = torch.tensor([0, 37, 200, 300], dtype=torch.int32, device="cuda") if varlen else None
     N = 3 if varlen else B
     inputs = _make(B, T, H, K, V, gate)
     h0 = torch.randn(N, H, K, V, device="cuda") * 0.1
     do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(N, H, K, V, device="cuda")
-    got = _fwd_bwd(fla_hopper_delta_rule, inputs, h0, do, dht, cu_seqlens=cu)
+    got = _fwd_bwd(fla_hopper, inputs, h0, do, dht, cu_seqlens=cu)
     ref = _fwd_bwd(chunk_delta_rule, [None if t is None else t.double() for t in inputs], h0.double(),
                    do.double(), dht.double(), cu_seqlens=cu)
     _compare(got, ref, 1e-2, f"fla_hopper[{gate}] vs chunk")
@@ -195,13 +199,11 @@ def test_fla_hopper_matches_chunk_fp32(gate, varlen):
 def test_fla_hopper_matches_recurrent_small(gate):
     """Small T against the token-by-token oracle in float64 (independent of the chunked form)."""
     pytest.importorskip("fla")
-    from attention.ops.delta_rule.fla_hopper import fla_hopper_delta_rule
-
     B, T, H, K, V = 1, 77, 4, 64, 64
     inputs = _make(B, T, H, K, V, gate)
     h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
     do, dht = torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda")
-    got = _fwd_bwd(fla_hopper_delta_rule, inputs, h0, do, dht)
+    got = _fwd_bwd(fla_hopper, inputs, h0, do, dht)
     ref = _fwd_bwd(naive_recurrent_delta_rule, [None if t is None else t.double() for t in inputs],
                    h0.double(), do.double(), dht.double())
     _compare(got, ref, 1e-2, f"fla_hopper[{gate}] vs recurrent")
@@ -226,7 +228,7 @@ def test_our_dqkwg_matches_reference_on_gpu(gate):
 @pytest.mark.gpu
 def test_auto_picks_fla_hopper_on_hopper_with_old_triton():
     pytest.importorskip("fla")
-    from attention.linear_common import fla_gated_backward_ok
+    from attention.ops.common import fla_gated_backward_ok
 
     q = torch.randn(1, 8, 1, 16, device="cuda")
     picked = select_impl("auto", q, gated=True, needs_grad=True)

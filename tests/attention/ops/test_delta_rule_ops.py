@@ -123,7 +123,7 @@ def test_gate_lower_bound_only_for_kda_in_range():
     q, k, v, beta, g, _ = _inputs("bounded", 1, 9, 2, 4, 3)
     for lb in (0.0, -6.0):
         with pytest.raises(ValueError, match=r"must be in \[-5, 0\)"):
-            delta_rule(q, k, v, beta, g, impl="recurrent", gate_lower_bound=lb)
+            delta_rule(q, k, v, beta, g, impl="reference", gate_lower_bound=lb)
     o, _ = delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=4, gate_lower_bound=LB)
     torch.testing.assert_close(o, delta_rule(q, k, v, beta, g, impl="chunk", chunk_size=4)[0], rtol=0, atol=0)
 
@@ -412,7 +412,7 @@ def _gpu_backend(gated, impl="auto"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+@pytest.mark.parametrize("impl", ["auto", "triton"])
 def test_gpu_op_matches_chunk_float32(gate, varlen, impl):
     backend = _gpu_backend(gate != "none", impl)
     B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 200, 4, 64, 64)
@@ -438,7 +438,7 @@ def test_gpu_op_matches_chunk_float32(gate, varlen, impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+@pytest.mark.parametrize("impl", ["auto", "triton"])
 def test_gpu_kda_saved_backward_matches_recurrent(varlen, impl, monkeypatch):
     """KDA on fla (compiled kernels): fla's forward runs once, its backward gets the forward's (gk, Aqk, Akk), and
     o, final state and every gradient (dh0 included) match the float64 recurrent oracle (TF32 dots: 1e-2)."""
@@ -466,7 +466,7 @@ def test_gpu_kda_saved_backward_matches_recurrent(varlen, impl, monkeypatch):
 @pytest.mark.parametrize("dtype, tol_o, tol_grad", [(torch.float32, 5e-3, 1e-2), (torch.bfloat16, 2e-2, 5e-2)],
                          ids=["fp32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("impl", ["auto", "fla_hopper"])
+@pytest.mark.parametrize("impl", ["auto", "triton"])
 def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl, monkeypatch):
     """KDA with gate_lower_bound=-5 on fla (safe_gate: tensor-core diagonal blocks) against the float64 chunk path,
     gates from the bounded formula (down to -5), forward and every gradient. Tolerances: float32 those of

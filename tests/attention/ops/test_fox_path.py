@@ -34,7 +34,7 @@ def fox_loop(q, k, v, g, scale):
 
 
 def path_loop(q, k, v, w, beta, g, scale):
-    """Explicit path products P_{i+1:t} = M_{i+1}···M_t (spec eq. 33), logits scale·(A + c_t − c_i)."""
+    """Explicit path products P_{i+1:t} = M_{i+1}···M_t (Variants eq. 33), logits scale·(A + c_t − c_i)."""
     B, T, HQ, D = q.shape
     G = HQ // k.shape[2]
     o = torch.zeros(B, T, HQ, v.shape[-1], dtype=D64)
@@ -143,7 +143,7 @@ def test_bf16_blockwise_close():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["fla", "flex"])
+@pytest.mark.parametrize("impl", ["fla", "triton"])
 def test_fox_gpu_paths(impl):
     if impl == "fla":
         pytest.importorskip("fla")

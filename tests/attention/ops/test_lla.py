@@ -1,11 +1,12 @@
-"""LLA: the float64 reference against the spec's identities, the blockwise PyTorch and Triton paths against
+"""LLA: the float64 reference against the paper's identities, the blockwise PyTorch and Triton paths against
 the reference (forward and every gradient, incl. λ), float64 finite differences (gradcheck), decode."""
 
 import pytest
 import torch
 
 from attention.ops.affine import naive_affine
-from attention.ops.lla import cg_solve, doc_bounds, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
+from attention.ops.common import doc_bounds
+from attention.ops.lla import cg_solve, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
 from attention.ops.lla.chunked import block_stats, lla_fwd_chunked
 from attention.ops.parallax.naive import naive_parallax
 
@@ -84,7 +85,7 @@ def test_max_shift_invariance_only_with_omega_ridge():
 
 
 def test_interpolation_form_softmax_plus_slope():
-    """LLA = softmax + Ŵ(q − k̄) with Ŵ the kernel-weighted ridge slope (spec §2.2 item 6)."""
+    """LLA = softmax + Ŵ(q − k̄) with Ŵ the kernel-weighted ridge slope (the LLA paper's interpolation form)."""
     T, D, lam = 8, 3, 0.2
     q, k, v, _ = inputs(1, T, 1, 1, D)
     o = naive_lla(q, k, v, lam, shift=False)
@@ -146,7 +147,7 @@ def test_chunked_forward_and_gradients_match_reference(B, T, HQ, HKV, D, cu, blo
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go)
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="chunked", cg_iters=3 * D, rtol=0.0, jacobi=jacobi, block=(block, block))
+    out = lla_attention(*ys, cu_seqlens=cu, impl="chunk", cg_iters=3 * D, rtol=0.0, jacobi=jacobi, block=(block, block))
     out.backward(go)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     for a, b in zip(ys, xs):
@@ -157,7 +158,7 @@ def test_gradcheck_chunked_per_token_lambda():
     """Finite differences of the function itself (not the paper's backward): catches the λω term."""
     q, k, v, lam = inputs(1, 7, 2, 1, 3)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunked", cg_iters=12, rtol=0.0,  # noqa: E731
+    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunk", cg_iters=12, rtol=0.0,  # noqa: E731
                                             block=(4, 4))
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v, lam)], eps=1e-6, atol=1e-6)
 
@@ -165,7 +166,7 @@ def test_gradcheck_chunked_per_token_lambda():
 def test_gradcheck_chunked_per_head_lambda_large_logits():
     q, k, v, lam = inputs(1, 6, 2, 2, 3, lam_token=False)
     q = (3 * q).detach()  # far from the max-shift's neutral point
-    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, impl="chunked", cg_iters=12, rtol=0.0, block=(4, 4))  # noqa: E731
+    fn = lambda q, k, v, lam: lla_attention(q, k, v, lam, impl="chunk", cg_iters=12, rtol=0.0, block=(4, 4))  # noqa: E731
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v, lam)], eps=1e-6, atol=1e-6)
 
 
@@ -173,7 +174,7 @@ def test_first_position_has_zero_query_gradient():
     q, k, v, lam = inputs(1, 9, 1, 1, 3)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     q.requires_grad_()
-    lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunked", cg_iters=9, rtol=0.0).sum().backward()
+    lla_attention(q, k, v, lam, cu_seqlens=cu, impl="chunk", cg_iters=9, rtol=0.0).sum().backward()
     assert q.grad[0, 0].abs().max() < 1e-12 and q.grad[0, 4].abs().max() < 1e-12
     assert q.grad[0, 5].abs().max() > 1e-6
 
@@ -181,7 +182,7 @@ def test_first_position_has_zero_query_gradient():
 def test_bf16_inputs_solve_in_fp32():
     q, k, v, lam = inputs(1, 40, 2, 1, 16, dtype=torch.float32)
     ref = naive_lla(q.double(), k.double(), v.double(), lam.double())
-    out = lla_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam, impl="chunked", cg_iters=16)
+    out = lla_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam, impl="chunk", cg_iters=16)
     assert out.dtype == torch.bfloat16
     rel = (out.double() - ref).norm() / ref.norm()
     assert rel < 3e-2, rel
@@ -191,7 +192,7 @@ def test_bf16_inputs_solve_in_fp32():
 def test_decode_equals_full_forward_for_every_prefix(jacobi):
     B, T, HQ, HKV, D = 2, 9, 4, 2, 4
     q, k, v, lam = inputs(B, T, HQ, HKV, D)
-    full = lla_attention(q, k, v, lam, impl="chunked", cg_iters=3, jacobi=jacobi)  # truncated CG: same iterates
+    full = lla_attention(q, k, v, lam, impl="chunk", cg_iters=3, jacobi=jacobi)  # truncated CG: same iterates
     for t in range(T):
         o = lla_decode(q[:, t], k[:, : t + 1], v[:, : t + 1], lam[:, t], cg_iters=3, jacobi=jacobi)
         torch.testing.assert_close(o, full[:, t], rtol=1e-10, atol=1e-10)
@@ -213,7 +214,7 @@ def test_one_forward_per_training_step(compiled, monkeypatch):
     lam = torch.full((4,), 0.5, requires_grad=True)
 
     def f(q, k, v, lam):
-        return lla_attention(q, k, v, lam, cg_iters=40, impl="chunked", block=(8, 8))
+        return lla_attention(q, k, v, lam, cg_iters=40, impl="chunk", block=(8, 8))
 
     fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
     out = fn(q, k, v, lam)
@@ -233,36 +234,10 @@ def test_impl_validation():
         lla_attention(q, k, v, lam, impl="flash")
 
 
-@pytest.mark.parametrize("impl", ["chunked", "reference", "triton"])
-def test_kernel_validation(impl):
-    """kernel is checked on every path (a typo fails on a CPU too, not first on the GPU)."""
-    q, k, v, lam = inputs(1, 4, 1, 1, 2)
-    with pytest.raises(ValueError, match=r"attention\.lla\.kernel='v9'; choose from \['v0', 'v1', 'v2'\]"):
-        lla_attention(q, k, v, lam, impl=impl, kernel="v9")
-
-
-@pytest.mark.parametrize("kernel", ["v0", "v1", "v2"])
-def test_kernel_selects_the_triton_module(kernel, monkeypatch):
-    """lla_attention(kernel=...) runs that version's forward and backward (through attnlab::lla_fwd / lla_bwd)."""
-    import attention.ops.lla.triton as v1
-    import attention.ops.lla.triton_v0 as v0
-    import attention.ops.lla.triton_v2 as v2
-
-    calls = []
-    for name, mod in (("v0", v0), ("v1", v1), ("v2", v2)):
-        for fn in ("lla_fwd_triton", "lla_bwd_triton"):
-            real = getattr(mod, fn)
-            monkeypatch.setattr(mod, fn, lambda *a, _r=real, _c=(name, fn): (calls.append(_c), _r(*a))[1])
-    q, k, v, lam = (t.float().requires_grad_() for t in inputs(1, 5, 2, 1, 4))
-    lla_attention(q, k, v, lam, impl="triton", cg_iters=2, block=(16, 16), kernel=kernel).sum().backward()
-    assert calls == [(kernel, "lla_fwd_triton"), (kernel, "lla_bwd_triton")]
-
-
 # ----- Triton (interpreter on CPU; tiny shapes) -----
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("jacobi", [False, True])
-def test_triton_matches_float64_reference_varlen_gqa(jacobi, kernel):
+def test_triton_matches_float64_reference_varlen_gqa(jacobi):
     B, T, HQ, HKV, D = 1, 21, 2, 1, 6  # D padded to 16, T not a multiple of the tile, 3 unequal documents
     cu = torch.tensor([0, 5, 16, 21], dtype=torch.int32)
     q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
@@ -271,8 +246,7 @@ def test_triton_matches_float64_reference_varlen_gqa(jacobi, kernel):
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 2, rtol=0.0, jacobi=jacobi, block=(16, 16),
-                        kernel=kernel)
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 2, rtol=0.0, jacobi=jacobi, block=(16, 16))
     out.backward(go)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=2e-4, atol=2e-4)
@@ -282,32 +256,31 @@ def test_triton_matches_float64_reference_varlen_gqa(jacobi, kernel):
         assert err < 1e-3, (name, err.item())
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
-def test_triton_truncated_cg_matches_chunked(kernel):
+def test_triton_truncated_cg_matches_chunked():
     """Same number of CG iterations (4 < D): the Triton and PyTorch paths run the same iterates."""
     q, k, v, lam = inputs(2, 18, 2, 2, 8, dtype=torch.float32)
     lam = lam + 1.0  # well-conditioned: truncated CG on nearly rank-deficient Σ amplifies rounding through 1/δ
-    a = lla_attention(q, k, v, lam, impl="triton", cg_iters=4, block=(16, 16), kernel=kernel)
-    b = lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunked", cg_iters=4, block=(16, 16))
+    a = lla_attention(q, k, v, lam, impl="triton", cg_iters=4, block=(16, 16))
+    b = lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunk", cg_iters=4, block=(16, 16))
     # rows that converge exactly at the last iteration are rounding-sensitive (fp32 vs fp64 differ by ~1e-3)
     torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-3)
-    assert (a.double() - lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunked",
+    assert (a.double() - lla_attention(q.double(), k.double(), v.double(), lam.double(), impl="chunk",
                                        cg_iters=1)).abs().max() > 1e-2  # the iteration count matters
 
 
 @pytest.mark.parametrize("T, D", [(18, 8), (32, 16)])
 @pytest.mark.parametrize("cg_iters", [0, 1, 3])
-def test_triton_v2_few_iterations_match_chunked(cg_iters, T, D):
-    """v2 forms x once, in the last CG step, from the direction history (x = Σ α_j p_j); 0 steps (x = 0), 1 step
+def test_triton_few_iterations_match_chunked(cg_iters, T, D):
+    """The kernels form x once, in the last CG step, from the direction history (x = Σ α_j p_j); 0 steps (x = 0), 1 step
     (nothing summed from the history) and 3 match the chunked path's iterates, forward and gradients. T = 32, D = 16
     at 16-row tiles runs the steps' unmasked state tiles (EVEN), T = 18 the masked ones."""
     q, k, v, lam = inputs(1, T, 2, 1, D, dtype=torch.float32)
     lam = lam + 1.0
     go = torch.randn(1, T, 2, D)
     res = []
-    for impl, dt in (("triton", torch.float32), ("chunked", f64)):
+    for impl, dt in (("triton", torch.float32), ("chunk", f64)):
         xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v, lam)]
-        o = lla_attention(*xs, impl=impl, cg_iters=cg_iters, rtol=0.0, block=(16, 16), kernel="v2")
+        o = lla_attention(*xs, impl=impl, cg_iters=cg_iters, rtol=0.0, block=(16, 16))
         o.backward(go.to(dt))
         res.append([o.double()] + [x.grad.double() for x in xs])
     for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
@@ -315,18 +288,12 @@ def test_triton_v2_few_iterations_match_chunked(cg_iters, T, D):
         assert (a - b).abs().max() <= 1e-3 * max(b.abs().max(), 1e-6), (name, cg_iters)  # ρ = 0 at 0 steps: dλ = 0
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, kernel, monkeypatch):
-    """v1 splits each query tile's key range into masked head / unmasked body / masked diagonal (and the kv
-    kernel masks only where needed): T = 37 with 16-tiles and a document starting at 3 exercises all three.
+def test_triton_split_key_loops_and_low_precision_operands(dtype):
+    """The kernels split each query tile's key range into masked head / unmasked body / masked diagonal (and the
+    kv kernel masks only where needed): T = 37 with 16-tiles and a document starting at 3 exercises all three.
     fp16 inputs run the low-precision-operand path (bf16 on GPU; the CPU interpreter mis-reads bf16 loads as
-    fp16, so bf16 itself can only be tested on a GPU) against float64 on the same rounded inputs.
-    v1: the fp32 case runs CG with x, r in global scratch (triton.SCRATCH), the fp16 case in registers. v2 (one
-    launch per CG step, the same tile helpers) keeps its CG state in global memory in both."""
-    import attention.ops.lla.triton as v1
-
-    monkeypatch.setattr(v1, "SCRATCH", dtype == torch.float32)
+    fp16, so bf16 itself can only be tested on a GPU) against float64 on the same rounded inputs."""
     B, T, HQ, HKV, D = 1, 37, 2, 1, 16
     cu = torch.tensor([0, 3, 37], dtype=torch.int32)
     q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
@@ -338,7 +305,7 @@ def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, kernel, mon
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=(16, 16), kernel=kernel)
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=(16, 16))
     out.backward(go.to(dtype))
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16 measured: o 2e-3, grads 2e-3 .. 1e-2 (dλ)
     for name, a, b in [("o", out, ref)] + [(n, y.grad, x.grad) for n, y, x in zip("qkvλ", ys, xs)]:
@@ -348,10 +315,10 @@ def test_triton_v1_split_key_loops_and_low_precision_operands(dtype, kernel, mon
 
 
 @pytest.mark.parametrize("block", [(64, 64), pytest.param((64, 32), marks=pytest.mark.slow)])
-def test_triton_v1_gpu_tiles_fp32_match_reference(block):
-    """v1 at the GPU tiles (64-row query tiles) in fp32: T = 150 spans 3 query tiles, document boundaries
+def test_triton_gpu_tiles_fp32_match_reference(block):
+    """The kernels at the GPU tiles (64-row query tiles) in fp32: T = 150 spans 3 query tiles, document boundaries
     (37, 100) fall inside tiles, GQA 2:1. Shows the split key loops / tile order / doc bounds are exact at
-    these tiles (the GPU bf16 errors of v1 are precision, see attention.lla.LLAOptions.kernel)."""
+    these tiles (the GPU's bf16 errors are precision: test_triton_gpu_matches_chunked)."""
     B, T, HQ, HKV, D = 1, 150, 2, 1, 16
     cu = torch.tensor([0, 37, 100, 150], dtype=torch.int32)
     q, k, v, lam = inputs(B, T, HQ, HKV, D, dtype=torch.float32)
@@ -362,7 +329,7 @@ def test_triton_v1_gpu_tiles_fp32_match_reference(block):
     ref = naive_lla(*xs, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v, lam)]
-    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=block, kernel="v1")
+    out = lla_attention(*ys, cu_seqlens=cu, impl="triton", cg_iters=D + 4, rtol=0.0, block=block)
     out.backward(go)
     for name, a, b in [("o", out, ref)] + [(n, y.grad, x.grad) for n, y, x in zip("qkvλ", ys, xs)]:
         assert torch.isfinite(a).all(), name
@@ -378,7 +345,7 @@ def test_triton_larger_tiles_mixed_blocks():
     lam = lam + 0.5
     go = torch.randn(B, T, HQ, D)
     res = []
-    for impl, dt, blk in (("triton", torch.float32, (16, 32)), ("chunked", f64, (16, 16))):
+    for impl, dt, blk in (("triton", torch.float32, (16, 32)), ("chunk", f64, (16, 16))):
         xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v, lam)]
         o = lla_attention(*xs, cu_seqlens=cu, impl=impl, cg_iters=40, rtol=0.0, block=blk)
         o.backward(go.to(dt))
@@ -396,7 +363,7 @@ def _tf32(x):
 
 
 def _emulate_tf32_chunked(monkeypatch):
-    """Make the chunked path round every matmul operand to TF32 (scores, moments, Σ·p, z·ρ), like Triton v0."""
+    """Make the chunked path round every matmul operand to TF32 (scores, moments, Σ·p, z·ρ), like ``tl.dot`` on fp32 tiles on a GPU."""
     import attention.ops.lla.chunked as ch
 
     def relmm(x, q, k):
@@ -428,7 +395,7 @@ def _rel_errs(a, b):
 
 
 def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkeypatch):
-    """Why the GPU tests run at λ = 1 (spec §5: ρ_i solves Σ_i ρ = μ_i with ridge λω_i by a fixed number of CG
+    """Why the GPU tests run at λ = 1 (ρ_i solves Σ_i ρ = μ_i with ridge λω_i by a fixed number of CG
     iterations). With a small ridge (λ = 0.1) and few iterations (8 < D = 64) CG is truncated on
     ill-conditioned systems (rows < 2D of each document see fewer keys than 2D), and truncated CG is not a
     stable function of the arithmetic: the SAME chunked code on the SAME inputs in fp32 vs float64 differs by
@@ -446,7 +413,7 @@ def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkey
 
     def errs(lam, cg_iters, exact=False):
         lam = torch.full((HQ,), lam, dtype=f64)
-        kw = dict(cu_seqlens=cu, impl="chunked", cg_iters=cg_iters)
+        kw = dict(cu_seqlens=cu, impl="chunk", cg_iters=cg_iters)
         ref = _fwd_bwd(q, k, v, lam, go, f64, **kw)
         fp32 = _rel_errs(_fwd_bwd(q, k, v, lam, go, torch.float32, **kw), ref)
         with monkeypatch.context() as m:
@@ -463,14 +430,14 @@ def test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged(monkey
     assert fp32_bad["o"] < 0.1 and max(fp32_bad.values()) > 0.1, fp32_bad
 
 
-@pytest.mark.parametrize("impl", ["chunked", "triton"])
+@pytest.mark.parametrize("impl", ["chunk", "triton"])
 def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
-    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (spec §3.5), but
-    CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes
-    ω − μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range.
-    CG now solves against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by
-    construction. Measured here with the q-centred solve: δ ≤ 0 on 17 of 192 rows, max |o| 198 (chunked) /
-    288 (Triton) against 5.75 exact; centred: δ > 0, max |o| 7.8 / 7.9 (16 iterations are not converged)."""
+    """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (Σ_i is positive
+    definite), but CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes ω −
+    μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range. CG now solves
+    against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by construction. Measured
+    here with the q-centred solve: δ ≤ 0 on 17 of 192 rows, max |o| 198 (chunked) / 288 (Triton) against 5.75 exact;
+    centred: δ > 0, max |o| 7.8 / 7.9 (16 iterations are not converged)."""
     gen = torch.Generator().manual_seed(0)
     B, T, HQ, HKV, D = 1, 96, 2, 1, 64
     cu = torch.tensor([0, 1, 3, 9, 40, 96], dtype=torch.int32)
@@ -480,27 +447,26 @@ def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
     lam = torch.full((B, T, HQ), 0.01)
     exact = naive_lla(q.double(), k.double(), v.double(), lam.double(), cu_seqlens=cu)
     ds, _ = doc_bounds(cu, B, T, "cpu")
-    if impl == "chunked":
+    if impl == "chunk":
         o, _, delta = lla_fwd_chunked(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1),
                                       v.transpose(1, 2).repeat_interleave(2, 1), lam.permute(0, 2, 1), ds,
                                       D**-0.5, 16, False, True, 1e-6, 32)
     else:
-        from attention.ops.lla.triton_v0 import lla_fwd_triton
-        _, o, _, delta, _, _ = lla_fwd_triton(q, k, v, lam, ds, D**-0.5, 16, False, 1e-6, 32, 32)
+        from attention.ops.lla.kernels import lla_fwd_triton
+        o, _, _, delta, _, _ = lla_fwd_triton(q, k, v, lam, ds, D**-0.5, 16, False, 1e-6, 32, 32)
     assert torch.isfinite(o).all() and (delta > 0).all(), int((delta <= 0).sum())
     assert o.abs().max() < 3 * exact.abs().max(), (o.abs().max().item(), exact.abs().max().item())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v2", "v0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128])
-def test_triton_gpu_matches_chunked(D, dtype, variant):
+def test_triton_gpu_matches_chunked(D, dtype):
     """GQA + varlen at T = 1000 against the float64 chunked path on the same (rounded) inputs, with the same
     16 CG iterations, in the well-conditioned regime λ = 1 (converged solve; see
     test_conditioning_truncated_cg_is_rounding_sensitive_unless_converged: at λ = 0.1, D = 128 the chunked
     path itself moves by 0.3 (o) / 2 (dλ) under TF32 rounding, so that comparison is ill-posed).
-    Budgets below; H100 errors in attention.lla.LLAOptions.kernel."""
+    Budgets below."""
     B, T, HQ, HKV = 2, 1000, 8, 4
     dev = "cuda"
     q = torch.randn(B, T, HQ, D, device=dev)
@@ -512,26 +478,23 @@ def test_triton_gpu_matches_chunked(D, dtype, variant):
     cu = torch.tensor([0, 300, 1000, 1013, 2000], dtype=torch.int32, device=dev)
     go = torch.randn(B, T, HQ, D, device=dev)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    # v1/v2 pinned (no autotuning inside the test); fp32 at D = 128 needs the 32-row tile (64 rows: 256 KiB of shared
-    # memory in the dq kernel, over the H100's 227 KiB)
-    block = ((32, 64) if dtype == torch.float32 and D == 128 else (64, 64)) if variant != "v0" else None
+    # tiles pinned (no autotuning inside the test); fp32 at D = 128 takes 32-row tiles (shared memory)
+    block = (32, 64) if dtype == torch.float32 and D == 128 else (64, 64)
     res = []
-    for impl, dt in (("triton", dtype), ("chunked", f64)):
+    for impl, dt in (("triton", dtype), ("chunk", f64)):
         xs = [t.to(dt).clone().requires_grad_() for t in (q, k, v)] + [lam.to(dt).clone().requires_grad_()]
-        o = lla_attention(*xs, cu_seqlens=cu, impl=impl, cg_iters=16, block=block if impl == "triton" else None,
-                          kernel=variant)
+        o = lla_attention(*xs, cu_seqlens=cu, impl=impl, cg_iters=16, block=block if impl == "triton" else None)
         o.backward(go.to(dt))
         res.append([o.double()] + [x.grad.double() for x in xs])
     errs = {}
     for name, a, b in zip(["o", "dq", "dk", "dv", "dλ"], *res):
         assert torch.isfinite(a).all(), name
         errs[name] = ((a - b).norm() / b.norm()).item()
-    print(variant, dtype, D, {n: f"{e:.2e}" for n, e in errs.items()})
+    print(dtype, D, {n: f"{e:.2e}" for n, e in errs.items()})
     # bf16: the budgets of the Triton attention kernels (test_parallax_kernels.BUDGET: forward 2e-2, gradients
-    # 4e-2), dλ (a sum over every token of a head) 5e-2. H100, D = 128 (session 8): v1 o 6.4e-3, dk 2.2e-2,
-    # dλ 2.9e-2; v0 o 5.6e-3, dk 6.6e-3, dλ 2.3e-2. fp32 inputs go through TF32 dots (10-bit mantissa) while bf16
-    # inputs are exact in bf16 dots, so fp32 can be the less accurate of the two against the float64 reference on
-    # the same inputs: v0 D = 128 o 5.8e-3, dq 1.6e-2, dλ 3.7e-2 (v1, 32-row tiles: o 1.5e-3, dλ 1.3e-2).
+    # 4e-2), dλ (a sum over every token of a head) 5e-2. fp32 inputs go through TF32 dots (10-bit mantissa) while
+    # bf16 inputs are exact in bf16 dots, so fp32 can be the less accurate of the two against the float64
+    # reference on the same inputs.
     tol = {"o": 2e-2, "dλ": 5e-2} if dtype == torch.bfloat16 else {"o": 2e-2, "dλ": 1e-1}
     grad_tol = 4e-2 if dtype == torch.bfloat16 else 2e-2
     for name, rel in errs.items():
@@ -539,14 +502,13 @@ def test_triton_gpu_matches_chunked(D, dtype, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("precise", [False, True])
-def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, kernel, monkeypatch):
-    """v1 and v2 in bf16: o_1 = v_1 in each document (scores sum to 1 exactly by construction of δ), finite grads,
+def test_triton_gpu_bf16_first_positions_and_rows_sum(precise, monkeypatch):
+    """bf16 (and PRECISE: fp32 score products): o_1 = v_1 in each document (scores sum to 1 exactly by construction of δ), finite grads,
     and agreement with the float64 reference on a short T with λ = 1 (well-conditioned)."""
-    import attention.ops.lla.triton as v1
+    from attention.ops.lla.kernels import common
 
-    monkeypatch.setattr(v1, "PRECISE", precise)
+    monkeypatch.setattr(common, "PRECISE", precise)
     B, T, HQ, HKV, D = 1, 300, 4, 2, 128
     dev = "cuda"
     cu = torch.tensor([0, 7, 150, 300], dtype=torch.int32, device=dev)
@@ -560,8 +522,7 @@ def test_triton_gpu_v1_bf16_first_positions_and_rows_sum(precise, kernel, monkey
     ref = naive_lla(*xs, 1.0, cu_seqlens=cu)
     ref.backward(go.double())
     ys = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = lla_attention(*ys, 1.0, cu_seqlens=cu, impl="triton", cg_iters=16, block=(64, 64),  # kernels shared
-                      kernel=kernel)
+    o = lla_attention(*ys, 1.0, cu_seqlens=cu, impl="triton", cg_iters=16, block=(64, 64))
     o.backward(go.bfloat16())
     for s in (0, 7, 150):
         torch.testing.assert_close(o[0, s].float(), v[0, s].float().repeat_interleave(2, 0), rtol=2e-2, atol=2e-2)
@@ -583,7 +544,7 @@ def test_triton_gpu_memory_is_linear_in_T():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        lla_attention(q, k, v, 0.1, cg_iters=16, impl="triton").sum().backward()  # the default kernel
+        lla_attention(q, k, v, 0.1, cg_iters=16, impl="triton").sum().backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < 2.5 * peaks[0], peaks

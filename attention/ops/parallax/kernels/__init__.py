@@ -1,8 +1,8 @@
 """Triton kernels for causal softmax and Parallax attention: training forward/backward and decode.
 
 One streaming kernel family (FlashAttention-2 style, online softmax in exp2, Dao 2023) with a constexpr
-probe branch: with ``r`` it computes Parallax (two extra accumulators d2, O2 on the same K/V tiles, spec
-``parallax.md`` §1), without it the same source compiles to plain softmax attention. GQA without repeated
+probe branch: with ``r`` it computes Parallax (two extra accumulators d2, O2 on the same K/V tiles, Parallax
+paper eq. 14), without it the same source compiles to plain softmax attention. GQA without repeated
 K/V, packed documents (fla's ``cu_seqlens``), sliding windows, head dims 16–256 (powers of two), any T.
 
 - :func:`parallax_triton`: training op with autograd (custom ops ``parallax_kernels::fwd``/``bwd`` where

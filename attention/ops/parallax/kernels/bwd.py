@@ -1,4 +1,4 @@
-"""Backward kernels (spec ``parallax.md`` §2, Appendix D eqs. 36–41), FlashAttention-2 style two passes.
+"""Backward kernels (Parallax paper Appendix D, eqs. 36–41), FlashAttention-2 style two passes.
 
     τ_i = dO_i·o_i ,  β_i = dO_i·v̄_i ,  a_ij = dO_i·v_j ,  δ_ij = a_ij − β_i                  (36)
     g1_ij = p_ij [a_ij − τ_i + (t̄_i − t_ij) δ_ij] ,  g2_ij = −p_ij δ_ij                      (37)
@@ -135,10 +135,8 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, desc_q, desc_r,
     """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
     per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF.
 
-    EARLY (probe, D ≥ 128): K·Rᵀ and V·dOᵀ are issued right after K·Qᵀ, before the exponentials. H100, session 17,
-    kernel alone, T=4096 B4 16/8 heads bf16, ms, late -> early at D=128: (BN, BM, warps, stages) (64, 32, 4, 2) 1.928
-    -> 1.877, (64, 64, 4, 2) 3.717 -> 2.986, (64, 64, 4, 3) 3.823 -> 3.585, (128, 64, 8, 3) 2.947 -> 2.967; at D=64
-    mixed ((64, 64, 4, 2) 1.062 -> 1.104, (64, 32, 4, 2) 1.278 -> 1.267), so D=64 keeps the late issue."""
+    EARLY (probe, D ≥ 128): K·Rᵀ and V·dOᵀ are issued right after K·Qᵀ, before the exponentials, which they
+    overlap; it paid at D = 128 and not at D = 64, which keeps the late issue."""
     EARLY: tl.constexpr = D >= 128
     o_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):

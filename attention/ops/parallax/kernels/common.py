@@ -9,7 +9,7 @@ Masking is paid only where it is needed. A query tile [m0, m0+BM) of one documen
 
 free_hi = m0 (the first row's causal limit, needs BM % BN == 0) and free_lo is computed from the LAST row of
 the tile (m0 + BM - 1 - W + 1 = m0 + BM - W): computing it from the first row would skip the window mask on
-rows that need it (spec ``parallax.md`` §7). When free_lo >= free_hi, C alone covers [start, end).
+rows that need it (docs/kernels.md, "Softmax and Parallax"). When free_lo >= free_hi, C alone covers [start, end).
 The column pass mirrors this over query blocks for a key tile.
 """
 
@@ -99,8 +99,8 @@ def _configs(spec, names):
 
 
 # (BM, BN, warps, stages). Kept small: autotuning compiles every entry once per key (no T in the key).
-# The short lists hold the winners of the wide sweep below on an H200 (torch 2.11, Triton 3.6; T=4096, 16/8 heads,
-# D=64/128, probe and softmax) plus one neighbour; see benchmarks/RESULTS.md "Attention kernels".
+# The short lists hold the winners of the wide sweep below (``PARALLAX_WIDE_TUNE=1``; T=4096, 16/8 heads, D=64/128,
+# probe and softmax) plus one neighbour.
 FWD_SPECS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3, 1, 1),
              (128, 128, 8, 3, 1, 1)]
 # The 8-warp entries (64, 64, 8, 2) of DQ_SPECS and (64, 32, 8, 2) of DKV_SPECS are the low-spill candidates of the
@@ -109,33 +109,16 @@ DQ_SPECS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 2), (12
             (64, 64, 4, 2, 1, 0)]
 DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
              (64, 64, 4, 2, 1, 0), (64, 32, 4, 3)]  # (BN, BM, ...)
-# Candidates against the backward's register spills (issue 8: on an H100 at D=128 with a probe, the dkv pick
-# (64, 64, 4, 3) spilled 6.8M local-memory requests and dq 1.2M). Offline ptxas of Triton 3.9 (sm_90a; probe,
-# D=128; `scripts/profile_attention.py --spills`), bytes of spill stores of the dkv kernel as it is now (int32
-# tile offsets, reordered probe terms; it was 5280 at (64, 64, 4, 3) before): (64, 64, 4, 3) 2256 |
-# (128, 32, 8, 2) 1152 | (64, 64, 8, 2) 1124 | (64, 32, 8, 2) 536 | (64, 32, 4, 2) 468 | (32, 32, 4, 2) 8.
-# Re-counted in session 17 (same tool, launch specialisation applied by scripts/sm90.py), before -> after the column
-# pass's EARLY products: (64, 64, 4, 3) 1416 -> 1968 | (64, 64, 4, 2) 1480 -> 1328 | (64, 32, 4, 2) 192 -> 180 |
-# (128, 64, 8, 3) 1356 -> 1228 | (64, 32, 8, 2) 108 -> 108 | (64, 64, 8, 2) 308 -> 388 | (32, 32, 4, 2) 0 -> 0.
-# dq: (64, 64, 4, 3) 2232 | (64, 32, 4, 2) 1884 | (64, 64, 8, 2) 300 | (64, 32, 8, 2) 248. 8 warps halve the
-# per-thread share of the two [BM|BN, D] fp32 accumulators; BM = 32 halves every score tile.
-# `scripts/bench_attention.py --tune-report` times each alone (fwd, dq, dkv) to re-pick the short lists.
-# Forward entries may add (kv_tma, ws): K/V tiles of the mask-free key blocks by TMA (device-side descriptors) and
-# a warp-specialised loop. On an H100 (session 7 tune report, T=4096, kernel alone) both together took D=128 from
-# 1.160 to 1.110 ms (Parallax) and from 0.701 to 0.673 ms (softmax, BN=128); at D=64 the plain tiles stayed faster.
-# Warp specialisation does not compile at 4 warps (Triton 3.6: "PassManager::run failed"). `prune_fwd` keeps the
-# TMA/WS entries at D >= 128 and sm_90+ only, and on sm_90 drops the plain twin of a TMA + WS entry (its docstring);
-# `test_gpu_every_fwd_candidate` passed at D=64 and D=128 (H100, session 8).
-# Backward entries may add (tma, 0): the row pass's K/V tiles, or the column pass's Q/ρ/dO tiles, of the mask-free
-# blocks by TMA. H100, session 21 tune report (`--tune-variants`, T=4096, kernel alone, D=128, two runs, ms): Parallax
-# dq (128, 64, 8, 3) 1.238 / 1.215 -> 1.206 / 1.194, softmax dkv (64, 64, 4, 2) 1.068 / 1.038 -> 1.005 / 0.989; at
-# the other picks no gain (Parallax dkv (64, 32, 4, 2) 1.711 / 1.706 -> 1.737 / 1.740, softmax dq 0.735 / 0.725 ->
-# 0.748 / 0.714). A warp-specialised backward loop gained at most 1 % at 8 warps (dq (128, 64, 8, 3) 1.232 / 1.210,
-# dkv (128, 64, 8, 3) 2.900 / 2.881 against 2.927 / 2.885 plain) and does not compile at the 4-warp picks, so the
-# backward kernels have no WS. Pruned like the forward's: D >= 128 and sm_90+ only. The wide lists with TMA twins
-# (same machine, `PARALLAX_WIDE_TUNE=1`, two runs) added the two fastest tiles outside the short lists: Parallax dq
-# (64, 64, 4, 2, TMA) 1.147 / 1.136 (pick (128, 64, 8, 3) 1.243 / 1.214, its twin 1.210 / 1.208; plain (64, 64, 4, 2)
-# 1.200 / 1.202) and Parallax dkv (64, 32, 4, 3) 1.711 / 1.670 (pick (64, 32, 4, 2) 1.770 / 1.712).
+# The 8-warp and BM = 32 entries are candidates against the backward's register spills at D = 128 with a probe:
+# 8 warps halve each thread's share of the two [BM|BN, D] fp32 accumulators, BM = 32 halves every score tile
+# (offline counts: ``scripts/profile_attention.py --spills``; ``scripts/bench_attention.py --tune-report`` times each
+# kernel alone to re-pick the lists).
+# Forward entries may add (kv_tma, ws): K/V tiles of the mask-free key blocks by TMA (device-side descriptors) and a
+# warp-specialised loop; they paid at D = 128 only. Warp specialisation does not compile at 4 warps (Triton 3.6).
+# ``prune_fwd`` keeps the TMA/WS entries at D >= 128 and sm_90+ only, and on sm_90 drops the plain twin of a TMA + WS
+# entry (its docstring). Backward entries may add (tma, 0): the row pass's K/V tiles, or the column pass's Q/ρ/dO
+# tiles, of the mask-free blocks by TMA, pruned like the forward's; a warp-specialised backward loop gained too
+# little at 8 warps and does not compile at the 4-warp picks, so the backward kernels have no WS.
 TUNE_EXTRA_FWD = [(64, 64, 8, 3), (128, 32, 8, 3)]
 TUNE_EXTRA_DQ = [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)]
 TUNE_EXTRA_DKV = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]
@@ -189,11 +172,9 @@ def prune_fwd(configs, named_args, capability: tuple[int, int] | None = None, **
     TMA / warp-specialised variants below D = 128, where the plain tiles measured faster (one compile fewer each).
 
     ``capability`` (default: the current CUDA device's, None without one): below sm_90 the TMA / warp-specialised
-    variants go (no TMA hardware). On sm_90 a plain tile goes when its TMA + warp-specialised twin is kept: on
-    H100s the twin of the Parallax D=128 forward tile was faster in 9 of 10 paired timings and 0.5 % slower in one
-    (sessions 8, 12, 18, 19; ms: 1.110 vs 1.160, 1.049 vs 1.099, 1.076 / 1.077 vs 1.098 / 1.101, 1.040 / 1.108 /
-    1.080 / 1.109 vs 1.114 / 1.152 / 1.114 / 1.134, 1.056 / 1.112 vs 1.066 / 1.107), while the autotuner, timing
-    both at the first call, picked the plain one in about half of the runs."""
+    variants go (no TMA hardware). On sm_90 a plain tile goes when its TMA + warp-specialised twin is kept: the
+    twin of the Parallax D=128 forward tile was the faster in nearly every paired timing on H100s, while the
+    autotuner, timing both at the first call, picked the plain one about half of the time (timing noise)."""
     D, probe = kwargs.get("D", named_args.get("D")), kwargs.get("HAS_PROBE", named_args.get("HAS_PROBE"))
     capability = _capability() if capability is None else capability
     out = []

@@ -1,4 +1,4 @@
-"""Decode kernel: a few new query tokens against a fixed-shape KV cache (spec ``parallax.md`` §3).
+"""Decode kernel: a few new query tokens against a fixed-shape KV cache (docs/kernels.md, "Softmax and Parallax").
 
 Only K and V are cached; ρ comes with the new tokens. One program per (KV split, batch row, kv head) stacks
 the G·TQ query rows of the GQA group into one tile (K/V read once per kv head), streams its slice of the cache
@@ -7,11 +7,12 @@ and writes the partials (m, d1, d2, O1, O2) in fp32, which are then merged:
     M = max_s m_s ; w_s = 2^(m_s − M) ; d1 = Σ w_s d1_s ; d2 = Σ w_s d2_s ; O1 = Σ w_s O1_s ; O2 = Σ w_s O2_s
     o = O1/d1 · (1 + d2/d1) − O2/d1
 
-Fused merge (one launch; measured slower than two launches at B ≤ 8 on an H100, see ``ops.DECODE_MERGE``): after storing its partials, each program of a (batch row, kv head) bumps
-that row's int32 counter with an acquire-release atomic; the program that sees S − 1 (the last to finish)
-reads every split's partials back from L2, merges them online (the same rescaling as the main loop) and writes
-o, then resets the counter to 0, so the workspace is all zeros between calls (CUDA-graph capturable, no memset
-launch). Two-launch path (``merge="kernel"``, the default): ``_parallax_decode_merge_kernel`` merges after the split kernel.
+Fused merge (one launch; slower than two launches at small batches, see ``ops.DECODE_MERGE``): after storing its
+partials, each program of a (batch row, kv head) bumps that row's int32 counter with an acquire-release atomic; the
+program that sees S − 1 (the last to finish) reads every split's partials back from L2, merges them online (the same
+rescaling as the main loop) and writes o, then resets the counter to 0, so the workspace is all zeros between calls
+(CUDA-graph capturable, no memset launch). Two-launch path (``merge="kernel"``, the default):
+``_parallax_decode_merge_kernel`` merges after the split kernel.
 
 The number of splits depends only on static shapes (batch, heads, cache capacity, SM count), never on the
 per-sequence lengths, so a call is CUDA-graph capturable. With a single split the kernel writes o directly

@@ -1,13 +1,13 @@
 """Streaming forward kernel (FlashAttention-2 style, online softmax in exp2) with an optional probe branch.
 
-Per query tile and q head, over key blocks (spec ``parallax.md`` §1, eq. 14 / Algorithm 1):
+Per query tile and q head, over key blocks (Parallax paper eq. 14 / Algorithm 1):
 
     S1 = Q Kᵀ·scale (masked) ; m = max(m, rowmax S1) ; α = 2^(m_old − m) ; P1 = 2^(S1·log2e − m)
     d1 = α d1 + rowsum P1 ;  O1 = α O1 + P1 V
     probe only:  P2 = P1 ⊙ (R Kᵀ) ;  d2 = α d2 + rowsum P2 ;  O2 = α O2 + P2 V
     o = O1/d1 · (1 + d2/d1) − O2/d1          (plain softmax: o = O1/d1)
 
-Saved for the backward (spec §2): lse = m + log2 d1 (log2 units), t̄ = d2/d1 and v̄ = O1/d1.
+Saved for the backward: lse = m + log2 d1 (log2 units), t̄ = d2/d1 and v̄ = O1/d1.
 GQA reads the kv head ``h // (HQ // HKV)`` directly (no repeated K/V). Packed documents: one program row
 per (document, head); keys never leave the document. Optional constexprs (autotune candidates at D >= 128,
 ``common.FWD_SPECS``): ``TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors,
@@ -30,10 +30,8 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
                qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
                MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr,
                WS: tl.constexpr):
-    """EARLY (not WS): the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials. H100, session 17,
-    kernel alone, T=4096 B4 16/8 heads bf16, ms, late -> early: D=64 (64, 64, 4, 3) 0.657 -> 0.606, (128, 64, 8, 3)
-    0.686 -> 0.666; D=128 (128, 64, 8, 3) 1.089 -> 1.072, (64, 64, 4, 3) 1.277 -> 1.287; the warp-specialised
-    (128, 64, 8, 3, TMA, WS) 1.065 -> 1.072, so it keeps the late issue."""
+    """EARLY (not WS): the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials, which it overlaps;
+    the warp-specialised loop measured no gain from it and keeps the late issue."""
     EARLY: tl.constexpr = not WS
     o_d = tl.arange(0, D)
     for start_n in tl.range(lo, hi, BN, warp_specialize=WS):

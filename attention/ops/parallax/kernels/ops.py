@@ -73,8 +73,7 @@ def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
     num_stages[, TMA, WS]} the bare kernel at that config (scripts/bench_attention.py --tune-report times each
     candidate this way). At a new autotune key the candidates of ``job``, and of the jobs ``follow`` returns, compile
     first in one pool (``compile_candidates``) and the autotuner picks; later launches at the key run its pick on
-    the bare kernel (``FastLaunch``; H100, B4 T1024, host time per launch: 45-81 µs, against 65-115 µs through
-    ``Autotuner.run`` plus 8-10 µs of ``compile_candidates``' key check; benchmarks/RESULTS.md session 23)."""
+    the bare kernel (``FastLaunch``), without ``Autotuner.run``'s and the key check's host time per launch."""
     kernel, grid, args, meta = job
     _tma_allocator()
     if config is None:
@@ -265,8 +264,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Opt
     """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``parallax_kernels::fwd``
     where something must see the op (``torch.compile``; any TorchDispatchMode, e.g. selective activation
     checkpointing's, whose save list names it; fake tensors), else through ``_Eager``, the same kernels and
-    buffers without the op's dispatch layers (H100, B4 T1024: 247-328 µs of host time per fwd+bwd against
-    594-1,130 µs, launches aside; benchmarks/RESULTS.md session 23)."""
+    buffers without the op's dispatch layers (about half the host time per fwd+bwd)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return parallax_fwd(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size)[0]
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
@@ -276,30 +274,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Opt
 # ---------------------------------------------------------------- decode
 DECODE_CFG = {"BN": 64, "num_warps": 4, "num_stages": 3}
 """Decode tile and launch parameters (fixed, not autotuned: a CUDA-graph capture must not benchmark). Picked by
-``scripts/bench_attention.py --sweep`` on an H200 (60 settings × 5 cells, benchmarks/RESULTS.md)."""
+``scripts/bench_attention.py --sweep``."""
 DECODE_CFG_LONG = {"BN": 32, "num_warps": 2, "num_stages": 3}
 """Tile for programs that stream at least LONG_MIN_KEYS cache keys, when the grid has at most
-LONG_MAX_PROGRAMS_PER_SM programs per SM (``decode_cfg``). H100, session 13, CUDA-graph replay, 16/8 heads, D=128,
-Parallax / SDPA per cell over the 16-cell table, mean of 2 runs in one call: worst 1.029 (12 cells above 1.0) with
-DECODE_CFG everywhere -> 1.008 (B1 L32k; B8 L1k 1.003, B128 L4k 1.002, the rest ≤ 1.000) with this rule. BN32 w2
-everywhere was 1.11 at B8 L1k (256 keys per program) and 1.013–1.019 at B128 L4k–L32k (1024 programs), hence both
-limits."""
+LONG_MAX_PROGRAMS_PER_SM programs per SM (``decode_cfg``): long caches on small grids, where the default tile left
+cells slower than SDPA. Both limits are where the smaller tile stopped paying (many keys per program, few
+programs)."""
 LONG_MIN_KEYS = 512
 LONG_MAX_PROGRAMS_PER_SM = 2
 DECODE_CFG_MANY = {"BN": 128, "num_warps": 4, "num_stages": 2}
 """Parallax tile for grids of more than LONG_MAX_PROGRAMS_PER_SM programs per SM whose programs stream at least
 MANY_MIN_KEYS keys (large batches, long caches): one program per SM with two 128-key K/V stages in flight (128 KB
-of shared memory at D=128; used only where the GPU has it, ``_fits``). H100, session 14, CUDA-graph replay, 16/8
-heads, D=128, Parallax / SDPA, DECODE_CFG -> this tile, on two machines (means of 2 and 3 runs;
-``.gpu/exp_decode9.py``, ``exp_decode10.py``): B128 L16k 1.010 -> 0.998 and 1.003 -> 0.991, L32k 1.009 -> 0.995 and
-0.996 -> 0.984; B64 L32k 1.006 -> 1.006 and 0.998 -> 0.996. (128, 8 warps, 3 stages) was 0.996-0.997 on one machine
-and 1.007-1.013 on the other. At 4k keys this tile lost (B128 L4k 0.996 -> 1.001) and at 1k it did not help
-(0.994 -> 0.996); at 8k it paid once (B256 L8k 1.010 -> 1.000, one machine), so 16k, where it paid on both
-machines, is the limit."""
+of shared memory at D=128; used only where the GPU has it, ``_fits``). It paid from 16k keys per program on every
+machine tried, and lost or did not help at 1k-4k."""
 DECODE_CFG_MANY_SOFTMAX = {"BN": 128, "num_warps": 8, "num_stages": 3}
-"""The same for softmax (no probe): 192 KB at D=128. Our softmax / SDPA, DECODE_CFG -> this tile, same runs: B128
-L16k 1.014 -> 0.992 and 1.017 -> 1.000, L32k 1.013 -> 0.992 and 1.038 -> 0.991, B64 L32k 1.110 -> 0.994 and
-1.094 -> 0.975 ((128, 4, 2): 1.002-1.082)."""
+"""The same for softmax (no probe): 192 KB at D=128."""
 MANY_MIN_KEYS = 16384
 
 
@@ -319,22 +308,18 @@ def decode_cfg(keys_per_program: int, programs: int, device: torch.device, D: in
 
 
 MIN_KEYS_PER_SPLIT = 64
-"""Fewest cache keys per split. 64 (was 256) from an H100 sweep (session 12, CUDA-graph replay, 16/8 heads, D=128,
-Parallax, two calls): B1 L1k 8.8 -> 6.5-6.7 µs and worst cell / SDPA over 8 cells 1.40 -> 1.11-1.13; 32 was slower
-(8.6 µs at B1 L1k)."""
+"""Fewest cache keys per split: fewer splits of tiny caches cost more in merging than they save; 32 was slower."""
 WAVES = 1
 DECODE_MERGES = ("fused", "kernel")
 DECODE_MERGE = os.environ.get("PARALLAX_DECODE_MERGE", "kernel")
 """How decode merges its KV splits: "kernel" (a second merge launch; default) or "fused" (the last split program
-of a row merges, one launch). Measured on an H100 (2026-11-22, CUDA-graph replay, 16/8 heads, D=128): fused is
-1.06–1.24× *slower* at B ≤ 8 (B1 L1k 9.9 vs 8.6 µs; the last arriver's serial merge outlasts a launch) and equal
-at B ≥ 32, so it is not the default. Env ``PARALLAX_DECODE_MERGE``; ``parallax_decode_triton(merge=...)``."""
+of a row merges, one launch). Fused is slower at small batches (the last arriver's serial merge outlasts a launch)
+and equal at large ones, so it is not the default. Env ``PARALLAX_DECODE_MERGE``;
+``parallax_decode_triton(merge=...)``."""
 
 MERGE_CFG = {"BD": 64, "num_warps": 1}
-"""The two-launch merge: channels per program (grid rows × D/BD) and warps. (64, 1 warp) replaced (D, 2 warps) after
-an H100 sweep (session 13, CUDA-graph replay, 16/8 heads, D=128, Parallax, µs): B1 L1k 6.5 -> 5.4, L4k 10.6 -> 9.0,
-L16k 30.5 -> 29.1, L32k 54.2 -> 52.8; B8 L1k 12.1 -> 11.7. (16–32 channels at 1 warp were as fast; 2–4 warps were
-slower.) The merge kernel alone at B1 L32k: 2.67 µs, cuDNN's split-KV reduction 2.89."""
+"""The two-launch merge: channels per program (grid rows × D/BD) and warps; narrow, one-warp programs merged
+fastest."""
 
 
 def merge_grid(rows: int, D: int) -> tuple[int, int]:
@@ -345,9 +330,8 @@ def merge_grid(rows: int, D: int) -> tuple[int, int]:
 DECODE_PDL = os.environ.get("PARALLAX_DECODE_PDL", "1") == "1"
 """Two-launch merge with a small merge grid (fewer programs than a quarter of the SMs): launch the merge kernel as
 a programmatic dependent of the split kernel (Hopper and newer; CUDA-graph capturable), which lets it launch as the
-split kernel starts and wait for its partials on the GPU. H100, session 12 (µs, no PDL -> PDL): B1 L1k 6.5 -> 6.3,
-L4k 10.5 -> 10.2, L16k 30.8 -> 30.4, L32k 53.7 -> 53.0; but B8 L1k (128 merge programs) 11.9 -> 13.3, hence the
-grid limit. Triggering at the end of the split kernel instead gained nothing. Env ``PARALLAX_DECODE_PDL``."""
+split kernel starts and wait for its partials on the GPU. It saves a launch gap on small merge grids and cost time
+on larger ones, hence the grid limit. Env ``PARALLAX_DECODE_PDL``."""
 
 
 def _pdl(device: torch.device, merge_programs: int) -> bool:

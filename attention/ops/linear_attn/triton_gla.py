@@ -1,20 +1,21 @@
-"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA is built from (see ``chunk.py``).
+"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA and CALA are built from.
 
     o_t = Σ_{s≤t, same document} b(s,t) (q_t·k_s) v_s,   b(s,t) = exp(g_{s+1} + ... + g_t)
 
-Chunk form (GLA / Lightning / RetNet style, spec hla.md §3.6): with local log-cumsum ℓ of the gates inside a
-chunk of BT tokens, state h_n [K, V] before chunk n,
+Chunk form (GLA / Lightning / RetNet style; docs/kernels.md, "Scalar-gated linear attention"): with local
+log-cumsum ℓ of the gates inside a chunk of BT tokens, state h_n [K, V] before chunk n,
 
     o_c  = diag(β) Q_c h_n + (D ⊙ tril(Q_c K_cᵀ)) V_c,    D_τσ = exp(ℓ_τ − ℓ_σ),  β_τ = exp(ℓ_τ)
     h_n+1 = β_W h_n + (diag(e) K_c)ᵀ V_c,                 e_σ = exp(ℓ_W − ℓ_σ)
 
 Kernels (fla's ``chunk_simple_gla`` layout, written from scratch for this project):
-``_fwd_h`` (sequential over chunks, one program per (K-tile, V-tile, batch·head), stores h_n),
-``_fwd_o`` (parallel over chunks), backward ``_bwd_dh`` (reverse state of the adjoint), ``_bwd_dqk``,
+``_state_kernel`` (sequential over chunks, one program per (K-tile, V-tile, batch·head), stores h_n; with
+REVERSE the adjoint's states dh_n), ``_fwd_o`` (parallel over chunks), backward ``_bwd_dqk``,
 ``_bwd_dv``. States are recomputed in backward, never saved. Packed documents: a document id per token;
 cross-document pairs are masked and carried state is dropped at a document start (chunks may straddle
 documents). The gate gradient uses dG_t = q_t·dq_t − k_t·dk_t, dg = reverse cumsum(dG).
-Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (the decode path uses chunk.py).
+Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (prefill and decode use the PyTorch form,
+``attention.ops.hla.chunk.gla_chunk``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def _ptrs(base, R, C, sr, sc, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
     o_r = r0 + tl.arange(0, BR)
     o_c = c0 + tl.arange(0, BC)
     return base + o_r[:, None] * sr + o_c[None, :] * sc, (o_r[:, None] < R) & (o_c[None, :] < C)
+
+
+@triton.jit
+def _load(base, R, C, sr, sc, r0, c0, BR: tl.constexpr, BC: tl.constexpr):
+    """The [BR, BC] tile at (r0, c0) of an R x C matrix with strides (sr, sc), zero outside it."""
+    p, ok = _ptrs(base, R, C, sr, sc, r0, c0, BR, BC)
+    return tl.load(p, mask=ok, other=0.0)
+
+
+@triton.jit
+def _store(base, R, C, sr, sc, r0, c0, BR: tl.constexpr, BC: tl.constexpr, val):
+    """Store ``val`` (cast to the buffer's dtype) into the [BR, BC] tile at (r0, c0), inside the matrix only."""
+    p, ok = _ptrs(base, R, C, sr, sc, r0, c0, BR, BC)
+    tl.store(p, val.to(p.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -66,22 +81,31 @@ def _chunk_meta(ell, doc, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr, H
 
 
 @triton.jit
-def _fwd_h_kernel(k, v, ell, doc, h, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
+def _state_kernel(x, y, ell, doc, s, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr,
+                  REVERSE: tl.constexpr):
+    """The per-chunk states, sequential over chunks, stored before each chunk is added.
+    Forward (x, y) = (k, v): h[n] = state before chunk n, h[n+1] = β_W(n) h[n] + (diag(e) K_n)ᵀ V_n.
+    REVERSE (x, y) = (q, dO): dh[n] = gradient w.r.t. the state after chunk n, dh[NT-1] = 0,
+    dh[n-1] = β_W(n) dh[n] + (diag(β) Q_n)ᵀ dO_n."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_t in range(NT):
-        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
-        tl.store(p_h[0], b_h.to(p_h[0].dtype.element_ty), mask=p_h[1])
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(NT):
+        if REVERSE:
+            i_t = NT - 1 - i
+        else:
+            i_t = i
+        _store(s + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV, b_s)
         b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
-        p_k = _ptrs(k + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
-        p_v = _ptrs(v + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
-        b_v = tl.load(p_v[0], mask=p_v[1], other=0.0)
-        b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
-        b_h = b_h * tl.where(carry_w, tl.exp(b_lw), 0.0)
-        b_h += tl.dot(b_k, (b_v * b_e[:, None]).to(b_k.dtype), input_precision=PREC)
+        b_x = _load(x + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        b_y = _load(y + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+        if REVERSE:
+            b_w = tl.where(m_carry, tl.exp(b_l), 0.0)
+        else:
+            b_w = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
+        b_s = b_s * tl.where(carry_w, tl.exp(b_lw), 0.0)
+        b_s += tl.dot(b_x, (b_y * b_w[:, None]).to(b_x.dtype), input_precision=PREC)
 
 
 @triton.jit
@@ -92,43 +116,17 @@ def _fwd_o_kernel(q, k, v, ell, doc, h, o, T, NT, H: tl.constexpr, K: tl.constex
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        p_q = _ptrs(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-        p_k = _ptrs(k + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
-        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
-        b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
-        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
-        b_h = tl.load(p_h[0], mask=p_h[1], other=0.0)
+        b_q = _load(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+        b_k = _load(k + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        b_h = _load(h + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=PREC)
         b_A += tl.dot(b_q, b_k, input_precision=PREC)
     b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
     b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
     b_A = b_A * tl.exp(tl.where(pair, b_l[:, None] - b_l[None, :], float("-inf")))
-    p_v = _ptrs(v + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-    b_v = tl.load(p_v[0], mask=p_v[1], other=0.0)
+    b_v = _load(v + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
     b_o = b_o * b_beta[:, None] + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=PREC)
-    p_o = _ptrs(o + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-    tl.store(p_o[0], b_o.to(p_o[0].dtype.element_ty), mask=p_o[1])
-
-
-@triton.jit
-def _bwd_dh_kernel(q, do, ell, doc, dh, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, HAS_DOC: tl.constexpr, PREC: tl.constexpr):
-    """dh[n] = gradient w.r.t. the state after chunk n: dh[NT-1] = 0, dh[n-1] = β_W(n) dh[n] + (diag(β) Q_n)ᵀ dO_n."""
-    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(NT):
-        i_t = NT - 1 - i
-        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
-        tl.store(p_dh[0], b_dh.to(p_dh[0].dtype.element_ty), mask=p_dh[1])
-        b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
-        p_q = _ptrs(q + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
-        p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-        b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
-        b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)
-        b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
-        b_dh = b_dh * tl.where(carry_w, tl.exp(b_lw), 0.0)
-        b_dh += tl.dot(b_q, (b_do * b_beta[:, None]).to(b_q.dtype), input_precision=PREC)
+    _store(o + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV, b_o)
 
 
 @triton.jit
@@ -141,32 +139,25 @@ def _bwd_dqk_kernel(q, k, v, ell, doc, h, do, dh, dq, dk, dG, T, NT, H: tl.const
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        p_v = _ptrs(v + (i_b * T * H + i_h) * V, V, T, 1, H * V, i_v * BV, i_t * BT, BV, BT)
-        p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-        p_h = _ptrs(h + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK)
-        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK)
-        b_vt = tl.load(p_v[0], mask=p_v[1], other=0.0)  # [BV, BT]
-        b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)  # [BT, BV]
-        b_ht = tl.load(p_h[0], mask=p_h[1], other=0.0).to(b_do.dtype)  # [BV, BK]
-        b_dht = tl.load(p_dh[0], mask=p_dh[1], other=0.0).to(b_do.dtype)
+        # vᵀ [BV, BT], dO [BT, BV], hᵀ and dhᵀ [BV, BK]
+        b_vt = _load(v + (i_b * T * H + i_h) * V, V, T, 1, H * V, i_v * BV, i_t * BT, BV, BT)
+        b_do = _load(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
+        b_ht = _load(h + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK).to(b_do.dtype)
+        b_dht = _load(dh + (i_bh * NT + i_t) * K * V, V, K, 1, V, i_v * BV, i_k * BK, BV, BK).to(b_do.dtype)
         b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
         b_dq += tl.dot(b_do, b_ht, input_precision=PREC)
         b_dk += tl.dot(tl.trans(b_vt), b_dht, input_precision=PREC)
     b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
     b_ds = b_ds * tl.exp(tl.where(pair, b_l[:, None] - b_l[None, :], float("-inf")))
-    p_q = _ptrs(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-    p_k = _ptrs(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-    b_q = tl.load(p_q[0], mask=p_q[1], other=0.0)
-    b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
+    b_q = _load(q + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+    b_k = _load(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
     b_beta = tl.where(m_carry, tl.exp(b_l), 0.0)
     b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
     b_dq = b_dq * b_beta[:, None] + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
     b_dk = b_dk * b_e[:, None] + tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
-    p_dq = _ptrs(dq + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-    p_dk = _ptrs(dk + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-    tl.store(p_dq[0], b_dq.to(p_dq[0].dtype.element_ty), mask=p_dq[1])
-    tl.store(p_dk[0], b_dk.to(p_dk[0].dtype.element_ty), mask=p_dk[1])
+    _store(dq + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK, b_dq)
+    _store(dk + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK, b_dk)
     o_t = i_t * BT + tl.arange(0, BT)
     B = tl.num_programs(2) // H
     tl.store(dG + ((i_k * B + i_b) * T + o_t) * H + i_h, b_dG, mask=o_t < T)  # dG: [NK, B, T, H]
@@ -180,22 +171,17 @@ def _bwd_dv_kernel(q, k, ell, doc, do, dh, dv, T, NT, H: tl.constexpr, K: tl.con
     b_At = tl.zeros([BT, BT], dtype=tl.float32)  # [σ, τ] = k_σ·q_τ
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = _ptrs(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
-        p_q = _ptrs(q + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
-        p_dh = _ptrs(dh + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
-        b_k = tl.load(p_k[0], mask=p_k[1], other=0.0)
-        b_qt = tl.load(p_q[0], mask=p_q[1], other=0.0)
-        b_dh = tl.load(p_dh[0], mask=p_dh[1], other=0.0)
+        b_k = _load(k + (i_b * T * H + i_h) * K, T, K, H * K, 1, i_t * BT, i_k * BK, BT, BK)
+        b_qt = _load(q + (i_b * T * H + i_h) * K, K, T, 1, H * K, i_k * BK, i_t * BT, BK, BT)
+        b_dh = _load(dh + (i_bh * NT + i_t) * K * V, K, V, V, 1, i_k * BK, i_v * BV, BK, BV)
         b_At += tl.dot(b_k, b_qt, input_precision=PREC)
         b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=PREC)
     b_l, b_lw, m_carry, m_last, carry_w, pair = _chunk_meta(ell, doc, i_b, i_h, i_t, T, H, BT, HAS_DOC)
     b_At = b_At * tl.exp(tl.where(tl.trans(pair), b_l[None, :] - b_l[:, None], float("-inf")))
     b_e = tl.where(m_last, tl.exp(b_lw - b_l), 0.0)
-    p_do = _ptrs(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-    b_do = tl.load(p_do[0], mask=p_do[1], other=0.0)
+    b_do = _load(do + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
     b_dv = b_dv * b_e[:, None] + tl.dot(b_At.to(b_do.dtype), b_do, input_precision=PREC)
-    p_dv = _ptrs(dv + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV)
-    tl.store(p_dv[0], b_dv.to(p_dv[0].dtype.element_ty), mask=p_dv[1])
+    _store(dv + (i_b * T * H + i_h) * V, T, V, H * V, 1, i_t * BT, i_v * BV, BT, BV, b_dv)
 
 
 def _local_cumsum(g: torch.Tensor, BT: int) -> torch.Tensor:
@@ -210,8 +196,7 @@ def _blocks(K: int, V: int):
     """(BK, BV), always equal. With BK != BV and 16-bit inputs the kernels returned wrong values on an H100
     (Triton 3.6; relative error 1.3-4.1 at K/V = 16/17, 16/32, 16/64, 64/17, bf16 and fp16), and CALA's fullgraph
     GPU test at K/V = 16/17 faulted with an illegal address in ``_bwd_dqk_kernel``. fp32, the interpreter and every
-    equal pair tried (16, 32, 64) were right; which kernel miscompiles was not isolated (benchmarks/RESULTS.md,
-    session 15)."""
+    equal pair tried (16, 32, 64) were right; which kernel miscompiles was not isolated."""
     B = min(64, max(16, triton.next_power_of_2(max(K, V))))
     return B, B
 
@@ -227,10 +212,9 @@ def _states(x, y, ell, doc, BT, reverse):
     NT = triton.cdiv(T, BT)
     BK, BV = _blocks(K, V)
     out = empty(B * H, NT, K, V, device=x.device, dtype=torch.float32)
-    kern = _bwd_dh_kernel if reverse else _fwd_h_kernel
-    kern[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
+    _state_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
         x, y, ell, doc, out, T, NT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DOC=doc is not None, PREC=_prec(x),
-        num_warps=4, num_stages=2)
+        REVERSE=bool(reverse), num_warps=4, num_stages=2)
     return out
 
 

@@ -1,0 +1,62 @@
+"""The kernel layer stands alone: nothing under ``attention/ops`` imports from above it.
+
+Layering (README, "Layout"): reference → Triton kernel (``attention/ops``) → attention module (``attention/*.py``)
+→ model (``models/``) → trainer (``train.py``). Imports are read with ``ast`` (every ``import`` statement,
+module level or inside a function, relative ones resolved), so a lazy import inside a function counts too.
+"""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OPS = REPO / "attention" / "ops"
+ABOVE = ("models", "train", "config", "optim", "data", "scripts")  # top-level packages above the kernel layer
+
+
+def imported_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in ``path`` (a file under ``root``); ``from a import b`` yields ``a.b``
+    (b may be a module)."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: strip level − 1 trailing parts of this file's package
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def reaches_up(module: str) -> bool:
+    top = module.split(".")[0]
+    if top in ABOVE:
+        return True
+    return top == "attention" and not module.startswith("attention.ops.")
+
+
+def test_reaches_up_classifies():
+    assert reaches_up("attention.base.document_ids") and reaches_up("attention.linear_common.log_once")
+    assert reaches_up("attention.registry") and reaches_up("models.parallelize.SAC_OP_MODULES")
+    assert reaches_up("train.parse_config") and reaches_up("config.JobConfig")
+    assert not reaches_up("attention.ops.common.document_ids") and not reaches_up("torch.nn")
+    assert not reaches_up("triton.language") and not reaches_up("fla.ops.kda")
+
+
+def test_ops_import_nothing_above_them():
+    files = sorted(OPS.rglob("*.py"))
+    assert len(files) > 40  # the walk found the kernel layer
+    bad = [f"{path.relative_to(REPO)}:{line} imports {mod}"
+           for path in files for line, mod in imported_modules(path) if reaches_up(mod)]
+    assert not bad, "attention/ops must not import attention/*.py, models/ or train.py:\n" + "\n".join(bad)
+
+
+def test_relative_imports_resolve(tmp_path):
+    pkg = tmp_path / "attention" / "ops" / "x"
+    pkg.mkdir(parents=True)
+    f = pkg / "m.py"
+    f.write_text("from . import y\nfrom ..common import z\nfrom ...base import w\n")
+    expected = ["attention.ops.x.y", "attention.ops.common.z", "attention.base.w"]
+    assert [m for _, m in imported_modules(f, tmp_path)] == expected
