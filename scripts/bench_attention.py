@@ -329,10 +329,10 @@ def targets(train: dict, decode: dict) -> list[str]:
 
 def best_configs() -> list[str]:
     """The autotuner's pick per key for each of our kernels (printed so the short lists can be re-pruned)."""
-    from attention.ops.parallax.kernels import bwd, fwd
+    from attention.ops.parallax.kernels import autotuned_kernels
 
     out = []
-    for kern in (fwd._parallax_fwd_kernel, bwd._parallax_bwd_dq_kernel, bwd._parallax_bwd_dkv_kernel):
+    for kern in autotuned_kernels().values():
         for key, cfg in getattr(kern, "cache", {}).items():
             out.append(f"{kern.fn.__name__} key={key[:7]} -> {cfg}")
     return out
@@ -391,7 +391,7 @@ def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
             for kern, (specs, prune, names) in lists.items():
                 specs = list(dict.fromkeys(specs))
                 kept = {_config_key(c.kwargs, c.num_warps, c.num_stages)
-                        for c in prune(common._configs(specs, names), {}, D=D, HAS_PROBE=probe)}
+                        for c in prune(common.configs(specs, names), {}, D=D, HAS_PROBE=probe)}
                 if kern not in TUNE_KERNELS:
                     continue
                 kept_specs = [s for s in specs if _config_key(common.spec_kwargs(s, names), *s[2:4]) in kept]

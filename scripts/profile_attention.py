@@ -30,12 +30,13 @@ from scripts.bench_attention import TRAIN
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
     """Offline sm_90a compile of each candidate config (as a launch at T=4096 sees it: ``scripts/sm90.py``);
     ptxas registers / spill stores / loads / smem, and whether the K/V loads became async copies."""
-    from attention.ops.parallax.kernels import bwd, common, fwd
+    from attention.ops.parallax.kernels import autotuned_kernels, common
     from scripts.sm90 import compile_sm90, loop_local_memory, resources
 
-    kern = {"fwd": (fwd._parallax_fwd_kernel, common.FWD_SPECS + common.TUNE_EXTRA_FWD, ("BM", "BN")),
-            "dq": (bwd._parallax_bwd_dq_kernel, common.DQ_SPECS + common.TUNE_EXTRA_DQ, ("BM", "BN")),
-            "dkv": (bwd._parallax_bwd_dkv_kernel, common.DKV_SPECS + common.TUNE_EXTRA_DKV, ("BN", "BM"))}
+    kernels_by_pass = autotuned_kernels()
+    kern = {"fwd": (kernels_by_pass["fwd"], common.FWD_SPECS + common.TUNE_EXTRA_FWD, ("BM", "BN")),
+            "dq": (kernels_by_pass["dq"], common.DQ_SPECS + common.TUNE_EXTRA_DQ, ("BM", "BN")),
+            "dkv": (kernels_by_pass["dkv"], common.DKV_SPECS + common.TUNE_EXTRA_DKV, ("BN", "BM"))}
     base = dict(HQ=16, HKV=8, D=D, HAS_PROBE=probe, IS_VARLEN=False, WINDOW=False, DOT_PREC="tf32")
     fp32 = {"LSE", "TBAR", "TAU", "BETA"}
     lines = []

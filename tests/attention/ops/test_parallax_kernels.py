@@ -320,13 +320,13 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     """The autotuner's list holds TMA / warp-specialised tiles; they survive the prune at D >= 128 only (slower at
     D = 64 on an H100), and never with a probe's BN > 64 at D = 128."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, _configs, prune_fwd
+    from attention.ops.parallax.kernels.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
 
     def kept(D, probe):
         return {(c.kwargs["BM"], c.kwargs["BN"], c.kwargs.get("TMA", False), c.kwargs.get("WS", False))
-                for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, D=D, HAS_PROBE=probe)}
+                for c in prune_fwd(configs(FWD_SPECS, ("BM", "BN")), {}, D=D, HAS_PROBE=probe)}
 
     assert not any(t[2] or t[3] for p in (True, False) for t in kept(64, p))
     assert (128, 64, True, True) in kept(128, True) and (128, 128, True, True) not in kept(128, True)
@@ -338,13 +338,13 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
     """No TMA / warp-specialised tile below sm_90 (no TMA hardware); on sm_90 a plain tile gives way to its
     TMA + warp-specialised twin (measured faster on H100s, picked only about half the time when both were timed);
     elsewhere both stay. Tiles without a twin stay everywhere."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, _configs, prune_fwd
+    from attention.ops.parallax.kernels.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
 
     def kept(D, probe):
         return {(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.kwargs.get("TMA", False))
-                for c in prune_fwd(_configs(FWD_SPECS, ("BM", "BN")), {}, capability=capability, D=D,
+                for c in prune_fwd(configs(FWD_SPECS, ("BM", "BN")), {}, capability=capability, D=D,
                                    HAS_PROBE=probe)}
 
     for D, probe in ((128, True), (128, False)):
@@ -360,7 +360,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
 def test_prune_bwd_tma_twins(capability, monkeypatch):
     """The backward lists' TMA twins stay at D >= 128 on sm_90+ only, and their plain tiles, where listed, stay
     everywhere (the autotuner times both: the twin won at some picks and lost at others)."""
-    from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, _configs, prune_bwd
+    from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, configs, prune_bwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
     for specs, names in ((DQ_SPECS, ("BM", "BN")), (DKV_SPECS, ("BN", "BM"))):
@@ -368,7 +368,7 @@ def test_prune_bwd_tma_twins(capability, monkeypatch):
         assert twins
         for D, probe in ((64, True), (128, True), (128, False)):
             kept = {(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages, c.kwargs.get("TMA", False))
-                    for c in prune_bwd(_configs(specs, names), {}, capability=capability, D=D, HAS_PROBE=probe)}
+                    for c in prune_bwd(configs(specs, names), {}, capability=capability, D=D, HAS_PROBE=probe)}
             for s in twins:
                 assert (s[:4] + (True,) in kept) == (D >= 128 and capability >= (9, 0)), (D, s)
                 assert s[:4] not in specs or s[:4] + (False,) in kept  # a plain twin never gives way
@@ -571,14 +571,14 @@ def test_gpu_realistic(case, dtype):
 def test_gpu_every_fwd_candidate(D, monkeypatch):
     """Each forward candidate of the short list and of the tune report's extras (TMA / warp-specialised ones
     included) pinned, probe and softmax, bf16, packed documents, against the float32 reference."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, TUNE_EXTRA_FWD, _configs, prune_fwd
+    from attention.ops.parallax.kernels.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
     cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
     for probe in (True, False):
         q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
         ref = naive_parallax(*(t.float() for t in (q, k, v)), r.float() if probe else None, cu_seqlens=cu)
-        for c in prune_fwd(_configs(FWD_SPECS + TUNE_EXTRA_FWD, ("BM", "BN")), {}, D=D, HAS_PROBE=probe):
+        for c in prune_fwd(configs(FWD_SPECS + TUNE_EXTRA_FWD, ("BM", "BN")), {}, D=D, HAS_PROBE=probe):
             cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             spec = tuple(cfg.items())
             out = run_fwd_at(q, k, v, r, cfg, cu=cu, max_seqlen=1400)
@@ -620,7 +620,7 @@ def test_gpu_tma_launch_in_a_new_thread():
 def test_gpu_every_bwd_candidate(D, monkeypatch):
     """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
     pinned, in pairs, probe and softmax, bf16, packed documents: every gradient against the float32 reference."""
-    from attention.ops.parallax.kernels.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, _configs,
+    from attention.ops.parallax.kernels.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
                                                        prune_bwd)
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
@@ -632,9 +632,9 @@ def test_gpu_every_bwd_candidate(D, monkeypatch):
         ref = naive_parallax(*ins[:3], ins[3] if probe else None, cu_seqlens=cu)
         do = torch.randn_like(ref)
         ref_grads = torch.autograd.grad(ref, ins, do)
-        dqs = [pinned(c) for c in prune_bwd(_configs(DQ_SPECS + TUNE_EXTRA_DQ, ("BM", "BN")), {}, D=D,
+        dqs = [pinned(c) for c in prune_bwd(configs(DQ_SPECS + TUNE_EXTRA_DQ, ("BM", "BN")), {}, D=D,
                                             HAS_PROBE=probe)]
-        dkvs = [pinned(c) for c in prune_bwd(_configs(DKV_SPECS + TUNE_EXTRA_DKV, ("BN", "BM")), {}, D=D,
+        dkvs = [pinned(c) for c in prune_bwd(configs(DKV_SPECS + TUNE_EXTRA_DKV, ("BN", "BM")), {}, D=D,
                                              HAS_PROBE=probe)]
         for i in range(max(len(dqs), len(dkvs))):
             dq_cfg, dkv_cfg = dqs[i % len(dqs)], dkvs[i % len(dkvs)]

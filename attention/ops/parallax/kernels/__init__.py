@@ -30,6 +30,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+def autotuned_kernels() -> dict:
+    """The training kernels' Triton autotuners by pass ("fwd", "dq", "dkv"), for tools that report the autotuner's
+    pick per key (``.cache``) or compile candidates offline (``.fn``)."""
+    from attention.ops.parallax.kernels import bwd, fwd
+
+    return {"fwd": fwd._parallax_fwd_kernel, "dq": bwd._parallax_bwd_dq_kernel, "dkv": bwd._parallax_bwd_dkv_kernel}
+
+
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take this query's head dim and dtype (``impl="auto"`` falls back otherwise)."""
     return q.shape[-1] in HEAD_DIMS and q.dtype in _DTYPES

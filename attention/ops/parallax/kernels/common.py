@@ -93,7 +93,7 @@ def spec_kwargs(spec, names) -> dict:
     return kw
 
 
-def _configs(spec, names):
+def configs(spec, names):
     """triton.Configs from (tile0, tile1, warps, stages[, tma, ws]) tuples."""
     return candidates([triton.Config(spec_kwargs(s, names), num_warps=s[2], num_stages=s[3]) for s in spec])
 
@@ -136,15 +136,15 @@ INTERPRET_BWD = [(16, 16, 1, 1)]
 
 
 def fwd_configs():
-    return _configs(INTERPRET_FWD if INTERPRET else FWD_SPECS, ("BM", "BN"))
+    return configs(INTERPRET_FWD if INTERPRET else FWD_SPECS, ("BM", "BN"))
 
 
 def dq_configs():
-    return _configs(INTERPRET_BWD if INTERPRET else DQ_SPECS, ("BM", "BN"))
+    return configs(INTERPRET_BWD if INTERPRET else DQ_SPECS, ("BM", "BN"))
 
 
 def dkv_configs():
-    return _configs(INTERPRET_BWD if INTERPRET else DKV_SPECS, ("BN", "BM"))
+    return configs(INTERPRET_BWD if INTERPRET else DKV_SPECS, ("BN", "BM"))
 
 
 def _capability() -> tuple[int, int] | None:
