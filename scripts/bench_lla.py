@@ -163,8 +163,8 @@ def ptxas_report(tiles, iters, variant):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="T=4096 only, 8 CG iterations, two tiles")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per row")
     ap.add_argument("--variant", default="v0,v1,v2", help="comma list of Triton kernel versions (lla_attention's "
                     "kernel=, attention.lla.kernel): v0 (first), v1, v2 (one launch per CG iteration)")
     ap.add_argument("--profile", action="store_true", help="print each LLA row's GPU kernels (torch.profiler, "

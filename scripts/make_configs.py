@@ -112,7 +112,10 @@ def render(name: str, title: str, flavor: str, attention: str, attn_table: str, 
     (CONFIGS / f"{name}.toml").write_text(text)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     names = []
     for size, (base, _, _) in SIZES.items():
         for msuffix, (fsuffix, attention, table) in MODELS.items():
