@@ -79,29 +79,14 @@ def mechanism(name: str) -> str:
 def train_tokenizer(corpus: str, out: str, vocab: int, n_docs: int) -> str:
     """Byte-level BPE with <|bos|>/<|eos|> trained on the first ``n_docs`` training documents (cached)."""
     import gzip
+    import itertools
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from data.embedded import train_bpe
 
     if os.path.isfile(os.path.join(out, "tokenizer.json")):
         return out
-    os.makedirs(out, exist_ok=True)
-
-    def texts():
-        with gzip.open(os.path.join(corpus, "train-00.jsonl.gz"), "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i >= n_docs:
-                    return
-                yield json.loads(line)["text"]
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts(), trainer)
-    tok.save(os.path.join(out, "tokenizer.json"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}, f)
+    with gzip.open(os.path.join(corpus, "train-00.jsonl.gz"), "rt", encoding="utf-8") as f:
+        train_bpe((json.loads(line)["text"] for line in itertools.islice(f, n_docs)), vocab, out, show_progress=False)
     return out
 
 
