@@ -11,8 +11,11 @@ Two on-disk formats hold a model:
   layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
   ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
   adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
-  ``model_type = "attnlab"`` so transformers refuses it instead of silently dropping weights, and its
-  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact).
+  ``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights), and its
+  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact). When every layer is
+  softmax (any options) or Parallax, the folder also holds a standalone remote-code model
+  (``models/hf_remote``: configuration + modeling files, ``auto_map`` in config.json), so
+  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it.
 
 The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map`` (dense entries).
 """
@@ -315,17 +318,31 @@ def is_plain_qwen3(args: ModelArgs) -> bool:
     return o is None or (o.qk_norm and not o.window_size)
 
 
+REMOTE_CODE_DIR = Path(__file__).parent / "hf_remote"
+REMOTE_CODE_FILES = ("configuration_attnlab.py", "modeling_attnlab.py")
+REMOTE_CODE_MECHANISMS = ("softmax", "parallax")
+"""Mechanisms the standalone remote-code model (``models/hf_remote``) implements."""
+
+
+def has_remote_code(args: ModelArgs) -> bool:
+    """Not a plain Qwen3, and every layer is one the remote-code model implements."""
+    return not is_plain_qwen3(args) and set(args.layer_mechanisms()) <= set(REMOTE_CODE_MECHANISMS)
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json: Qwen3Config fields, plus the full architecture under "attnlab"."""
+    """config.json: Qwen3Config fields, plus the full architecture under "attnlab" (and ``auto_map`` to the
+    remote-code model when it implements every layer)."""
     plain = is_plain_qwen3(args)
-    return {
+    remote = {"auto_map": {"AutoConfig": "configuration_attnlab.AttnLabConfig",
+                           "AutoModelForCausalLM": "modeling_attnlab.AttnLabForCausalLM"}} if has_remote_code(args) else {}
+    return {**remote,
         "architectures": ["Qwen3ForCausalLM" if plain else "AttnLabForCausalLM"],
         "model_type": "qwen3" if plain else "attnlab",
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": None, "tie_word_embeddings": args.enable_weight_tying,
+        "rope_theta": args.rope_theta, "tie_word_embeddings": args.enable_weight_tying,
         "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
         "use_cache": True, "initializer_range": 0.02, "torch_dtype": str(dtype).removeprefix("torch."),
         "attnlab": args_to_dict(args),
@@ -392,6 +409,9 @@ def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.d
         (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
         if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
             save_tokenizer(tokenizer_dir, tmp)
+        if has_remote_code(args):
+            for name in REMOTE_CODE_FILES:
+                shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
         ordinary_permissions(tmp)
         os.replace(tmp, folder)
     except BaseException:

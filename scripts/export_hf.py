@@ -9,7 +9,9 @@ run's ``tokenizer/`` or the config's ``model.hf_assets_path``. An all-softmax Qw
 ``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
 other mechanisms add their own tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in
 config.json, read back exactly by ``models.hf.load_checkpoint`` (scripts/generate.py and
-scripts/convert_to_parallax.py accept such folders).
+scripts/convert_to_parallax.py accept such folders). Softmax-with-options and Parallax folders also carry a
+standalone remote-code model: ``AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True)`` loads them
+(and so does lm-eval's ``hf`` model with ``trust_remote_code=True``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from models.hf import CheckpointError, build_model, is_plain_qwen3, load_tool_checkpoint, save_hf, tokenizer_folder  # noqa: E402
+from models.hf import CheckpointError, build_model, has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, \
+    tokenizer_folder  # noqa: E402
 from models.run_folder import add_checkpoint_arguments, resolve  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
-    kind = "Qwen3ForCausalLM (transformers-loadable)" if is_plain_qwen3(args) else f"attnlab {sorted(set(args.layer_mechanisms()))}"
+    kind = ("Qwen3ForCausalLM (transformers-loadable)" if is_plain_qwen3(args) else
+            f"attnlab {sorted(set(args.layer_mechanisms()))}"
+            + (" (transformers-loadable with trust_remote_code=True)" if has_remote_code(args) else ""))
     print(f"wrote {a.dst}: {kind}, {a.dtype}, tokenizer {'from ' + str(tok) if tok else 'none'}")
     return 0
 
