@@ -291,7 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
     from models.checkpoint_io import checkpoint_step, load_model, run_dir_of
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    ckpt = resolve(args.ckpt, args.step)
+    try:
+        ckpt = resolve(args.ckpt, args.step)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)
     ckpt.use_tokenizer(cfg)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)

@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     from models.checkpoint_io import checkpoint_step, load_model
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    ckpt = resolve(args.ckpt, args.step)
+    try:
+        ckpt = resolve(args.ckpt, args.step)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device, dtype=getattr(torch, args.dtype))
     seq_len = args.seq_len or cfg.validation.seq_len
     ckpt.use_tokenizer(cfg)

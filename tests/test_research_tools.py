@@ -200,3 +200,39 @@ def test_softmax_learns_in_context_recall():
     spec = synthetic.TaskSpec(vocab=8, seq_len=24)  # 4 keys, 4 values: chance = 0.25
     r = synthetic.train_task("recall", "softmax", spec, steps=40, batch=16, lr=2e-2, eval_batch=64)
     assert r["acc"] > 0.5, r
+
+
+def _with_config_toml(run, corpus, tmp_path):
+    """A copy of ``run`` holding the config.toml and tokenizer/ the trainer leaves in a run folder."""
+    import shutil
+
+    from models.run_folder import save_tokenizer
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "config.toml").write_text(
+        '[model]\nattention = "parallax"\nvocab_size = 64\nhf_assets_path = "/nonexistent"\n'
+        "[training]\nseq_len = 16\n[validation]\nseq_len = 16\n")
+    save_tokenizer(corpus["tokenizer"], copy / "tokenizer")  # the run's tokenizer wins over hf_assets_path
+    return copy
+
+
+def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, corpus, tmp_path):
+    """Without any training flag a Parallax run is evaluated as Parallax (it was silently built as softmax)."""
+    run = _with_config_toml(parallax_run, corpus, tmp_path)
+    explicit = eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4",
+                              "--no-progress", "--", *_flags(corpus, "parallax")])
+    res = eval_ppl.main([str(run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4", "--no-progress"])
+    assert res["attention"] == "parallax" and res["loss"] == explicit["loss"]
+    assert res["checkpoint"].endswith("step-3") and res["step"] == 3
+    res = eval_ppl.main([str(run / "checkpoint" / "step-3"), "--data", corpus["val"], "--max-rows", "2",
+                         "--no-progress"])  # a step folder finds its run's config too
+    assert res["attention"] == "parallax"
+    out = analyze.main([str(run), "--step", "3", "--data", corpus["val"], "--seq-len", "16", "--min-len", "8",
+                        "--rows", "2", "--queries", "4", "-o", str(tmp_path / "an"), "--no-plots"])
+    assert out["attention"] == "parallax" and "cor" in out["layers"][0]["activations"]
+    with pytest.raises(SystemExit):
+        eval_ppl.main([str(run), "--step", "7", "--data", corpus["val"]])  # no step-7: one clear error
+    with pytest.raises(SystemExit) as e:
+        eval_ppl.main([str(run), "--data", corpus["val"], "--model.attention", "softmax"])  # unknown flag
+    assert e.value.code == 2
