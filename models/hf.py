@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,7 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 import attention
 from models.args import ModelArgs
 from models.model import Transformer
-from models.run_folder import ordinary_permissions, save_tokenizer
+from models.run_folder import new_folder, save_tokenizer
 
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -222,16 +220,9 @@ def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None
     plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with new_folder(folder) as tmp:
         dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
         (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
-        ordinary_permissions(tmp)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_sidecar(folder) -> ModelArgs | None:
@@ -401,10 +392,8 @@ def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.d
     tokenizer.json) atomically into ``folder``, with ordinary permissions."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
     hf = {k: v.detach().to(dtype).contiguous().clone() for k, v in _bar(to_hf(sd, args).items(), "convert", progress)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with new_folder(folder) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
         if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
@@ -412,11 +401,6 @@ def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.d
         if has_remote_code(args):
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
-        ordinary_permissions(tmp)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------ any folder

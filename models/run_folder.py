@@ -17,9 +17,11 @@ as Parallax without repeating its flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,9 +81,18 @@ def _is_checkpoint(d: Path) -> bool:
     return (d / ".metadata").is_file() or (d / "config.json").is_file() or any(d.glob("*.safetensors"))
 
 
-def resolve(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
+def resolve(path: str | os.PathLike, step: int | None = None, dcp_only: bool = False) -> Checkpoint:
     """The checkpoint ``path`` names: a run folder (its latest ``checkpoint/step-N``, or ``step-<step>``), a
-    step folder, or a Hugging Face folder. Raises FileNotFoundError naming what was looked for."""
+    step folder, or a Hugging Face folder (not with ``dcp_only``). Raises FileNotFoundError naming what was
+    looked for."""
+    ckpt = _resolve(path, step)
+    if dcp_only and not (ckpt.path / ".metadata").is_file():
+        raise FileNotFoundError(f"{str(ckpt.path)!r} holds safetensors, not a DCP checkpoint; this tool reads a run "
+                                "folder or a DCP step folder (export_hf.py/eval_downstream.py read Hugging Face ones)")
+    return ckpt
+
+
+def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"{str(path)!r}: no such folder (expected a run folder, a step-N folder or a "
@@ -115,11 +126,12 @@ def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
 
 
-def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") -> None:
-    """The positional checkpoint argument and ``--step`` shared by every tool script."""
+def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt", hf: bool = True) -> None:
+    """The positional checkpoint argument and ``--step`` shared by every tool script (``hf``: the tool also
+    reads Hugging Face folders)."""
     ap.add_argument(name, metavar=name.upper(),
-                    help="a run folder (job.dump_folder: its config.toml rebuilds the model), a checkpoint/step-N "
-                         "folder, or a Hugging Face folder")
+                    help="a run folder (job.dump_folder: its config.toml rebuilds the model) or a checkpoint/step-N "
+                         "folder" + (", or a Hugging Face folder" if hf else ""))
     ap.add_argument("--step", type=int, default=None,
                     help="which checkpoint/step-N of a run folder (default: the latest)")
 
@@ -135,6 +147,22 @@ def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     return dst
+
+
+@contextlib.contextmanager
+def new_folder(dst: str | os.PathLike):
+    """Write a new output folder atomically: yields a temporary sibling folder; on success it gets the
+    permissions ``mkdir``/``open`` would give (:func:`ordinary_permissions`) and is renamed to ``dst``; on any
+    failure it is removed, so ``dst`` is either complete or absent."""
+    dst = Path(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        yield tmp
+        ordinary_permissions(tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def ordinary_permissions(root: str | os.PathLike) -> None:

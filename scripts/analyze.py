@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     own, train_flags = split_train_flags(argv)
     ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(ap)
+    add_checkpoint_arguments(ap, hf=False)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
     ap.add_argument("-o", "--out", default=None, help="output folder (default <run>/analysis)")
     ap.add_argument("--rows", type=int, default=16, help="documents analysed")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        ckpt = resolve(args.ckpt, args.step)
+        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
     except FileNotFoundError as e:
         ap.error(str(e))
     model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     own, train_flags = split_train_flags(argv)
     ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(ap)
+    add_checkpoint_arguments(ap, hf=False)
     ap.add_argument("--data", required=True, help="local file/folder/glob (.jsonl/.parquet/.txt[.gz]) or hub dataset")
     ap.add_argument("--seq-len", type=int, default=0, help="0 = the run's validation.seq_len")
     ap.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        ckpt = resolve(args.ckpt, args.step)
+        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
     except FileNotFoundError as e:
         ap.error(str(e))
     model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device, dtype=getattr(torch, args.dtype))

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -82,7 +80,7 @@ def main(argv=None) -> int:
     from models.convert import convert_state, max_logit_diff, parse_layers
     from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
         save_dcp_state
-    from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, ordinary_permissions, save_tokenizer
+    from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, new_folder, save_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
@@ -122,8 +120,7 @@ def main(argv=None) -> int:
                 raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g}")
             args, sd = new_args, new_sd
         flavor = matching_flavor(args)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
+        with new_folder(out) as tmp:
             save_dcp_state(sd, tmp / "step-0", args)
             has_tok = (Path(a.src) / "tokenizer.json").is_file()
             if has_tok:
@@ -140,11 +137,6 @@ def main(argv=None) -> int:
             if diff_keys:
                 raise CheckpointError(f"--base {a.base}: the written config rebuilds a different model "
                                       f"({', '.join(f'{k}: {got[k]} vs {want[k]}' for k in diff_keys)})")
-            ordinary_permissions(tmp)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     except (CheckpointError, OSError, ValueError) as e:
         print(f"import_hf: error: {e}", file=sys.stderr)
         return 2

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     from data.embedded import train_bpe
-    from models.run_folder import ordinary_permissions
+    from models.run_folder import new_folder
 
     out = Path(a.out)
     try:
@@ -54,14 +52,8 @@ def main(argv=None) -> int:
         docs = documents(a.files, a.text_field)
         if a.max_docs:
             docs = itertools.islice(docs, a.max_docs)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
+        with new_folder(out) as tmp:
             train_bpe(docs, a.vocab_size, tmp, show_progress=not a.no_progress)
-            ordinary_permissions(tmp)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     except ValueError as e:
         print(f"train_tokenizer: error: {e}", file=sys.stderr)
         return 2
