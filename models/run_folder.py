@@ -149,6 +149,36 @@ def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
+def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: str | os.PathLike | None = None) -> None:
+    """What a run leaves in its ``dump_folder`` so tools rebuild it without its flags (call on one rank):
+
+    - ``config.toml``: every section of the resolved ``job_config`` (a JobConfig dataclass) as TOML; ``None``
+      values have no TOML form and are left out (they are the defaults), ``job.config_file`` is dropped (the file
+      stands alone);
+    - ``tokenizer/``: the tokenizer files of ``tokenizer_dir`` (when given and holding a tokenizer.json).
+    """
+    import dataclasses
+
+    import tomli_w
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items() if v is not None}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return str(x) if isinstance(x, os.PathLike) else x
+
+    cfg = plain(dataclasses.asdict(job_config))
+    cfg.get("job", {}).pop("config_file", None)
+    dump = Path(dump_folder)
+    dump.mkdir(parents=True, exist_ok=True)
+    tmp = dump / f".{CONFIG_FILE}.tmp{os.getpid()}"
+    tmp.write_text(tomli_w.dumps(cfg))
+    os.replace(tmp, dump / CONFIG_FILE)
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        save_tokenizer(tokenizer_dir, dump / TOKENIZER_DIR)
+
+
 @contextlib.contextmanager
 def new_folder(dst: str | os.PathLike):
     """Write a new output folder atomically: yields a temporary sibling folder; on success it gets the

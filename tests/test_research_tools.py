@@ -203,17 +203,18 @@ def test_softmax_learns_in_context_recall():
 
 
 def _with_config_toml(run, corpus, tmp_path):
-    """A copy of ``run`` holding the config.toml and tokenizer/ the trainer leaves in a run folder."""
+    """A copy of ``run`` holding the config.toml and tokenizer/ a run leaves (``write_run_files``), written
+    from the run's own flags."""
     import shutil
 
-    from models.run_folder import save_tokenizer
+    from models.hf import job_config
+    from models.run_folder import write_run_files
+    from tests.utils import tiny_args
 
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    (copy / "config.toml").write_text(
-        '[model]\nattention = "parallax"\nvocab_size = 64\nhf_assets_path = "/nonexistent"\n'
-        "[training]\nseq_len = 16\n[validation]\nseq_len = 16\n")
-    save_tokenizer(corpus["tokenizer"], copy / "tokenizer")  # the run's tokenizer wins over hf_assets_path
+    argv = tiny_args(corpus, copy, 3, 16, 2, "--model.attention", "parallax", "--checkpoint.interval", "3")
+    write_run_files(copy, job_config(argv[1], argv[2:]), corpus["tokenizer"])
     return copy
 
 

@@ -155,3 +155,29 @@ def test_export_copies_the_run_tokenizer_with_ordinary_permissions(tmp_path, cap
     (tmp_path / "run2" / "checkpoint" / "step-3" / "attnlab.json").unlink()  # only --config describes it
     assert export_hf.main([str(tmp_path / "run2"), str(tmp_path / "hf2"), "--config", str(cfg)]) == 0
     assert (tmp_path / "hf2" / "tokenizer.json").is_file() and "tokenizer from" in capsys.readouterr().out
+
+
+def test_write_run_files_round_trips_the_configuration(tmp_path):
+    """config.toml written from a parsed JobConfig parses back to the same configuration (every section)."""
+    import dataclasses
+
+    from models.hf import args_from_job_config, args_to_dict, job_config
+    from models.run_folder import CONFIG_FILE, resolve, write_run_files
+    from tests.utils import make_corpus, tiny_args
+
+    corpus = make_corpus(tmp_path / "corpus")
+    argv = tiny_args(corpus, tmp_path / "run", 5, 16, 2, "--model.layer_pattern", "gdn,parallax",
+                     "--attention.parallax.rho_gate", "--optimizer.name", "muon")
+    cfg = job_config(argv[1], argv[2:])
+    write_run_files(tmp_path / "run", cfg, corpus["tokenizer"])
+    back = job_config(tmp_path / "run" / CONFIG_FILE)
+    same = lambda d: json.loads(json.dumps(d, default=str))  # noqa: E731  (TOML has lists, no tuples)
+    a, b = dataclasses.asdict(cfg), dataclasses.asdict(back)
+    a["job"].pop("config_file"), b["job"].pop("config_file")
+    assert same(a) == same(b)
+    assert same(args_to_dict(args_from_job_config(None, cfg=back))) == same(args_to_dict(args_from_job_config(None, cfg=cfg)))
+    (tmp_path / "run" / "checkpoint" / "step-5").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "step-5" / ".metadata").touch()
+    ckpt = resolve(tmp_path / "run")
+    assert ckpt.step == 5 and ckpt.config == tmp_path / "run" / CONFIG_FILE
+    assert ckpt.tokenizer == tmp_path / "run" / "tokenizer"
