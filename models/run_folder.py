@@ -3,7 +3,7 @@ configuration it was trained with and its tokenizer.
 
 A run folder (``job.dump_folder``) is laid out as::
 
-    <run>/config.toml           the resolved training configuration, all sections (written by the trainer)
+    <run>/config.toml           the resolved training configuration, all sections (:func:`write_run_files`)
     <run>/tokenizer/            the tokenizer the run trained with (tokenizer.json, tokenizer_config.json)
     <run>/checkpoint/step-N/    DCP checkpoints
     <run>/train_args.json       older runs: the train.py argv (scripts/replicate.py)
