@@ -48,7 +48,7 @@ name = "qwen3_attn"
 flavor = "{flavor}"
 attention = "{attention}"
 attn_mask_type = "block_causal"
-hf_assets_path = "./assets/hf/Qwen3-0.6B"  # Qwen3 tokenizer: python scripts/fetch_tokenizer.py
+hf_assets_path = "./assets/hf/Qwen3-0.6B"  # Qwen3 tokenizer: python scripts/download_hf_assets.py (torchtitan)
 converters = ["quantize.linear.float8"]
 
 [attention]

@@ -30,7 +30,7 @@ def test_generated_configs_are_current(tmp_path, monkeypatch):
     import scripts.make_configs as mk
 
     monkeypatch.setattr(mk, "CONFIGS", tmp_path)
-    mk.main()
+    mk.main([])
     for f in tmp_path.iterdir():
         assert f.read_text() == (mk.Path(__file__).resolve().parents[1] / "configs" / f.name).read_text(), f.name
 
