@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
@@ -53,13 +54,32 @@ def _documents() -> list[str]:
     return docs
 
 
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, length: int | None = None,
+              show_progress: bool = True) -> Path:
+    """Train a byte-level BPE tokenizer (Hugging Face ``tokenizers``) with ``<|bos|>``/``<|eos|>`` on ``texts``
+    and write ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir`` (a folder usable as
+    ``model.hf_assets_path``). Byte-level: every byte has a token, so any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=show_progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    tok.save(str(out / "tokenizer.json"))
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}, f)
+    return out
+
+
 def build_embedded(cache_dir: str, vocab_size: int, val_every: int = 20) -> Path:
     """Build (once) and return the folder holding ``train.jsonl``, ``val.jsonl`` and the tokenizer files."""
     out = Path(cache_dir) / f"embedded-v{vocab_size}"
     if (out / "tokenizer.json").exists():
         return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     docs = _documents()
@@ -70,15 +90,7 @@ def build_embedded(cache_dir: str, vocab_size: int, val_every: int = 20) -> Path
                 f.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
     logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library; training a BPE tokenizer "
                 f"(vocab {vocab_size})")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=True,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(splits["train"], trainer=trainer, length=len(splits["train"]))
-    tok.save(str(tmp / "tokenizer.json"))
-    with open(tmp / "tokenizer_config.json", "w") as f:
-        json.dump({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}, f)
+    train_bpe(splits["train"], vocab_size, tmp, length=len(splits["train"]))
     try:
         tmp.rename(out)  # atomic: concurrent ranks either see a complete folder or build their own
     except OSError:

@@ -23,6 +23,7 @@ def register_train_spec() -> None:
     if SPEC_NAME in ts._extra_train_specs:
         return
     from data.loader import build_dataloader, build_tokenizer
+    from models.hf import AttnLabStateDictAdapter
     from models.metrics import build_metrics
     from models.parallelize import parallelize_model
     from models.validate import build_validator
@@ -33,5 +34,5 @@ def register_train_spec() -> None:
         build_optimizers_fn=build_optimizers, build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader, build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss, build_validator_fn=build_validator,
-        build_metrics_processor_fn=build_metrics,
+        build_metrics_processor_fn=build_metrics, state_dict_adapter=AttnLabStateDictAdapter,
     ))

@@ -11,8 +11,11 @@ Two on-disk formats hold a model:
   layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
   ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
   adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
-  ``model_type = "attnlab"`` so transformers refuses it instead of silently dropping weights, and its
-  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact).
+  ``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights), and its
+  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact). When every layer is
+  softmax (any options) or Parallax, the folder also holds a standalone remote-code model
+  (``models/hf_remote``: configuration + modeling files, ``auto_map`` in config.json), so
+  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it.
 
 The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map`` (dense entries).
 """
@@ -21,18 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 import attention
 from models.args import ModelArgs
 from models.model import Transformer
+from models.run_folder import new_folder, save_tokenizer
 
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -217,15 +220,9 @@ def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None
     plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with new_folder(folder) as tmp:
         dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
         (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_sidecar(folder) -> ModelArgs | None:
@@ -312,17 +309,31 @@ def is_plain_qwen3(args: ModelArgs) -> bool:
     return o is None or (o.qk_norm and not o.window_size)
 
 
+REMOTE_CODE_DIR = Path(__file__).parent / "hf_remote"
+REMOTE_CODE_FILES = ("configuration_attnlab.py", "modeling_attnlab.py")
+REMOTE_CODE_MECHANISMS = ("softmax", "parallax")
+"""Mechanisms the standalone remote-code model (``models/hf_remote``) implements."""
+
+
+def has_remote_code(args: ModelArgs) -> bool:
+    """Not a plain Qwen3, and every layer is one the remote-code model implements."""
+    return not is_plain_qwen3(args) and set(args.layer_mechanisms()) <= set(REMOTE_CODE_MECHANISMS)
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json: Qwen3Config fields, plus the full architecture under "attnlab"."""
+    """config.json: Qwen3Config fields, plus the full architecture under "attnlab" (and ``auto_map`` to the
+    remote-code model when it implements every layer)."""
     plain = is_plain_qwen3(args)
-    return {
+    remote = {"auto_map": {"AutoConfig": "configuration_attnlab.AttnLabConfig",
+                           "AutoModelForCausalLM": "modeling_attnlab.AttnLabForCausalLM"}} if has_remote_code(args) else {}
+    return {**remote,
         "architectures": ["Qwen3ForCausalLM" if plain else "AttnLabForCausalLM"],
         "model_type": "qwen3" if plain else "attnlab",
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": None, "tie_word_embeddings": args.enable_weight_tying,
+        "rope_theta": args.rope_theta, "tie_word_embeddings": args.enable_weight_tying,
         "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
         "use_cache": True, "initializer_range": 0.02, "torch_dtype": str(dtype).removeprefix("torch."),
         "attnlab": args_to_dict(args),
@@ -350,17 +361,19 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
                      attention_options={"softmax": attention.get_mechanism("softmax").options()})
 
 
-def load_hf_state(folder, progress: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(architecture, torchtitan-named state dict) of a Hugging Face folder."""
+def load_hf_state(folder, progress: bool = False, args: ModelArgs | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(architecture, torchtitan-named state dict) of a Hugging Face folder; the architecture is ``args`` when
+    given (a trainer's ``last_save_in_hf`` step folder has safetensors but no config.json), else config.json's."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{folder}/config.json cannot be read: {e}") from e
-    args = args_from_hf_config(cfg)
+    if args is None:
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{folder}/config.json cannot be read: {e}") from e
+        args = args_from_hf_config(cfg)
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else sorted(p.name for p in folder.glob("*.safetensors"))
@@ -375,43 +388,42 @@ def load_hf_state(folder, progress: bool = False) -> tuple[ModelArgs, dict[str, 
 
 def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.dtype = torch.float32,
             tokenizer_dir=None, progress: bool = False) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) atomically into ``folder``."""
+    """Write ``config.json`` + ``model.safetensors`` (+ the tokenizer files of ``tokenizer_dir`` when it has a
+    tokenizer.json) atomically into ``folder``, with ordinary permissions."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
     hf = {k: v.detach().to(dtype).contiguous().clone()
           for k, v in progress_bar(to_hf(sd, args).items(), "convert", progress)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with new_folder(folder) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
-        if tokenizer_dir is not None:
-            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                         "special_tokens_map.json", "generation_config.json"):
-                if (Path(tokenizer_dir) / name).is_file():
-                    shutil.copy(Path(tokenizer_dir) / name, tmp / name)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            save_tokenizer(tokenizer_dir, tmp)
+        if has_remote_code(args):
+            for name in REMOTE_CODE_FILES:
+                shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
 
 
 # ------------------------------------------------------------------------------------------ any folder
 
 def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False, **infer_kw):
-    """(format "dcp" | "hf", architecture, state dict) of a DCP step folder or an HF folder.
-    DCP architecture: ``args`` if given, else the sidecar, else inferred from shapes (``infer_kw``)."""
+    """(format "dcp" | "hf", architecture, state dict) of a DCP step folder or an HF folder (with config.json,
+    or safetensors only when ``args`` is given). DCP architecture: ``args`` if given, else the sidecar, else
+    inferred from shapes (``infer_kw``)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if is_hf_folder(path):
         a, sd = load_hf_state(path, progress)
         return "hf", args or a, sd
+    if args is not None and any(path.glob("*.safetensors")):  # checkpoint.last_save_in_hf
+        return "hf", *load_hf_state(path, progress, args)
     if is_dcp_folder(path):
         sd = load_dcp_state(path, progress)
         return "dcp", args or read_sidecar(path) or infer_args(sd, **infer_kw), sd
     raise CheckpointError(f"{path}: neither a DCP step folder (.metadata) nor a Hugging Face folder "
-                          "(config.json + *.safetensors)")
+                          "(config.json + *.safetensors; a step folder saved with checkpoint.last_save_in_hf "
+                          "needs its run's config.toml or --config)")
 
 
 def progress_bar(it, desc: str, enable: bool = True):
@@ -423,12 +435,80 @@ def progress_bar(it, desc: str, enable: bool = True):
     return tqdm(it, desc=desc, disable=not enable, leave=False)
 
 
-def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
-    """ModelArgs of a training TOML (+ ``--section.key value`` overrides), as the trainer builds them."""
-    from models.args import get_flavor
+def job_config(config_file, overrides: list[str] | None = None):
+    """The merged JobConfig of a training TOML (+ ``--section.key value`` overrides)."""
     from train import parse_config
 
-    cfg = parse_config(["--job.config_file", str(config_file), *(overrides or [])])
+    return parse_config(["--job.config_file", str(config_file), *(overrides or [])])
+
+
+def args_from_job_config(config_file, overrides: list[str] | None = None, cfg=None) -> ModelArgs:
+    """ModelArgs of a training TOML (+ ``--section.key value`` overrides), or of the parsed ``cfg``, as the
+    trainer builds them."""
+    from models.args import get_flavor
+
+    cfg = cfg or job_config(config_file, overrides)
     args = get_flavor(cfg.model.flavor)
     args.update_from_config(cfg)
     return args
+
+
+def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, **infer_kw):
+    """(format, architecture, state dict, JobConfig or None) of a resolved :class:`models.run_folder.Checkpoint`.
+
+    Architecture, first found: ``config_file`` (a TOML the user names), the run's ``config.toml``, the folder's
+    own record (HF config.json / DCP attnlab.json), the tensor shapes (``infer_kw``, softmax/Parallax only)."""
+    config_file = config_file or ckpt.config
+    cfg = job_config(config_file) if config_file else None
+    fmt, args, sd = load_checkpoint(ckpt.path, args_from_job_config(None, cfg=cfg) if cfg else None, progress,
+                                    **infer_kw)
+    return fmt, args, sd, cfg
+
+
+def tokenizer_folder(ckpt, cfg=None) -> Path | None:
+    """The tokenizer of a checkpoint: the run's ``tokenizer/`` or the HF folder's files, else the config's
+    ``model.hf_assets_path`` (the embedded default's cached tokenizer for "embedded"); None when there is none."""
+    if ckpt.tokenizer is not None:
+        return ckpt.tokenizer
+    if cfg is None:
+        return None
+    path = cfg.model.hf_assets_path
+    if path == "embedded":
+        from data.embedded import build_embedded
+
+        return build_embedded(cfg.data.cache_dir, cfg.data.embedded_vocab_size)
+    return Path(path) if (Path(path) / "tokenizer.json").is_file() else None
+
+
+# ----------------------------------------------------------------------------- torchtitan's adapter path
+
+class AttnLabStateDictAdapter(BaseStateDictAdapter):
+    """torchtitan ``BaseStateDictAdapter`` of the project's model (``TrainSpec.state_dict_adapter``): what
+    ``--checkpoint.last_save_in_hf`` and ``--checkpoint.initial_load_in_hf`` use, for every mechanism, with the
+    key maps of :func:`to_hf` / :func:`from_hf`.
+
+    ``fqn_to_index_mapping`` (which shard each HF tensor goes to) is read from ``hf_assets_path``'s
+    ``model.safetensors.index.json`` when it has one, else None (one consolidated file)."""
+
+    def __init__(self, model_args: ModelArgs, hf_assets_path: str | None):
+        self.model_args = model_args
+        path = hf_assets_path if hf_assets_path and Path(hf_assets_path).is_dir() else None
+        self.hf_assets_path = path
+        index = Path(path) / "model.safetensors.index.json" if path else None
+        self.fqn_to_index_mapping = None
+        if index is not None and index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.fqn_to_index_mapping = {k: int(re.search(r"\d+", v).group(0)) for k, v in weight_map.items()}
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return to_hf(state_dict, self.model_args)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return from_hf(hf_state_dict, self.model_args)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        if from_quantized:
+            raise CheckpointError("checkpoint.initial_load_in_hf_quantized: quantized HF checkpoints are not supported")
+        return HuggingFaceStorageReader(path)

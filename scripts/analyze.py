@@ -1,7 +1,9 @@
 """Parallax mechanism diagnostics of a trained checkpoint, per layer and head, on held-out text.
 
-    python -m scripts.analyze RUN_OR_STEP_DIR --data val.jsonl.gz [-o out/] [--rows 16 --seq-len 512]
-        [-- train.py flags of the run, e.g. --job.config_file configs/x.toml --model.attention parallax]
+    python -m scripts.analyze RUN_OR_STEP_DIR [--step N] --data val.jsonl.gz [-o out/] [--rows 16 --seq-len 512]
+        [-- train.py flags, only for runs without config.toml, e.g. --model.attention parallax]
+
+The model is rebuilt from the run's ``config.toml`` (and its ``tokenizer/``).
 
 Diagnostics (Parallax paper §4.3–4.4, eqs. 16–19), for a subset of query positions:
 
@@ -269,23 +271,31 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    own, train_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt", help="run folder (job.dump_folder) or DCP step folder")
+    from models.run_folder import TRAIN_FLAGS_HELP, add_checkpoint_arguments, resolve, split_train_flags
+
+    own, train_flags = split_train_flags(argv)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap, hf=False)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
     ap.add_argument("-o", "--out", default=None, help="output folder (default <run>/analysis)")
     ap.add_argument("--rows", type=int, default=16, help="documents analysed")
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=512, help="documents are truncated to this many tokens")
     ap.add_argument("--min-len", type=int, default=32, help="skip documents with fewer tokens")
     ap.add_argument("--queries", type=int, default=32, help="query positions per document")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-plots", action="store_true")
-    args, extra = ap.parse_known_args(own)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
+    args = ap.parse_args(own)
     from data.loader import build_tokenizer
     from models.checkpoint_io import checkpoint_step, load_model, run_dir_of
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    model, cfg, step_dir = load_model(args.ckpt, extra + train_flags, device=args.device)
+    try:
+        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)
+    ckpt.use_tokenizer(cfg)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)
     res = analyze(model, rows, args.queries)
     res.update(checkpoint=str(step_dir), step=checkpoint_step(step_dir), attention=cfg.model.attention,

@@ -509,7 +509,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T=4096 only; decode B in {1, 32} x L in {1k, 4k, 32k}")
     ap.add_argument("--only", default="", help="comma-separated column names (default: all available)")
-    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode table")
     ap.add_argument("--json", default="", help="also write the raw numbers here")
     ap.add_argument("--sweep", action="store_true",
                     help="wide autotune lists (PARALLAX_WIDE_TUNE=1) at T=4096 for our kernels, then a decode sweep")

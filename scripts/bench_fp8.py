@@ -98,7 +98,7 @@ def time_variant(shapes, tokens: int, recipe: str | None, profile: bool = False)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (rows of every GEMM)")
     ap.add_argument("--profile", action="store_true", help="also split each step's GPU time: GEMMs vs the rest")
     a = ap.parse_args()
     if a.profile:

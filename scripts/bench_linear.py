@@ -206,14 +206,16 @@ def run_row(mech, path, a, dtype):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--B", type=int, default=4)
-    p.add_argument("--T", type=int, default=4096)
-    p.add_argument("--H", type=int, default=16)
-    p.add_argument("--D", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--mechs", nargs="+", default=list(MECHS), choices=list(MECHS))
-    p.add_argument("--paths", nargs="+", default=["fla", "fla_hopper", "chunk"], choices=PATH_ORDER)
+    p.add_argument("--B", type=int, default=4, help="batch size")
+    p.add_argument("--T", type=int, default=4096, help="sequence length")
+    p.add_argument("--H", type=int, default=16, help="heads")
+    p.add_argument("--D", type=int, default=128, help="head dimension")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the inputs")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--mechs", nargs="+", default=list(MECHS), choices=list(MECHS), help="mechanisms to time")
+    p.add_argument("--paths", nargs="+", default=["fla", "fla_hopper", "chunk"], choices=PATH_ORDER,
+                   help="implementations to time")
     p.add_argument("--eager", action="store_true", help="also time the uncompiled chunk path")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for the chunk path's float32 matmuls")
     p.add_argument("--quick", action="store_true", help="3 warmup + 5 timed repetitions (default 5 + 20)")

@@ -85,11 +85,12 @@ def paths(mech, dev):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (and T=2048 unless --T is given)")
-    ap.add_argument("--B", type=int, default=4)
-    ap.add_argument("--T", type=int, default=None)
-    ap.add_argument("--H", type=int, default=16)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--only", default="softmax,gla,gated_linear,linear,fox,path")
+    ap.add_argument("--B", type=int, default=4, help="batch size")
+    ap.add_argument("--T", type=int, default=None, help="sequence length (default 4096)")
+    ap.add_argument("--H", type=int, default=16, help="heads")
+    ap.add_argument("--D", type=int, default=128, help="head dimension")
+    ap.add_argument("--only", default="softmax,gla,gated_linear,linear,fox,path",
+                    help="comma list of mechanisms to time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear_b.py needs CUDA")

@@ -152,8 +152,8 @@ def ptxas_report(tiles):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="T=4096 only, 8 CG iterations, two tiles")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per row")
     ap.add_argument("--profile", action="store_true", help="print each LLA row's GPU kernels (torch.profiler, "
                     "2 fwd+bwd calls)")
     ap.add_argument("--iters", default=None, help="comma list of CG iteration counts (default 8 with --quick, "

@@ -134,16 +134,17 @@ def bench_train_step(args) -> float | None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers, 5 iterations")
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--attention", default="parallax", choices=["softmax", "parallax"])
+    ap.add_argument("--layers", type=int, default=28, help="transformer layers of the benchmarked model")
+    ap.add_argument("--iters", type=int, default=20, help="timed optimizer steps")
+    ap.add_argument("--attention", default="parallax", choices=["softmax", "parallax"],
+                    help="attention of the benchmarked model")
     ap.add_argument("--ns", default="quintic", help="optimizer.muon_ns_coefficients")
-    ap.add_argument("--per-head", action="store_true")
+    ap.add_argument("--per-head", action="store_true", help="Muon per head (optimizer.muon_per_head)")
     ap.add_argument("--profile", action="store_true",
                     help="per optimizer: each part timed alone, a kernel table, a cProfile and the host enqueue time")
     ap.add_argument("--train-step", action="store_true", help="also time fwd+bwd of the 0.6B model")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch of --train-step")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length of --train-step")
     ap.add_argument("--global-batch", type=int, default=960,
                     help="sequences per optimizer step (the 0.6B configs: 960); the step's fwd+bwd is "
                          "global/batch times the measured one")

@@ -184,15 +184,16 @@ def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--rows", default="softmax,parallax,parallax_p64,gdn,stock")
-    ap.add_argument("--precisions", default="bf16,fp8")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--out", default="")
+    ap.add_argument("--data", required=True, help="training data (train.py's training.dataset_path)")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer folder (model.hf_assets_path)")
+    ap.add_argument("--rows", default="softmax,parallax,parallax_p64,gdn,stock",
+                    help="comma list of model rows to time")
+    ap.add_argument("--precisions", default="bf16,fp8", help="comma list of bf16/fp8")
+    ap.add_argument("--batch", type=int, default=2, help="local batch size")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length")
+    ap.add_argument("--steps", type=int, default=20, help="training steps per row")
+    ap.add_argument("--warmup", type=int, default=8, help="steps left out of the median")
+    ap.add_argument("--out", default="", help="also write the raw records (JSON) here")
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
                     help="config: each config's optimizer (Muon); adamw: AdamW on every row (stock uses AdamW)")
     ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")

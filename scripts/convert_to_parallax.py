@@ -1,16 +1,16 @@
 """Convert a softmax Transformer checkpoint into Parallax with W_R = 0 (exactly the same function).
 
-    python -m scripts.convert_to_parallax SRC DST [--layers 14-27 | --top-half] [--rho-gate --gate-bias B]
-                                          [--no-rope-on-rho]
+    python -m scripts.convert_to_parallax SRC DST [--step N] [--layers 14-27 | --top-half]
+                                          [--rho-gate --gate-bias B] [--no-rope-on-rho]
 
-SRC is a run's DCP step folder (``<dump>/checkpoint/step-N``) or a Hugging Face Qwen3 safetensors folder; DST
-is written in the same format. Each converted layer gets ``wr = 0`` (so ρ = RMSNorm(0) = 0 and Parallax
+SRC is a run folder (latest step, or ``--step N``), a DCP step folder (``<dump>/checkpoint/step-N``) or a
+Hugging Face Qwen3 safetensors folder; DST is written in the same format. Each converted layer gets ``wr = 0`` (so ρ = RMSNorm(0) = 0 and Parallax
 reduces to softmax attention, Parallax paper §5), ``r_norm`` weights 1 and, with ``--rho-gate``, a gate
 with zero weights and bias ``--gate-bias``. Before anything is written both models run on a fixed batch in
 float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
 
-A DCP folder records no architecture: it is read from the folder's ``attnlab.json`` when present, else
-inferred from tensor shapes (pass ``--rope-theta`` / ``--norm-eps`` when the run changed them). The DCP output
+A DCP folder records no architecture: it is read from the run's ``config.toml``, else the folder's
+``attnlab.json``, else inferred from tensor shapes (pass ``--rope-theta`` / ``--norm-eps`` when the run changed them). The DCP output
 is a model-only checkpoint for ``checkpoint.initial_load_path`` (see configs/convert_finetune_parallax.toml).
 """
 
@@ -23,77 +23,18 @@ from pathlib import Path
 
 import torch
 
-import attention
-from models.hf import CheckpointError, build_model, load_checkpoint, progress_bar, save_dcp_state, save_hf
+import warnings
 
-
-def parse_layers(spec: str, n_layers: int) -> list[int]:
-    """"14-27" / "0,2,5-7" -> sorted layer indices, each in [0, n_layers)."""
-    out = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            out.update(range(int(lo), int(hi if hi else lo) + 1))
-    except ValueError:
-        raise CheckpointError(f"--layers {spec!r}: expected ranges like '14-27' or '0,2,5-7'") from None
-    bad = sorted(i for i in out if not 0 <= i < n_layers)
-    if bad or not out:
-        raise CheckpointError(f"--layers {spec!r}: layers {bad or '(none)'} outside 0-{n_layers - 1}")
-    return sorted(out)
-
-
-def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False):
-    """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0. Every converted layer must be
-    softmax attention; other mechanisms stay as they are."""
-    mechs = args.layer_mechanisms()
-    not_softmax = [(i, mechs[i]) for i in layers if mechs[i] != "softmax"]
-    if not_softmax:
-        raise CheckpointError(f"layers {[i for i, _ in not_softmax]} are {sorted({m for _, m in not_softmax})}, "
-                              "not softmax attention; only softmax layers convert to Parallax")
-    sm = args.attention_options["softmax"]
-    popts = attention.get_mechanism("parallax").options(
-        window_size=sm.window_size, qk_norm=sm.qk_norm, rope_on_rho=rope_on_rho, rho_gate=rho_gate,
-        rho_gate_bias=gate_bias, wr_init="zero")
-    if "parallax" in args.attention_options:
-        old = args.attention_options["parallax"]
-        if (old.rope_on_rho, old.rho_gate, old.window_size, old.qk_norm) != (rope_on_rho, rho_gate, sm.window_size, sm.qk_norm):
-            raise CheckpointError("the source already has Parallax layers with different options "
-                                  f"({old}); convert with matching --rho-gate/--no-rope-on-rho")
-    new_mechs = ["parallax" if i in layers else m for i, m in enumerate(mechs)]
-    import dataclasses
-    new_args = dataclasses.replace(args, attention=new_mechs[0],
-                                   layer_pattern=new_mechs if len(set(new_mechs)) > 1 else [],
-                                   attention_options={**{k: v for k, v in args.attention_options.items()
-                                                         if k in set(new_mechs)}, "parallax": popts})
-    if "softmax" not in new_mechs:
-        new_args.attention_options.pop("softmax", None)
-    out = dict(sd)
-    HD, dim = args.n_heads * args.head_dim, args.dim
-    for i in progress_bar(layers, "convert", progress):
-        p = f"layers.{i}.attention."
-        dtype = sd[f"{p}wq.weight"].dtype
-        out[f"{p}wr.weight"] = torch.zeros(HD, dim, dtype=dtype)
-        out[f"{p}r_norm.weight"] = torch.ones(args.head_dim, dtype=dtype)
-        if rho_gate:
-            out[f"{p}r_gate.weight"] = torch.zeros(args.n_heads, dim, dtype=dtype)
-            out[f"{p}r_gate.bias"] = torch.full((args.n_heads,), float(gate_bias), dtype=dtype)
-    return new_args, out
-
-
-@torch.no_grad()
-def max_logit_diff(args_a, sd_a, args_b, sd_b, seq_len: int = 32, batch: int = 2, seed: int = 0) -> float:
-    """max |logits_a − logits_b| of the two models on one fixed random batch, float32."""
-    fp32 = lambda sd: {k: v.float() for k, v in sd.items()}  # noqa: E731
-    a = build_model(args_a, fp32(sd_a))
-    b = build_model(args_b, fp32(sd_b))
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, args_a.vocab_size, (batch, min(seq_len, args_a.max_seq_len)), generator=g)
-    return (a(tokens) - b(tokens)).abs().max().item()
+from models.convert import convert_state, max_logit_diff, parse_layers
+from models.hf import CheckpointError, save_dcp_state, save_hf
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", help="DCP step folder or Hugging Face Qwen3 folder (softmax Transformer)")
+    from models.hf import load_tool_checkpoint
+    from models.run_folder import add_checkpoint_arguments, resolve
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap, "src")
     ap.add_argument("dst", help="output folder (same format as SRC); must not exist")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--layers", help="layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
@@ -104,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
     ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
     progress = not a.no_progress
     try:
@@ -113,7 +54,8 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{dst} already exists; choose a new destination")
         if not dst.parent.is_dir():
             raise CheckpointError(f"{dst.parent} does not exist")
-        fmt, args, sd = load_checkpoint(a.src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
+        src = resolve(a.src, a.step)
+        fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
         if a.top_half:
             layers = list(range(args.n_layers // 2, args.n_layers))
         elif a.layers:
@@ -129,8 +71,8 @@ def main(argv=None) -> int:
             save_dcp_state(new_sd, dst, new_args)
         else:
             dtype = next(iter(sd.values())).dtype
-            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=a.src, progress=progress)
-    except CheckpointError as e:
+            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=src.path, progress=progress)
+    except (CheckpointError, FileNotFoundError) as e:
         print(f"convert_to_parallax: error: {e}", file=sys.stderr)
         return 2
     pattern = new_args.layer_mechanisms()

@@ -1,7 +1,10 @@
 """Perplexity of a checkpoint on a local or hub text set, packed exactly as the trainer's validation packs it.
 
-    python -m scripts.eval_ppl RUN_OR_STEP_DIR --data val.jsonl.gz [--seq-len 512 --batch-size 8 --max-rows 0]
-        [-o ppl.json] [-- train.py flags of the run, e.g. --job.config_file configs/x.toml]
+    python -m scripts.eval_ppl RUN_OR_STEP_DIR [--step N] --data val.jsonl.gz [--seq-len 512 --batch-size 8]
+        [--max-rows 0] [-o ppl.json] [-- train.py flags, only for runs without config.toml]
+
+The model is rebuilt from the run's ``config.toml`` (and its ``tokenizer/``), so it is the architecture that
+was trained; a checkpoint whose tensors do not fit it is an error.
 
 Documents are tokenized with BOS/EOS and packed into rows of ``seq_len + 1`` tokens (``data.loader.
 PackedTextDataset``); with ``model.attn_mask_type = "block_causal"`` documents in a row do not see each other.
@@ -73,24 +76,32 @@ def evaluate(model, rows, batch_size: int, max_rows: int = 0, device="cpu", prog
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    own, train_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt", help="run folder (job.dump_folder) or DCP step folder")
+    from models.run_folder import TRAIN_FLAGS_HELP, add_checkpoint_arguments, resolve, split_train_flags
+
+    own, train_flags = split_train_flags(argv)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap, hf=False)
     ap.add_argument("--data", required=True, help="local file/folder/glob (.jsonl/.parquet/.txt[.gz]) or hub dataset")
     ap.add_argument("--seq-len", type=int, default=0, help="0 = the run's validation.seq_len")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     ap.add_argument("--max-rows", type=int, default=0, help="evaluate at most this many rows (0 = all)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("-o", "--out", default=None, help="also write the JSON here")
-    ap.add_argument("--no-progress", action="store_true")
-    args, extra = ap.parse_known_args(own)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(own)
     from data.loader import build_tokenizer
     from models.checkpoint_io import checkpoint_step, load_model
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    model, cfg, step_dir = load_model(args.ckpt, extra + train_flags, device=args.device, dtype=getattr(torch, args.dtype))
+    try:
+        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device, dtype=getattr(torch, args.dtype))
     seq_len = args.seq_len or cfg.validation.seq_len
+    ckpt.use_tokenizer(cfg)
     rows = packed_rows(args.data, cfg, build_tokenizer(cfg), seq_len)
     res = evaluate(model, rows, args.batch_size, args.max_rows, args.device, not args.no_progress)
     res.update(checkpoint=str(step_dir), step=checkpoint_step(step_dir), data=args.data, seq_len=seq_len,

@@ -1,12 +1,17 @@
 """Export a checkpoint to a Hugging Face folder (config.json + model.safetensors + tokenizer files).
 
-    python -m scripts.export_hf CKPT DST [--config run.toml] [--dtype bfloat16] [--tokenizer DIR]
+    python -m scripts.export_hf CKPT DST [--step N] [--config run.toml] [--dtype bfloat16] [--tokenizer DIR]
 
-CKPT is a DCP step folder (architecture from ``--config``, its ``attnlab.json``, or inferred from shapes for
-softmax/Parallax) or an HF folder. An all-softmax Qwen3 model becomes a plain ``Qwen3ForCausalLM`` folder that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits; other mechanisms add their own
-tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in config.json, read back exactly by
-``models.hf.load_checkpoint`` (scripts/generate.py and scripts/convert_to_parallax.py accept such folders).
+CKPT is a run folder (latest step, or ``--step N``), a ``checkpoint/step-N`` folder or an HF folder. The
+architecture comes from ``--config`` (a training TOML), else the run's ``config.toml``, else the folder's
+``attnlab.json``, else the tensor shapes (softmax/Parallax). The tokenizer copied is ``--tokenizer``, else the
+run's ``tokenizer/`` or the config's ``model.hf_assets_path``. An all-softmax Qwen3 model becomes a plain
+``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
+other mechanisms add their own tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in
+config.json, read back exactly by ``models.hf.load_checkpoint`` (scripts/generate.py and
+scripts/convert_to_parallax.py accept such folders). Softmax-with-options and Parallax folders also carry a
+standalone remote-code model: ``AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True)`` loads them
+(and so does lm-eval's ``hf`` model with ``trust_remote_code=True``).
 """
 
 from __future__ import annotations
@@ -18,32 +23,41 @@ from pathlib import Path
 
 import torch
 
-from models.hf import CheckpointError, args_from_job_config, build_model, is_plain_qwen3, load_checkpoint, save_hf
+import torch
+
+from models.hf import CheckpointError, build_model, has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, \
+    tokenizer_folder
+from models.run_folder import add_checkpoint_arguments, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap)
     ap.add_argument("dst", help="output folder; must not exist")
-    ap.add_argument("--config", help="training TOML of the run (architecture of a DCP checkpoint)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--tokenizer", help="folder with tokenizer.json etc. to copy (default: the config's hf_assets_path)")
-    a, overrides = ap.parse_known_args(argv)
+    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the written tensors")
+    ap.add_argument("--tokenizer", help="folder with tokenizer.json etc. to copy (default: the run's tokenizer, "
+                                        "else the config's model.hf_assets_path)")
+    a = ap.parse_args(argv)
     try:
         if Path(a.dst).exists():
             raise CheckpointError(f"{a.dst} already exists; choose a new destination")
-        args = args_from_job_config(a.config, overrides) if a.config else None
-        fmt, args, sd = load_checkpoint(a.ckpt, args, progress=True)
+        if a.tokenizer and not (Path(a.tokenizer) / "tokenizer.json").is_file():
+            raise CheckpointError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
+        ckpt = resolve(a.ckpt, a.step)
+        fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config, progress=True)
         build_model(args, {k: v.float() for k, v in sd.items()})  # validates names and shapes before writing
-        tok = a.tokenizer or (a.ckpt if fmt == "hf" else None)
+        tok = a.tokenizer or tokenizer_folder(ckpt, cfg)
         save_hf(sd, args, a.dst, DTYPES[a.dtype], tokenizer_dir=tok, progress=True)
-    except CheckpointError as e:
+    except (CheckpointError, FileNotFoundError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
-    kind = "Qwen3ForCausalLM (transformers-loadable)" if is_plain_qwen3(args) else f"attnlab {sorted(set(args.layer_mechanisms()))}"
-    print(f"wrote {a.dst}: {kind}, {a.dtype}")
+    kind = ("Qwen3ForCausalLM (transformers-loadable)" if is_plain_qwen3(args) else
+            f"attnlab {sorted(set(args.layer_mechanisms()))}"
+            + (" (transformers-loadable with trust_remote_code=True)" if has_remote_code(args) else ""))
+    print(f"wrote {a.dst}: {kind}, {a.dtype}, tokenizer {'from ' + str(tok) if tok else 'none'}")
     return 0
 
 

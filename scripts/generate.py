@@ -1,13 +1,15 @@
 """Generate text from a checkpoint with the decode caches (KV cache for softmax/Parallax, recurrent states for
 the linear family), printing the text and tokens/s.
 
-    python -m scripts.generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--temperature 0.8]
-                               [--top-k 50] [--top-p 0.95] [--greedy] [--config run.toml] [--tokenizer DIR]
+    python -m scripts.generate CKPT [--step N] --prompt "Once upon a time" [--max-new-tokens 64]
+                               [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--greedy] [--tokenizer DIR]
 
-CKPT: an HF folder (scripts/export_hf.py or a Qwen3 download) or a DCP step folder (architecture from
-``--config`` — the run's TOML, extra ``--section.key value`` pass through — its attnlab.json, or inferred from
-shapes for softmax/Parallax). Tokenizer: ``--tokenizer DIR`` with tokenizer.json (default: the HF folder, or
-the config's ``model.hf_assets_path``); ``--tokenizer ids`` reads the prompt as space-separated token ids.
+CKPT: a run folder (latest step, or ``--step N``), a ``checkpoint/step-N`` folder, or an HF folder
+(scripts/export_hf.py or a Qwen3 download). Architecture: ``--config`` (a training TOML), else the run's
+``config.toml``, else the folder's own record (HF config.json / attnlab.json), else inferred from shapes for
+softmax/Parallax. Tokenizer: ``--tokenizer DIR`` with tokenizer.json (default: the run's ``tokenizer/``, the HF
+folder, or the config's ``model.hf_assets_path``); ``--tokenizer ids`` reads the prompt as space-separated
+token ids.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from pathlib import Path
 
 import torch
 
+import torch
+
 from models.decode import generate
-from models.hf import CheckpointError, args_from_job_config, build_model, load_checkpoint
+from models.hf import CheckpointError, build_model, load_tool_checkpoint, tokenizer_folder
+from models.run_folder import add_checkpoint_arguments, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,35 +59,32 @@ class _Tok:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ckpt")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap)
+    ap.add_argument("--prompt", required=True, help="text to continue (token ids with --tokenizer ids)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated after the prompt")
+    ap.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of sampling")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     ap.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-k/top-p)")
     ap.add_argument("--num-samples", type=int, default=1, help="sequences generated in parallel from the prompt")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--config", help="training TOML of the run (architecture of a DCP checkpoint)")
-    ap.add_argument("--tokenizer", help="folder with tokenizer.json, or 'ids'")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("--tokenizer", help="folder with tokenizer.json, or 'ids' (default: the run's tokenizer)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--impl", help="override [attention] impl (auto picks the Triton decode kernel on CUDA)")
-    a, overrides = ap.parse_known_args(argv)
+    a = ap.parse_args(argv)
     try:
-        args = args_from_job_config(a.config, overrides) if a.config else None
-        fmt, args, sd = load_checkpoint(a.ckpt, args)
+        ckpt = resolve(a.ckpt, a.step)
+        fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config)
         if a.impl:
             args.attn_impl = a.impl
-        tok_dir = a.tokenizer or (a.ckpt if fmt == "hf" else None)
-        if tok_dir is None and a.config:
-            from train import parse_config
-
-            tok_dir = parse_config(["--job.config_file", a.config, *overrides]).model.hf_assets_path
-        tok = _Tok(tok_dir if tok_dir != "embedded" else None)
-        if tok_dir is None or tok_dir == "embedded":
-            raise CheckpointError("no tokenizer: pass --tokenizer DIR (with tokenizer.json) or --tokenizer ids")
+        tok_dir = a.tokenizer or tokenizer_folder(ckpt, cfg)
+        if tok_dir is None:
+            raise CheckpointError("no tokenizer: the checkpoint has none; pass --tokenizer DIR (with tokenizer.json) "
+                                  "or --tokenizer ids")
+        tok = _Tok(str(tok_dir))
         dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
         model = build_model(args, {k: v.float() for k, v in sd.items()}, device=a.device, dtype=dtype)
         ids = tok.encode(a.prompt)
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
             raise CheckpointError("the prompt encodes to no tokens")
         if max(ids) >= args.vocab_size:
             raise CheckpointError(f"prompt token {max(ids)} is outside the model's vocabulary ({args.vocab_size})")
-    except CheckpointError as e:
+    except (CheckpointError, FileNotFoundError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     prompt = torch.tensor([ids] * a.num_samples, device=a.device)

@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo)")
     ap.add_argument("--nprocs", default="", help="comma list; default 1,2,4 (cuda) / 1,2 (cpu)")
     ap.add_argument("--resume", default="", help="a:b pairs, e.g. 4:2,2:4,4:1; default 4:2,2:4,4:1 (cuda) / 2:1 (cpu)")
     ap.add_argument("--steps", type=int, default=0, help="default 12 (cuda) / 4 (cpu); resume at steps/2")
-    ap.add_argument("--flavor", default="debug")
-    ap.add_argument("--attention", default="parallax")
-    ap.add_argument("--optimizer", default="muon")
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--flavor", default="debug", help="model.flavor")
+    ap.add_argument("--attention", default="parallax", help="model.attention")
+    ap.add_argument("--optimizer", default="muon", help="optimizer.name")
+    ap.add_argument("--lr", type=float, default=5e-3, help="optimizer.lr")
     ap.add_argument("--seq", type=int, default=0, help="default 256 (cuda) / 16 (cpu)")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step; default 16 (cuda) / 4 (cpu)")
     ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (default 64 with the synthetic corpus)")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="", help="tokenizer folder for --data")
     ap.add_argument("--tol", type=float, default=0.0, help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="work folder (default: a temporary folder)")
     args = ap.parse_args(argv)
     args.extra = extra
     cuda = args.device == "cuda"

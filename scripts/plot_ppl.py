@@ -1,21 +1,32 @@
 """Plot train and validation perplexity of several runs on one figure.
 
-    python -m scripts.plot_ppl RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9]
+    python -m scripts.plot_ppl RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9] [--x tokens]
+                               [--skip 50]
 
 Each RUN_DIR is a run's ``job.dump_folder`` holding ``metrics.jsonl`` (written by the trainer). Runs are
-labelled by folder name unless ``--labels`` is given; training curves are drawn solid (optionally EMA-smoothed),
-validation points dashed with markers, in the same colour per run.
+labelled by folder name unless ``--labels`` is given; training curves are drawn solid, validation points dashed
+with markers, in the same colour per run.
+
+Smoothing (``--smooth β``) is an exponential moving average of the *loss*, debiased as in Adam
+(``m_t = β m_{t-1} + (1-β) loss_t``, plotted ``exp(m_t / (1 - β^t))``): averaging perplexities would let a few
+high-loss steps dominate (ppl is convex in the loss), and the undebiased average starts at 0. ``--x tokens``
+plots against tokens seen: a record's ``tokens`` field when the trainer wrote one, else step × the tokens per
+step of the run's ``config.toml`` (``training.global_batch_size`` × ``training.seq_len``), or
+``--tokens-per-step``. ``--skip N`` leaves out steps ≤ N (the first steps' perplexity dwarfs the rest).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 
-def load(run_dir: str) -> tuple[dict[int, float], dict[int, float]]:
+def load(run_dir: str) -> tuple[dict[int, dict], dict[int, float]]:
+    """({step: training record}, {step: validation loss}) of a run; after a resume the later record of a step
+    wins."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         sys.exit(f"{run_dir}: no metrics.jsonl (is it a run's job.dump_folder?)")
@@ -23,33 +34,65 @@ def load(run_dir: str) -> tuple[dict[int, float], dict[int, float]]:
     with open(path) as f:
         for line in f:
             r = json.loads(line)
-            if "ppl" in r:
-                train[r["step"]] = r["ppl"]  # after a resume the later record of a step wins
-            if "val_ppl" in r:
-                val[r["step"]] = r["val_ppl"]
+            if "loss" in r:
+                train[r["step"]] = r
+            if "val_loss" in r:
+                val[r["step"]] = r["val_loss"]
     if not train and not val:
-        sys.exit(f"{path}: no perplexity records")
+        sys.exit(f"{path}: no loss records")
     return train, val
 
 
-def ema(values: list[float], alpha: float) -> list[float]:
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else alpha * acc + (1 - alpha) * v
-        out.append(acc)
+def debiased_ema(values: list[float], beta: float) -> list[float]:
+    """Exponential moving average with Adam's bias correction: the t-th output (1-based) is
+    ``m_t / (1 - β^t)``, so a constant series stays constant and the first output is the first value."""
+    if not 0 <= beta < 1:
+        raise ValueError(f"smoothing factor {beta} must be in [0, 1)")
+    out, m = [], 0.0
+    for t, v in enumerate(values, 1):
+        m = beta * m + (1 - beta) * v
+        out.append(m / (1 - beta**t))
     return out
+
+
+def tokens_per_step(run_dir: str, override: int = 0) -> int:
+    """Tokens of one optimizer step: ``override``, else ``global_batch_size × seq_len`` of the run's config.toml."""
+    if override:
+        return override
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(path):
+        sys.exit(f"{run_dir}: no config.toml to read the tokens per step from; pass --tokens-per-step")
+    with open(path, "rb") as f:
+        training = tomllib.load(f).get("training", {})
+    batch, seq = training.get("global_batch_size", -1), training.get("seq_len", 0)
+    if batch is None or batch <= 0 or not seq:
+        sys.exit(f"{path}: training.global_batch_size is {batch} (set by the data-parallel size at run time); "
+                 "pass --tokens-per-step")
+    return batch * seq
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+")
-    ap.add_argument("-o", "--output", default="ppl.png")
+    ap.add_argument("runs", nargs="+", help="run folders (job.dump_folder) holding metrics.jsonl")
+    ap.add_argument("-o", "--output", default="ppl.png", help="PNG to write")
     ap.add_argument("--labels", default="", help="comma-separated labels, one per run")
-    ap.add_argument("--smooth", type=float, default=0.0, help="EMA factor for training curves (0 = none)")
+    ap.add_argument("--smooth", type=float, default=0.0,
+                    help="debiased EMA factor β in [0, 1) for the training loss (0 = none)")
+    ap.add_argument("--x", choices=("step", "tokens"), default="step", help="horizontal axis")
+    ap.add_argument("--skip", type=int, default=0, help="leave out steps <= N")
+    ap.add_argument("--tokens-per-step", type=int, default=0,
+                    help="tokens per step for --x tokens (default: from each run's config.toml)")
     args = ap.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(r)) for r in args.runs]
     if len(labels) != len(args.runs):
         sys.exit(f"--labels has {len(labels)} entries for {len(args.runs)} runs")
+    if not 0 <= args.smooth < 1:
+        sys.exit(f"--smooth {args.smooth}: must be in [0, 1)")
 
     import matplotlib
 
@@ -59,15 +102,26 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (run, label) in enumerate(zip(args.runs, labels)):
         train, val = load(run)
+        need_config = args.x == "tokens" and not all("tokens" in r for r in train.values())
+        per_step = tokens_per_step(run, args.tokens_per_step) if need_config else 0
+
+        def x_of(step: int) -> float:
+            if args.x == "step":
+                return step
+            return train[step]["tokens"] if step in train and "tokens" in train[step] else step * per_step
+
         color = f"C{i}"
-        if train:
-            steps = sorted(train)
-            ax.plot(steps, ema([train[s] for s in steps], args.smooth), color=color, label=f"{label} train")
-        if val:
-            steps = sorted(val)
-            ax.plot(steps, [val[s] for s in steps], "o--", color=color, label=f"{label} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("perplexity")
+        steps = [s for s in sorted(train) if s > args.skip]
+        if steps:
+            smooth = debiased_ema([train[s]["loss"] for s in steps], args.smooth)
+            ax.plot([x_of(s) for s in steps], [math.exp(min(v, 50.0)) for v in smooth], color=color,
+                    label=f"{label} train")
+        steps = [s for s in sorted(val) if s > args.skip]
+        if steps:
+            ax.plot([x_of(s) for s in steps], [math.exp(min(val[s], 50.0)) for s in steps], "o--", color=color,
+                    label=f"{label} val")
+    ax.set_xlabel("tokens" if args.x == "tokens" else "step")
+    ax.set_ylabel("perplexity" + (f" (train: debiased EMA of the loss, β={args.smooth:g})" if args.smooth else ""))
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

@@ -68,10 +68,11 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, default=4096)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--B", type=int, default=4)
-    ap.add_argument("--columns", default="ours-parallax,ours-softmax,sdpa-cudnn")
+    ap.add_argument("--T", type=int, default=4096, help="sequence length")
+    ap.add_argument("--D", type=int, default=128, help="head dimension")
+    ap.add_argument("--B", type=int, default=4, help="batch size")
+    ap.add_argument("--columns", default="ours-parallax,ours-softmax,sdpa-cudnn",
+                    help="comma list of implementations to profile")
     ap.add_argument("--torch-profiler", action="store_true", help="print torch.profiler kernel times instead")
     ap.add_argument("--spills", action="store_true", help="offline ptxas register/spill report, no GPU needed")
     ap.add_argument("--kernels", default="fwd,dq,dkv", help="for --spills")

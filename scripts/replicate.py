@@ -78,29 +78,14 @@ def mechanism(name: str) -> str:
 def train_tokenizer(corpus: str, out: str, vocab: int, n_docs: int) -> str:
     """Byte-level BPE with <|bos|>/<|eos|> trained on the first ``n_docs`` training documents (cached)."""
     import gzip
+    import itertools
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from data.embedded import train_bpe
 
     if os.path.isfile(os.path.join(out, "tokenizer.json")):
         return out
-    os.makedirs(out, exist_ok=True)
-
-    def texts():
-        with gzip.open(os.path.join(corpus, "train-00.jsonl.gz"), "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i >= n_docs:
-                    return
-                yield json.loads(line)["text"]
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts(), trainer)
-    tok.save(os.path.join(out, "tokenizer.json"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}, f)
+    with gzip.open(os.path.join(corpus, "train-00.jsonl.gz"), "rt", encoding="utf-8") as f:
+        train_bpe((json.loads(line)["text"] for line in itertools.islice(f, n_docs)), vocab, out, show_progress=False)
     return out
 
 
@@ -194,7 +179,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", required=True,
                     help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used)")
-    ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"))
+    ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"),
+                    help="folder of the runs, plots and summary")
     ap.add_argument("--runs", default="all", help=f"comma-separated subset of {list(RUNS)}")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="total wall seconds for everything: sets the steps per run (0 = use --steps)")
@@ -202,19 +188,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--calib-steps", type=int, default=20, help="steps of each calibration run (--budget-s)")
     ap.add_argument("--steps", type=int, default=300, help="steps per run without --budget-s")
     ap.add_argument("--max-steps", type=int, default=100000, help="cap on the budgeted steps")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--flavor", default="repl-68M")
-    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=64, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=1024, help="training sequence length")
+    ap.add_argument("--flavor", default="repl-68M", help="model.flavor of every run")
+    ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size of the trained tokenizer")
     ap.add_argument("--tokenizer", default="", help="reuse this tokenizer folder instead of training one")
-    ap.add_argument("--tokenizer-docs", type=int, default=5000)
+    ap.add_argument("--tokenizer-docs", type=int, default=5000, help="corpus documents the tokenizer is trained on")
     ap.add_argument("--val-tokens", type=int, default=0,
                     help="validation tokens, rounded down to full batches (0 = the whole val file)")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto = on CUDA)")
     ap.add_argument("--workers", type=int, default=1, help="data-loader worker processes (tokenization)")
     ap.add_argument("--cache-dir", default="/tmp/repl_compile_cache", help="shared inductor/Triton cache")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run at most")
-    ap.add_argument("--no-analyze", action="store_true")
+    ap.add_argument("--no-analyze", action="store_true", help="skip analyze.py on the finished runs")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep <run>/checkpoint (large) after the analyses")
     ap.add_argument("--fresh", action="store_true", help="retrain runs that already finished in --out")
     ap.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")

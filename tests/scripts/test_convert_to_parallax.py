@@ -120,7 +120,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     _fails(capsys, bad, match="corrupt", dst=tmp_path / "o1")
     # not a checkpoint at all
     (tmp_path / "empty").mkdir()
-    _fails(capsys, tmp_path / "empty", match="neither a DCP step folder", dst=tmp_path / "o2")
+    _fails(capsys, tmp_path / "empty", match="not a checkpoint folder", dst=tmp_path / "o2")
     # already Parallax: nothing to convert
     px = tmp_path / "px"
     assert _convert(src, px) == 0

@@ -195,3 +195,40 @@ def test_softmax_learns_in_context_recall():
     spec = synthetic.TaskSpec(vocab=8, seq_len=24)  # 4 keys, 4 values: chance = 0.25
     r = synthetic.train_task("recall", "softmax", spec, steps=40, batch=16, lr=2e-2, eval_batch=64)
     assert r["acc"] > 0.5, r
+
+
+def _with_config_toml(run, corpus, tmp_path):
+    """A copy of ``run`` holding the config.toml and tokenizer/ a run leaves (``write_run_files``), written
+    from the run's own flags."""
+    import shutil
+
+    from models.hf import job_config
+    from models.run_folder import write_run_files
+    from tests.utils import tiny_args
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    argv = tiny_args(corpus, copy, 3, 16, 2, "--model.attention", "parallax", "--checkpoint.interval", "3")
+    write_run_files(copy, job_config(argv[1], argv[2:]), corpus["tokenizer"])
+    return copy
+
+
+def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, corpus, tmp_path):
+    """Without any training flag a Parallax run is evaluated as Parallax (it was silently built as softmax)."""
+    run = _with_config_toml(parallax_run, corpus, tmp_path)
+    explicit = eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4",
+                              "--no-progress", "--", *_flags(corpus, "parallax")])
+    res = eval_ppl.main([str(run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4", "--no-progress"])
+    assert res["attention"] == "parallax" and res["loss"] == explicit["loss"]
+    assert res["checkpoint"].endswith("step-3") and res["step"] == 3
+    res = eval_ppl.main([str(run / "checkpoint" / "step-3"), "--data", corpus["val"], "--max-rows", "2",
+                         "--no-progress"])  # a step folder finds its run's config too
+    assert res["attention"] == "parallax"
+    out = analyze.main([str(run), "--step", "3", "--data", corpus["val"], "--seq-len", "16", "--min-len", "8",
+                        "--rows", "2", "--queries", "4", "-o", str(tmp_path / "an"), "--no-plots"])
+    assert out["attention"] == "parallax" and "cor" in out["layers"][0]["activations"]
+    with pytest.raises(SystemExit):
+        eval_ppl.main([str(run), "--step", "7", "--data", corpus["val"]])  # no step-7: one clear error
+    with pytest.raises(SystemExit) as e:
+        eval_ppl.main([str(run), "--data", corpus["val"], "--model.attention", "softmax"])  # unknown flag
+    assert e.value.code == 2

@@ -1,0 +1,75 @@
+"""softmax → Parallax conversion with W_R = 0 (spec ``parallax.md`` §1): with ρ = RMSNorm(0) = 0 Parallax reduces
+to softmax attention, so the converted model computes exactly the same function. Used by
+scripts/convert_to_parallax.py and scripts/import_hf.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import attention
+from models.hf import CheckpointError, build_model, progress_bar
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """"14-27" / "0,2,5-7" -> sorted layer indices, each in [0, n_layers)."""
+    out = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi if hi else lo) + 1))
+    except ValueError:
+        raise CheckpointError(f"--layers {spec!r}: expected ranges like '14-27' or '0,2,5-7'") from None
+    bad = sorted(i for i in out if not 0 <= i < n_layers)
+    if bad or not out:
+        raise CheckpointError(f"--layers {spec!r}: layers {bad or '(none)'} outside 0-{n_layers - 1}")
+    return sorted(out)
+
+
+def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False):
+    """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0. Every converted layer must be
+    softmax attention; other mechanisms stay as they are."""
+    mechs = args.layer_mechanisms()
+    not_softmax = [(i, mechs[i]) for i in layers if mechs[i] != "softmax"]
+    if not_softmax:
+        raise CheckpointError(f"layers {[i for i, _ in not_softmax]} are {sorted({m for _, m in not_softmax})}, "
+                              "not softmax attention; only softmax layers convert to Parallax")
+    sm = args.attention_options["softmax"]
+    popts = attention.get_mechanism("parallax").options(
+        window_size=sm.window_size, qk_norm=sm.qk_norm, rope_on_rho=rope_on_rho, rho_gate=rho_gate,
+        rho_gate_bias=gate_bias, wr_init="zero")
+    if "parallax" in args.attention_options:
+        old = args.attention_options["parallax"]
+        if (old.rope_on_rho, old.rho_gate, old.window_size, old.qk_norm) != (rope_on_rho, rho_gate, sm.window_size, sm.qk_norm):
+            raise CheckpointError("the source already has Parallax layers with different options "
+                                  f"({old}); convert with matching --rho-gate/--no-rope-on-rho")
+    new_mechs = ["parallax" if i in layers else m for i, m in enumerate(mechs)]
+    new_args = dataclasses.replace(args, attention=new_mechs[0],
+                                   layer_pattern=new_mechs if len(set(new_mechs)) > 1 else [],
+                                   attention_options={**{k: v for k, v in args.attention_options.items()
+                                                         if k in set(new_mechs)}, "parallax": popts})
+    if "softmax" not in new_mechs:
+        new_args.attention_options.pop("softmax", None)
+    out = dict(sd)
+    HD, dim = args.n_heads * args.head_dim, args.dim
+    for i in progress_bar(layers, "convert", progress):
+        p = f"layers.{i}.attention."
+        dtype = sd[f"{p}wq.weight"].dtype
+        out[f"{p}wr.weight"] = torch.zeros(HD, dim, dtype=dtype)
+        out[f"{p}r_norm.weight"] = torch.ones(args.head_dim, dtype=dtype)
+        if rho_gate:
+            out[f"{p}r_gate.weight"] = torch.zeros(args.n_heads, dim, dtype=dtype)
+            out[f"{p}r_gate.bias"] = torch.full((args.n_heads,), float(gate_bias), dtype=dtype)
+    return new_args, out
+
+
+@torch.no_grad()
+def max_logit_diff(args_a, sd_a, args_b, sd_b, seq_len: int = 32, batch: int = 2, seed: int = 0) -> float:
+    """max |logits_a − logits_b| of the two models on one fixed random batch, float32."""
+    fp32 = lambda sd: {k: v.float() for k, v in sd.items()}  # noqa: E731
+    a = build_model(args_a, fp32(sd_a))
+    b = build_model(args_b, fp32(sd_b))
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args_a.vocab_size, (batch, min(seq_len, args_a.max_seq_len)), generator=g)
+    return (a(tokens) - b(tokens)).abs().max().item()

@@ -1,0 +1,207 @@
+"""Run folders, step folders and Hugging Face folders: how every offline tool finds a checkpoint, the
+configuration it was trained with and its tokenizer.
+
+A run folder (``job.dump_folder``) is laid out as::
+
+    <run>/config.toml           the resolved training configuration, all sections (:func:`write_run_files`)
+    <run>/tokenizer/            the tokenizer the run trained with (tokenizer.json, tokenizer_config.json)
+    <run>/checkpoint/step-N/    DCP checkpoints
+    <run>/train_args.json       older runs: the train.py argv (scripts/replicate.py)
+
+Every tool script takes one positional ``CKPT`` (a run folder, a ``step-N`` folder or a Hugging Face folder)
+and ``--step N`` (default: the latest step of a run folder), through :func:`add_checkpoint_arguments` and
+:func:`resolve`. The model is rebuilt from ``<run>/config.toml`` when it exists, so a Parallax run is evaluated
+as Parallax without repeating its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_FILE = "config.toml"
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "generation_config.json")
+"""Files of a Hugging Face tokenizer folder that are copied along (the ones present)."""
+
+
+@dataclass
+class Checkpoint:
+    """Where a tool's ``CKPT`` argument points.
+
+    ``path``: the DCP step folder or Hugging Face folder holding the weights; ``run``: the run folder it belongs
+    to (None for a folder outside a run, e.g. an export); ``step``: N of ``step-N`` (None otherwise)."""
+
+    path: Path
+    run: Path | None
+    step: int | None
+
+    @property
+    def config(self) -> Path | None:
+        """``<run>/config.toml`` when the run has one."""
+        p = self.run / CONFIG_FILE if self.run is not None else None
+        return p if p is not None and p.is_file() else None
+
+    @property
+    def tokenizer(self) -> Path | None:
+        """The folder with the tokenizer of these weights: ``<run>/tokenizer``, or the HF folder itself."""
+        for d in ([self.run / TOKENIZER_DIR] if self.run is not None else []) + [self.path]:
+            if (d / "tokenizer.json").is_file():
+                return d
+        return None
+
+    def config_argv(self, extra: list[str] | None = None) -> list[str]:
+        """train.py argv that rebuilds this run's configuration: ``--job.config_file <run>/config.toml`` plus
+        ``extra`` overrides; just ``extra`` when the run has no config.toml (the loader's older fallbacks)."""
+        extra = list(extra or [])
+        if self.config is None or any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in extra):
+            return extra
+        return ["--job.config_file", str(self.config), *extra]
+
+    def use_tokenizer(self, cfg) -> None:
+        """Point ``cfg.model.hf_assets_path`` at the run's own tokenizer folder when it has one."""
+        if self.run is not None and (self.run / TOKENIZER_DIR / "tokenizer.json").is_file():
+            cfg.model.hf_assets_path = str(self.run / TOKENIZER_DIR)
+
+
+def _step_of(d: Path) -> int | None:
+    m = re.fullmatch(r"step-(\d+)", d.name)
+    return int(m.group(1)) if m else None
+
+
+def _is_checkpoint(d: Path) -> bool:
+    """DCP (.metadata), Hugging Face (config.json), or a trainer's ``last_save_in_hf`` step (safetensors)."""
+    return (d / ".metadata").is_file() or (d / "config.json").is_file() or any(d.glob("*.safetensors"))
+
+
+def resolve(path: str | os.PathLike, step: int | None = None, dcp_only: bool = False) -> Checkpoint:
+    """The checkpoint ``path`` names: a run folder (its latest ``checkpoint/step-N``, or ``step-<step>``), a
+    step folder, or a Hugging Face folder (not with ``dcp_only``). Raises FileNotFoundError naming what was
+    looked for."""
+    ckpt = _resolve(path, step)
+    if dcp_only and not (ckpt.path / ".metadata").is_file():
+        raise FileNotFoundError(f"{str(ckpt.path)!r} holds safetensors, not a DCP checkpoint; this tool reads a run "
+                                "folder or a DCP step folder (export_hf.py/eval_downstream.py read Hugging Face ones)")
+    return ckpt
+
+
+def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{str(path)!r}: no such folder (expected a run folder, a step-N folder or a "
+                                "Hugging Face folder)")
+    if _is_checkpoint(p):
+        if step is not None and _step_of(p) != step:
+            raise FileNotFoundError(f"--step {step} given but {str(path)!r} is itself a checkpoint folder; pass its "
+                                    "run folder instead")
+        run = p.parent.parent if p.parent.name == "checkpoint" else (p.parent if _step_of(p) is not None else None)
+        return Checkpoint(p, run, _step_of(p))
+    for folder in (p / "checkpoint", p):
+        steps = {s: d for d in folder.glob("step-*") if (s := _step_of(d)) is not None and _is_checkpoint(d)}
+        if not steps:
+            continue
+        if step is None:
+            step = max(steps)
+        if step not in steps:
+            raise FileNotFoundError(f"{str(path)!r}: no step-{step}; available steps: {sorted(steps)}")
+        return Checkpoint(steps[step], p, step)
+    raise FileNotFoundError(f"{str(path)!r}: not a checkpoint folder (no .metadata or config.json) and no step-N "
+                            "folder under it or under its checkpoint/ folder")
+
+
+TRAIN_FLAGS_HELP = ("After `--`, train.py flags (`--section.key value`) applied on top of the run's config.toml; "
+                    "a run without config.toml (older runs) needs its training flags here, e.g. "
+                    "`-- --job.config_file configs/x.toml --model.attention parallax`.")
+
+
+def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the tool's own arguments, the train.py flags after ``--``)."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt", hf: bool = True) -> None:
+    """The positional checkpoint argument and ``--step`` shared by every tool script (``hf``: the tool also
+    reads Hugging Face folders)."""
+    ap.add_argument(name, metavar=name.upper(),
+                    help="a run folder (job.dump_folder: its config.toml rebuilds the model) or a checkpoint/step-N "
+                         "folder" + (", or a Hugging Face folder" if hf else ""))
+    ap.add_argument("--step", type=int, default=None,
+                    help="which checkpoint/step-N of a run folder (default: the latest)")
+
+
+def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy the tokenizer files of folder ``src`` (those of :data:`TOKENIZER_FILES` present) into ``dst``
+    (created, ordinary permissions); returns ``dst``. ``src`` must hold a tokenizer.json."""
+    src, dst = Path(src), Path(dst)
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{src}: no tokenizer.json")
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return dst
+
+
+def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: str | os.PathLike | None = None) -> None:
+    """What a run leaves in its ``dump_folder`` so tools rebuild it without its flags (call on one rank):
+
+    - ``config.toml``: every section of the resolved ``job_config`` (a JobConfig dataclass) as TOML; ``None``
+      values have no TOML form and are left out (they are the defaults), ``job.config_file`` is dropped (the file
+      stands alone);
+    - ``tokenizer/``: the tokenizer files of ``tokenizer_dir`` (when given and holding a tokenizer.json).
+    """
+    import dataclasses
+
+    import tomli_w
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items() if v is not None}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return str(x) if isinstance(x, os.PathLike) else x
+
+    cfg = plain(dataclasses.asdict(job_config))
+    cfg.get("job", {}).pop("config_file", None)
+    dump = Path(dump_folder)
+    dump.mkdir(parents=True, exist_ok=True)
+    tmp = dump / f".{CONFIG_FILE}.tmp{os.getpid()}"
+    tmp.write_text(tomli_w.dumps(cfg))
+    os.replace(tmp, dump / CONFIG_FILE)
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        save_tokenizer(tokenizer_dir, dump / TOKENIZER_DIR)
+
+
+@contextlib.contextmanager
+def new_folder(dst: str | os.PathLike):
+    """Write a new output folder atomically: yields a temporary sibling folder; on success it gets the
+    permissions ``mkdir``/``open`` would give (:func:`ordinary_permissions`) and is renamed to ``dst``; on any
+    failure it is removed, so ``dst`` is either complete or absent."""
+    dst = Path(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        yield tmp
+        ordinary_permissions(tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ordinary_permissions(root: str | os.PathLike) -> None:
+    """Give ``root`` and everything under it the modes ``mkdir``/``open`` would (0777/0666 & ~umask).
+    ``tempfile.mkdtemp`` makes 0700 folders and safetensors writes 0600 files; an output folder renamed into
+    place from them would otherwise be unreadable by the group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~umask)

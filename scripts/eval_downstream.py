@@ -1,0 +1,94 @@
+"""Downstream evaluation with lm-eval-harness: the paper's tasks on a checkpoint, through the remote-code export.
+
+    pip install lm-eval
+    python -m scripts.eval_downstream RUN_OR_STEP_OR_HF_DIR [--step N] [--tasks lambada_openai,wikitext]
+        [--batch-size 8] [--device cuda] [--dtype bfloat16] [--limit 100] [--include-path my_tasks/] [-o out.json]
+
+A run or step folder is first exported (scripts/export_hf.py's code: weights, tokenizer, and the standalone
+remote-code model) into a temporary folder; an HF folder is used as it is. lm-eval's own ``hf`` model then runs
+it with ``trust_remote_code=True``, so every lm-eval task and option applies unchanged; the equivalent direct
+command is ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks ...``.
+The default tasks are the Parallax paper's (LAMBADA and WikiText perplexity; BoolQ, HellaSwag, PIQA, ARC-e/c,
+WinoGrande, OpenBookQA, SciQ zero-shot); lm-eval downloads their data from the Hugging Face Hub on first use.
+Prints one line per task and metric and writes lm-eval's results JSON to ``-o``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+
+PAPER_TASKS = "lambada_openai,wikitext,boolq,hellaswag,piqa,arc_easy,arc_challenge,winogrande,openbookqa,sciq"
+
+
+def main(argv=None) -> dict | int:
+    from models.run_folder import add_checkpoint_arguments, resolve
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap)
+    ap.add_argument("--tasks", default=PAPER_TASKS, help="comma-separated lm-eval task names (default: the paper's)")
+    ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's, 0 for these)")
+    ap.add_argument("--batch-size", default="8", help="lm-eval batch size (an integer or 'auto')")
+    ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="dtype of the exported weights and of the model lm-eval builds")
+    ap.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1), for quick runs")
+    ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs (lm-eval's --include_path)")
+    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("-o", "--out", default=None, help="write lm-eval's results (JSON) here")
+    a = ap.parse_args(argv)
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        print("eval_downstream: error: lm-eval is not installed (pip install lm-eval)", file=sys.stderr)
+        return 2
+    import torch
+
+    from models.hf import CheckpointError, has_remote_code, is_hf_folder, is_plain_qwen3, load_tool_checkpoint, \
+        save_hf, tokenizer_folder
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory(prefix="eval_downstream_") as tmp:
+        try:
+            ckpt = resolve(a.ckpt, a.step)
+            if is_hf_folder(ckpt.path) and a.config is None:
+                folder = ckpt.path
+            else:
+                fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config, progress=True)
+                if not (is_plain_qwen3(args) or has_remote_code(args)):
+                    raise CheckpointError(f"mechanisms {sorted(set(args.layer_mechanisms()))}: transformers cannot run "
+                                          "this model (the remote-code model implements softmax and Parallax)")
+                tok = tokenizer_folder(ckpt, cfg)
+                if tok is None:
+                    raise CheckpointError("the checkpoint has no tokenizer; export it with scripts/export_hf.py "
+                                          "--tokenizer DIR and pass that folder")
+                folder = Path(tmp) / "hf"
+                save_hf(sd, args, folder, getattr(torch, a.dtype), tokenizer_dir=tok, progress=True)
+        except (CheckpointError, FileNotFoundError) as e:
+            print(f"eval_downstream: error: {e}", file=sys.stderr)
+            return 2
+        res = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(folder), "trust_remote_code": True, "dtype": a.dtype},
+            tasks=a.tasks.split(","), num_fewshot=a.num_fewshot, batch_size=a.batch_size, device=device,
+            limit=a.limit, task_manager=TaskManager(include_path=a.include_path))
+    for task, metrics in res["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not key.startswith("alias") and "stderr" not in key:
+                print(f"{task:24s} {key:28s} {value:.4f}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({k: res[k] for k in ("results", "versions", "n-shot", "config")
+                                           if k in res}, indent=1, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    out = main()
+    sys.exit(out if isinstance(out, int) else 0)

@@ -1,0 +1,150 @@
+"""Import a Hugging Face Qwen3 checkpoint into a trainable run, optionally as Parallax with W_R = 0.
+
+    python -m scripts.import_hf HF_DIR OUT [--base configs/debug_cpu.toml] [--parallax [--layers 14-27 |
+                                --top-half] [--rho-gate --gate-bias B] [--no-rope-on-rho]] [--dump-folder DIR]
+    python train.py --job.config_file OUT/config.toml
+
+HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf download Qwen/Qwen3-0.6B
+--local-dir DIR``, or ``transformers``' ``save_pretrained``) or an attnlab export. OUT (new) receives:
+
+- ``step-0/``: the weights as a model-only DCP checkpoint (+ ``attnlab.json``);
+- ``tokenizer/``: HF_DIR's tokenizer files, when it has a tokenizer.json;
+- ``config.toml``: ``--base`` with ``[model]`` (flavor with the same sizes, vocabulary, RoPE base, tying,
+  mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
+  from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
+
+With ``--parallax`` the layers become Parallax with W_R = 0 through scripts/convert_to_parallax.py's code
+(same function; checked on a fixed batch, ``--tol``). Before anything is written the config is parsed back and
+must rebuild exactly the imported architecture. Any failure writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps")
+
+
+def matching_flavor(args) -> str:
+    """The flavor whose sizes (and RMSNorm eps, which no config key overrides) equal ``args``'s."""
+    from models.args import FLAVORS
+    from models.hf import CheckpointError
+
+    want = {f: getattr(args, f) for f in SIZE_FIELDS}
+    for name, flavor in FLAVORS.items():
+        if all(getattr(flavor, f) == v for f, v in want.items()):
+            return name
+    raise CheckpointError(f"no model.flavor has this checkpoint's sizes {want}; flavors: "
+                          + "; ".join(f"{n} {({f: getattr(a, f) for f in SIZE_FIELDS})}" for n, a in FLAVORS.items()))
+
+
+def _toml_value(v):
+    """Options dataclass values as TOML values (tuples → lists; None has no TOML form and is left out)."""
+    return list(v) if isinstance(v, tuple) else v
+
+
+def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | None, dump_folder: str) -> dict:
+    """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``."""
+    cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    mechs = args.layer_mechanisms()
+    model = cfg.setdefault("model", {})
+    model.update(flavor=flavor, vocab_size=args.vocab_size, rope_theta=args.rope_theta,
+                 tie_embeddings=args.enable_weight_tying, attention=mechs[0],
+                 layer_pattern=mechs if len(set(mechs)) > 1 else [])
+    if tokenizer is not None:
+        model["hf_assets_path"] = str(tokenizer)
+    attn = cfg.setdefault("attention", {})
+    for name, opts in args.attention_options.items():
+        attn[name] = {k: _toml_value(v) for k, v in dataclasses.asdict(opts).items() if v is not None}
+    ckpt = cfg.setdefault("checkpoint", {})
+    ckpt.update(enable=True, initial_load_path=str(step0), initial_load_model_only=True, initial_load_in_hf=False)
+    cfg.setdefault("job", {})["dump_folder"] = dump_folder
+    return cfg
+
+
+def main(argv=None) -> int:
+    import tomli_w
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    from models.convert import convert_state, max_logit_diff, parse_layers
+    from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
+        save_dcp_state
+    from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, new_folder, save_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
+    ap.add_argument("out", metavar="OUT", help="output folder; must not exist")
+    ap.add_argument("--base", default=str(REPO / "configs" / "debug_cpu.toml"),
+                    help="training TOML whose data/optimizer/schedule/parallelism sections the run uses")
+    ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
+    ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--layers", help="with --parallax: layers to convert, e.g. '14-27' (default: all)")
+    which.add_argument("--top-half", action="store_true", help="with --parallax: layers n_layers//2 .. n_layers-1")
+    ap.add_argument("--rho-gate", action="store_true", help="with --parallax: per-head sigmoid gate on ρ (weights 0)")
+    ap.add_argument("--gate-bias", type=float, default=0.0, help="with --rho-gate: initial gate bias")
+    ap.add_argument("--no-rope-on-rho", action="store_true", help="with --parallax: do not apply RoPE to ρ")
+    ap.add_argument("--tol", type=float, default=1e-5, help="with --parallax: max |Δlogits| (float32) allowed")
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve()
+    try:
+        if (a.layers or a.top_half or a.rho_gate or a.no_rope_on_rho) and not a.parallax:
+            raise CheckpointError("--layers/--top-half/--rho-gate/--no-rope-on-rho need --parallax")
+        if out.exists():
+            raise CheckpointError(f"{out} already exists; choose a new destination")
+        if not out.parent.is_dir():
+            raise CheckpointError(f"{out.parent} does not exist")
+        if not is_hf_folder(a.src):
+            raise CheckpointError(f"{a.src}: not a Hugging Face folder (config.json + *.safetensors)")
+        with open(a.base, "rb") as f:
+            base = tomllib.load(f)
+        _, args, sd = load_checkpoint(a.src, progress=True)
+        sd = {k: v.float() for k, v in sd.items()}
+        if a.parallax:
+            layers = (list(range(args.n_layers // 2, args.n_layers)) if a.top_half
+                      else parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers)))
+            new_args, new_sd = convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias)
+            diff = max_logit_diff(args, sd, new_args, new_sd)
+            if not diff <= a.tol:
+                raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g}")
+            args, sd = new_args, new_sd
+        flavor = matching_flavor(args)
+        with new_folder(out) as tmp:
+            save_dcp_state(sd, tmp / "step-0", args)
+            has_tok = (Path(a.src) / "tokenizer.json").is_file()
+            if has_tok:
+                save_tokenizer(a.src, tmp / TOKENIZER_DIR)
+            cfg = run_config(base, args, flavor, out / "step-0", out / TOKENIZER_DIR if has_tok else None,
+                             a.dump_folder or str(out / "run"))
+            (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
+            # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
+            rebuilt = args_from_job_config(tmp / CONFIG_FILE, ["--checkpoint.initial_load_path", str(tmp / "step-0")]
+                                           + (["--model.hf_assets_path", str(tmp / TOKENIZER_DIR)] if has_tok else []))
+            want, got = args_to_dict(args), args_to_dict(rebuilt)
+            diff_keys = [k for k in want if k not in ("max_seq_len", "attn_mask_type", "attn_impl")
+                         and want[k] != got[k]]
+            if diff_keys:
+                raise CheckpointError(f"--base {a.base}: the written config rebuilds a different model "
+                                      f"({', '.join(f'{k}: {got[k]} vs {want[k]}' for k in diff_keys)})")
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"import_hf: error: {e}", file=sys.stderr)
+        return 2
+    mechs = sorted(set(args.layer_mechanisms()))
+    print(f"wrote {out}: flavor {flavor}, {mechs}, step-0 + config.toml{' + tokenizer' if has_tok else ''}")
+    print(f"train: python train.py --job.config_file {out / CONFIG_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    sys.exit(main())

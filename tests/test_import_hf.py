@@ -1,0 +1,82 @@
+"""scripts/import_hf.py: a transformers Qwen3 folder becomes a run that train.py starts from (optionally Parallax
+with W_R = 0), with equal logits."""
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from models.hf import build_model, load_checkpoint
+from tests.utils import REPO, make_corpus, run_train
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tomli_w")
+sys.path.insert(0, str(REPO / "scripts"))
+import import_hf  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A random Qwen3 with the debug flavor's sizes, saved by transformers with the test tokenizer."""
+    root = tmp_path_factory.mktemp("qwen3")
+    corpus = make_corpus(root / "corpus")
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                                   max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e4)
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "hf" / name).write_bytes((root / "corpus" / name).read_bytes())
+    return root, corpus, hf
+
+
+def test_import_then_train_starts_from_the_weights(qwen3, tmp_path):
+    root, corpus, hf = qwen3
+    out = tmp_path / "imported"
+    assert import_hf.main([str(root / "hf"), str(out)]) == 0
+    assert (out / "config.toml").is_file() and (out / "tokenizer" / "tokenizer.json").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "step-0").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+    fmt, args, sd = load_checkpoint(out / "step-0")
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(args, sd)(x), hf(x).logits, rtol=1e-5, atol=1e-5)
+    # the run: lr 0, so the checkpoint it saves after one step holds exactly the imported weights
+    run_train(["--job.config_file", str(out / "config.toml"), "--training.dataset_path", corpus["train"],
+               "--validation.no-enable", "--training.seq_len", "16", "--training.local_batch_size", "2",
+               "--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
+               "--optimizer.lr", "0", "--optimizer.weight_decay", "0", "--metrics.no-enable-tensorboard"])
+    _, args1, sd1 = load_checkpoint(out / "run" / "checkpoint" / "step-1", args)
+    assert all(torch.equal(sd1[k], sd[k]) for k in sd)
+
+
+def test_import_as_parallax_same_logits_and_bad_inputs(qwen3, tmp_path, capsys):
+    root, _, hf = qwen3
+    out = tmp_path / "px"
+    assert import_hf.main([str(root / "hf"), str(out), "--parallax", "--top-half", "--rho-gate"]) == 0
+    import tomli
+
+    model = tomli.loads((out / "config.toml").read_text())["model"]
+    assert model["layer_pattern"] == ["softmax", "softmax", "parallax", "parallax"]
+    fmt, args, sd = load_checkpoint(out / "step-0")
+    assert args.layer_mechanisms() == ["softmax", "softmax", "parallax", "parallax"]
+    assert args.attention_options["parallax"].rho_gate
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(args, sd)(x), hf(x).logits, rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert import_hf.main([str(root / "hf"), str(out)]) == 2 and "already exists" in capsys.readouterr().err
+    assert import_hf.main([str(root / "hf"), str(tmp_path / "o2"), "--rho-gate"]) == 2
+    assert "need --parallax" in capsys.readouterr().err
+    assert import_hf.main([str(root / "corpus"), str(tmp_path / "o3")]) == 2
+    assert "not a Hugging Face folder" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

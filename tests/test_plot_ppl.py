@@ -1,0 +1,60 @@
+"""scripts/plot_ppl.py: debiased EMA in loss space, tokens axis, --skip, several runs on one figure."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from tests.utils import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import plot_ppl  # noqa: E402
+
+
+def test_debiased_ema_of_a_constant_is_the_constant():
+    for beta in (0.0, 0.5, 0.9, 0.99):
+        assert plot_ppl.debiased_ema([3.25] * 50, beta) == pytest.approx([3.25] * 50, rel=1e-12)
+
+
+def test_debiased_ema_first_points():
+    beta = 0.9
+    out = plot_ppl.debiased_ema([4.0, 2.0, 1.0], beta)
+    assert out[0] == pytest.approx(4.0)  # not (1 - β)·4 = 0.4, as an undebiased EMA from 0 gives
+    assert out[1] == pytest.approx((beta * 4.0 + 2.0) / (1 + beta))  # weights β : 1, normalised
+    assert out[2] == pytest.approx((beta**2 * 4.0 + beta * 2.0 + 1.0) / (1 + beta + beta**2))
+    with pytest.raises(ValueError):
+        plot_ppl.debiased_ema([1.0], 1.0)
+
+
+def _run(root, name, losses, gbs=4, seq=16):
+    d = root / name
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": step, "loss": loss, "ppl": math.exp(loss)}) + "\n")
+        f.write(json.dumps({"step": len(losses), "val_loss": losses[-1], "val_ppl": math.exp(losses[-1])}) + "\n")
+    (d / "config.toml").write_text(f"[training]\nglobal_batch_size = {gbs}\nseq_len = {seq}\n")
+    return d
+
+
+def test_two_runs_tokens_axis_skip_and_smoothing_in_loss_space(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    a = _run(tmp_path, "a", [8.0, 6.0, 2.0, 6.0, 2.0, 6.0])
+    b = _run(tmp_path, "b", [7.0] * 6, gbs=2)
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, *a, **kw: drawn.append((kw["label"], list(x), list(y))) or real(self, x, y, *a, **kw))
+    plot_ppl.main([str(a), str(b), "-o", str(tmp_path / "p.png"), "--x", "tokens", "--skip", "2", "--smooth", "0.5"])
+    assert (tmp_path / "p.png").stat().st_size > 0
+    lines = {label: (x, y) for label, x, y in drawn}
+    assert set(lines) == {"a train", "a val", "b train", "b val"}
+    x, y = lines["a train"]
+    assert x == [3 * 64, 4 * 64, 5 * 64, 6 * 64]  # steps 1-2 skipped; 4 x 16 tokens per step
+    # smoothing of the losses 2, 6, 2, 6 (debiased), then exp: below the mean of the perplexities
+    assert y == pytest.approx([math.exp(v) for v in plot_ppl.debiased_ema([2.0, 6.0, 2.0, 6.0], 0.5)])
+    assert lines["b train"][0] == [3 * 32, 4 * 32, 5 * 32, 6 * 32]
+    assert lines["b train"][1] == pytest.approx([math.exp(7.0)] * 4)
+    assert lines["a val"] == ([6 * 64], [pytest.approx(math.exp(6.0))])
