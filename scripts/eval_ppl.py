@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def packed_rows(spec: str, cfg, tokenizer, seq_len: int):
     """Yields (input [T], positions [T], labels [T]) rows from the text set ``spec``."""
     from data.loader import PackedTextDataset

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 
-
 def documents(specs: list[str], text_field: str):
     """Texts of every document of ``specs`` in order (local files through ``datasets``)."""
     from data.sources import open_text_dataset
