@@ -1,0 +1,85 @@
+"""Selective activation checkpointing both ways: the project's save list (our attention ops' outputs kept) vs
+torchtitan's Qwen3 list alone (they are recomputed in the backward). One GPU, the 0.6B model, compiled blocks,
+op-mode SAC as ``models.parallelize`` applies it, bf16 autocast, packed documents:
+
+    python scripts/bench_sac.py [--attention parallax,gdn] [--batch 2] [--seq 4096] [--layers 28]
+
+Prints fwd+bwd ms (median) and peak memory per (mechanism, save list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torchtitan.config.job_config import ActivationCheckpoint, Compile  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
+from torchtitan.models.llama4.infra.parallelize import apply_compile  # noqa: E402
+from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list  # noqa: E402
+
+from models.args import get_flavor  # noqa: E402
+from models.model import Transformer  # noqa: E402
+from models.parallelize import sac_save_list  # noqa: E402
+from scripts.bench_common import median_ms  # noqa: E402
+
+
+def measure(mechanism: str, save: set, args) -> tuple[float, float]:
+    margs = get_flavor("0.6B")
+    margs.attention, margs.max_seq_len, margs.n_layers = mechanism, args.seq, args.layers
+    margs.attn_mask_type = "block_causal"
+    with torch.device("cuda"):
+        model = Transformer(margs)
+    with torch.no_grad():
+        model.init_weights()
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), model_compile_enabled=True,
+             op_sac_save_list=save)
+    apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
+    B, T = args.batch, args.seq
+    tok = torch.randint(0, margs.vocab_size, (B, T), device="cuda")
+    doc = torch.cat([torch.arange(n) for n in (T // 3, T // 2, T - T // 3 - T // 2)])  # three documents a row
+    pos = doc.to("cuda").expand(B, T)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(tok, pos)
+        out.float().logsumexp(-1).mean().backward()
+
+    for _ in range(3):  # compile and autotune
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    ms = median_ms(step, args.iters, warmup=1)
+    gib = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    torch.cuda.empty_cache()
+    return ms, gib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attention", default="parallax,gdn")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    rows = []
+    for mech in args.attention.split(","):
+        for label, save in (("project (ours saved)", sac_save_list()), ("torchtitan (ours recomputed)",
+                                                                        set(_op_sac_save_list))):
+            ms, gib = measure(mech, save, args)
+            rows.append((mech, label, ms, gib))
+            print(f"{mech:10s} {label:30s} {ms:8.1f} ms {gib:6.1f} GiB", flush=True)
+    print(f"\nSAC save list, 0.6B x{args.layers} layers, B{args.batch} x T{args.seq}, compiled, "
+          f"{torch.cuda.get_device_name()}")
+    print(f"{'mechanism':10s} {'save list':30s} {'fwd+bwd ms':>10s} {'peak GiB':>9s}")
+    for mech, label, ms, gib in rows:
+        print(f"{mech:10s} {label:30s} {ms:10.1f} {gib:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
