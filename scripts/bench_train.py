@@ -239,6 +239,7 @@ def main() -> None:
                     help="trace one step of every row: the busy %% column and a kernel/idle summary per row")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args()
+    args.repo = str(Path(args.repo).resolve())
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
