@@ -14,8 +14,9 @@ Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs)
 prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
 Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` − 1; ``--no-profile`` skips it):
-the table's "busy %" column is the GPU-busy share of that step's wall time (union of kernel intervals over the
-ProfilerStep span), and ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
+the table's "busy %" column is that step's GPU-busy time (union of kernel intervals) over the row's median
+step time (from tok/s; the traced step itself runs slower, as the profiler adds host work per op, so its own
+busy share, "traced %", understates the untraced steps), and ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
 longest GPU-idle gaps with the host ops inside them. ``--repo DIR`` runs another checkout's ``train.py`` and
 configs with this script (before/after rows of one change in one call).
 
@@ -139,7 +140,7 @@ KERNEL_CLASSES = (  # (class, substrings of the kernel name, lower case); first 
 def trace_summary(path: Path, top: int = 12, with_busy: bool = False):
     """GPU time of the traced step(s) by kernel class and the ``top`` kernels, from a chrome trace; then how
     much of the step the GPU sat idle, the largest idle gaps and the host ops running in them. With
-    ``with_busy`` returns ``(text, {"busy": GPU-busy % of the step wall, "wall_ms": step wall})``."""
+    ``with_busy`` returns ``(text, {"busy_ms": GPU-busy ms, "wall_ms": traced step wall ms})``."""
     trace = json.load(open(path))["traceEvents"]
     events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_name: dict[str, float] = {}
@@ -164,7 +165,7 @@ def trace_summary(path: Path, top: int = 12, with_busy: bool = False):
 def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> tuple[list[str], dict]:
     """Step wall time (the ProfilerStep span), GPU-busy time (union of kernel intervals), the ``gaps`` longest
     idle stretches and the longest host ops (cpu_op / cuda_runtime / python) overlapping each; and
-    ``{"busy": busy %, "wall_ms": wall}``."""
+    ``{"busy_ms": busy, "wall_ms": wall}``."""
     steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
     if not steps or not kernels:
         return [], {}
@@ -189,7 +190,7 @@ def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> tuple
         inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
         lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
                      + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
-    return lines, {"busy": 100 * busy / max(t1 - t0, 1), "wall_ms": (t1 - t0) / 1e3}
+    return lines, {"busy_ms": busy / 1e3, "wall_ms": (t1 - t0) / 1e3}
 
 
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
@@ -215,9 +216,9 @@ def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
             "mem": max(r[1] for r in rows), "loss": float("nan")} | profiled(args, dump)
 
 
-def busy(r: dict) -> str:
-    """The GPU-busy share of the row's profiled step (traced steps run a little slower than the median ones)."""
-    return f"{r['busy']:.0f}" if "busy" in r else "n/a"
+def busy(r: dict, tokens: int) -> str:
+    """GPU-busy ms of the traced step over the median step's ms (``tokens`` per step per GPU / tok/s)."""
+    return f"{100 * r['busy_ms'] / (1e3 * tokens / r['tps']):.0f}" if "busy_ms" in r else "n/a"
 
 
 def main() -> None:
@@ -245,13 +246,14 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
     results, scaled = {}, {}
+    tokens = args.batch * args.seq  # per GPU per step
     for prec in args.precisions.split(","):
         for name in args.rows.split(","):
             for k in ([1, args.nproc] if args.nproc > 1 else [1]):
                 r = stock(args, prec == "fp8", out, k) if name == "stock" else ours(args, name, prec == "fp8", out, k)
                 (results if k == 1 else scaled)[(name, prec)] = r
                 print(f"{name:14s} {prec:5s} x{k} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem "
-                                                       f"{r['mem']:5.1f}GiB  busy {busy(r)}" if r else "failed"),
+                                                       f"{r['mem']:5.1f}GiB  busy {busy(r, tokens)}%" if r else "failed"),
                       flush=True)
     (out / "results.json").write_text(json.dumps(
         {f"{k[0]}/{k[1]}": v for k, v in results.items()} | {f"{k[0]}/{k[1]}/x{args.nproc}": v
@@ -263,11 +265,14 @@ def main() -> None:
 
     print(f"\nB{args.batch}_T{args.seq} 0.6B, {args.steps} steps (median after {args.warmup}), optimizer "
           f"{'AdamW' if args.optimizer == 'adamw' else 'per config'}; logs in {out}")
-    print(f"{'row':20s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s} {'busy %':>7s} {'step ms':>8s}")
+    print(f"{'row':20s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s} {'step ms':>8s} {'busy %':>7s} "
+          f"{'busy ms':>8s} {'traced ms':>9s} {'traced %':>8s}")
     for (name, prec), r in results.items():
         if r:
-            wall = f"{r['wall_ms']:8.1f}" if "wall_ms" in r else f"{'n/a':>8s}"
-            print(f"{name:20s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f} {busy(r):>7s} {wall}")
+            prof = (f"{r['busy_ms']:8.1f} {r['wall_ms']:9.1f} {100 * r['busy_ms'] / r['wall_ms']:8.0f}" if "busy_ms" in r
+                    else f"{'n/a':>8s} {'n/a':>9s} {'n/a':>8s}")
+            print(f"{name:20s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f} {1e3 * tokens / r['tps']:8.1f} "
+                  f"{busy(r, tokens):>7s} {prof}")
     for prec in args.precisions.split(","):
         for num, den, target in RATIOS:
             if (num, prec) in results and (den, prec) in results:

@@ -25,4 +25,4 @@ def test_trace_summary(tmp_path):
     assert "step wall 10.0 ms (ProfilerStep), GPU busy 4.1 ms (41 %)" in text
     assert "3.00 ms at +4.0 ms: aten::mm 100.0ms; aten::item 2.5ms" in text
     text_again, busy = trace_summary(path, with_busy=True)
-    assert text_again == text and busy == {"busy": 41.0, "wall_ms": 10.0}  # the table's busy % column
+    assert text_again == text and busy == {"busy_ms": 4.1, "wall_ms": 10.0}  # the table's busy % column
