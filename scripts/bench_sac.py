@@ -3,8 +3,9 @@ torchtitan's Qwen3 list alone (they are recomputed in the backward). One GPU, th
 op-mode SAC as ``models.parallelize`` applies it, bf16 autocast, packed documents:
 
     python scripts/bench_sac.py [--attention parallax,gdn] [--batch 2] [--seq 4096] [--layers 28]
+    python scripts/bench_sac.py --device cpu --flavor debug --seq 64 --layers 2 --no-compile --iters 2   # smoke
 
-Prints fwd+bwd ms (median) and peak memory per (mechanism, save list).
+Prints fwd+bwd ms (median) and peak memory (CUDA only) per (mechanism, save list).
 """
 
 from __future__ import annotations
@@ -25,32 +26,36 @@ from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list  # noqa:
 from models.args import get_flavor  # noqa: E402
 from models.model import Transformer  # noqa: E402
 from models.parallelize import sac_save_list  # noqa: E402
-from scripts.bench_common import median_ms  # noqa: E402
+from scripts.bench_common import median_ms, timeit  # noqa: E402
 
 
 def measure(mechanism: str, save: set, args) -> tuple[float, float]:
-    margs = get_flavor("0.6B")
+    margs = get_flavor(args.flavor)
     margs.attention, margs.max_seq_len, margs.n_layers = mechanism, args.seq, args.layers
     margs.attn_mask_type = "block_causal"
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = Transformer(margs)
     with torch.no_grad():
         model.init_weights()
-    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), model_compile_enabled=True,
-             op_sac_save_list=save)
-    apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+             model_compile_enabled=args.compile, op_sac_save_list=save)
+    if args.compile:
+        apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
     B, T = args.batch, args.seq
-    tok = torch.randint(0, margs.vocab_size, (B, T), device="cuda")
+    tok = torch.randint(0, margs.vocab_size, (B, T), device=args.device)
     doc = torch.cat([torch.arange(n) for n in (T // 3, T // 2, T - T // 3 - T // 2)])  # three documents a row
-    pos = doc.to("cuda").expand(B, T)
+    pos = doc.to(args.device).expand(B, T)
+    cuda = args.device == "cuda"
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
             out = model(tok, pos)
         out.float().logsumexp(-1).mean().backward()
 
     for _ in range(3):  # compile and autotune
         step()
+    if not cuda:
+        return timeit(step, args.iters, warmup=0, device=args.device), float("nan")
     torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, args.iters, warmup=1)
     gib = torch.cuda.max_memory_allocated() / 2**30
@@ -66,6 +71,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--flavor", default="0.6B")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     rows = []
     for mech in args.attention.split(","):
@@ -74,8 +82,9 @@ def main() -> None:
             ms, gib = measure(mech, save, args)
             rows.append((mech, label, ms, gib))
             print(f"{mech:10s} {label:30s} {ms:8.1f} ms {gib:6.1f} GiB", flush=True)
-    print(f"\nSAC save list, 0.6B x{args.layers} layers, B{args.batch} x T{args.seq}, compiled, "
-          f"{torch.cuda.get_device_name()}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"\nSAC save list, {args.flavor} x{args.layers} layers, B{args.batch} x T{args.seq}, "
+          f"{'compiled' if args.compile else 'eager'}, {where}")
     print(f"{'mechanism':10s} {'save list':30s} {'fwd+bwd ms':>10s} {'peak GiB':>9s}")
     for mech, label, ms, gib in rows:
         print(f"{mech:10s} {label:30s} {ms:10.1f} {gib:9.1f}")
