@@ -13,12 +13,13 @@ Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs)
 ``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
 prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
-Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` − 1; ``--no-profile`` skips it):
-the table's "busy %" column is that step's GPU-busy time (union of kernel intervals) over the row's median
-step time (from tok/s; the traced step itself runs slower, as the profiler adds host work per op, so its own
-busy share, "traced %", understates the untraced steps), and ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
-longest GPU-idle gaps with the host ops inside them. ``--repo DIR`` runs another checkout's ``train.py`` and
-configs with this script (before/after rows of one change in one call).
+Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` − 1; ``--no-profile`` skips it).
+The table's "busy %" is that step's GPU-busy time (union of kernel intervals) over the row's median step time (from
+tok/s): the traced step itself runs slower (the profiler adds host work per op), so its own busy share, "traced %",
+understates the untraced steps. ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
+longest GPU-idle gaps with the host ops inside them. Per-step tok/s varies by ±20 % at B2, so medians want ~20
+steps (the default 30 gives steps 7–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this
+script (before/after rows of one change in one call).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
@@ -118,7 +119,7 @@ def profiling(args) -> list[str]:
 
 
 def profiled(args, dump: Path) -> dict:
-    """Print the traced step's summary; return its GPU-busy share and wall time (empty without a trace)."""
+    """Print the traced step's summary; return its GPU-busy and wall ms (empty without a trace)."""
     traces = sorted(dump.glob("traces/iteration_*/rank0_trace.json"))
     if not args.profile or not traces:
         return {}
@@ -229,7 +230,7 @@ def main() -> None:
     ap.add_argument("--precisions", default="bf16,fp8")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", default="")
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
@@ -252,9 +253,9 @@ def main() -> None:
             for k in ([1, args.nproc] if args.nproc > 1 else [1]):
                 r = stock(args, prec == "fp8", out, k) if name == "stock" else ours(args, name, prec == "fp8", out, k)
                 (results if k == 1 else scaled)[(name, prec)] = r
-                print(f"{name:14s} {prec:5s} x{k} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem "
-                                                       f"{r['mem']:5.1f}GiB  busy {busy(r, tokens)}%" if r else "failed"),
-                      flush=True)
+                line = (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB  busy % {busy(r, tokens)}"
+                        if r else "failed")
+                print(f"{name:14s} {prec:5s} x{k} {line}", flush=True)
     (out / "results.json").write_text(json.dumps(
         {f"{k[0]}/{k[1]}": v for k, v in results.items()} | {f"{k[0]}/{k[1]}/x{args.nproc}": v
                                                               for k, v in scaled.items()}, indent=1))
@@ -269,9 +270,11 @@ def main() -> None:
           f"{'busy ms':>8s} {'traced ms':>9s} {'traced %':>8s}")
     for (name, prec), r in results.items():
         if r:
-            prof = (f"{r['busy_ms']:8.1f} {r['wall_ms']:9.1f} {100 * r['busy_ms'] / r['wall_ms']:8.0f}" if "busy_ms" in r
-                    else f"{'n/a':>8s} {'n/a':>9s} {'n/a':>8s}")
-            print(f"{name:20s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f} {1e3 * tokens / r['tps']:8.1f} "
+            prof = f"{'n/a':>8s} {'n/a':>9s} {'n/a':>8s}"
+            if "busy_ms" in r:
+                prof = f"{r['busy_ms']:8.1f} {r['wall_ms']:9.1f} {100 * r['busy_ms'] / r['wall_ms']:8.0f}"
+            step_ms = 1e3 * tokens / r["tps"]
+            print(f"{name:20s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f} {step_ms:8.1f} "
                   f"{busy(r, tokens):>7s} {prof}")
     for prec in args.precisions.split(","):
         for num, den, target in RATIOS:

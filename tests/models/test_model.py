@@ -139,7 +139,8 @@ def test_context_reads_the_device_at_most_once(mask, reads):
     ctx.rope(model.model_args.head_dim)
     assert _SyncSpy.reads == reads
     if mask == "block_causal":
-        assert torch.equal(ctx.cu_seqlens.as_subclass(torch.Tensor), torch.tensor([0, 5, 12, 20, 24], dtype=torch.int32))
+        cu = ctx.cu_seqlens.as_subclass(torch.Tensor)
+        assert torch.equal(cu, torch.tensor([0, 5, 12, 20, 24], dtype=torch.int32))
         assert ctx.max_seqlen == 8
 
 

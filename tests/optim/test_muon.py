@@ -173,7 +173,8 @@ def test_tall_and_wide_batch_together_within_bf16(monkeypatch):
     opts = [Muon([p], lr=0.02) for p in alone]
     calls = []
     ns = muon_mod.newton_schulz
-    monkeypatch.setattr(muon_mod, "newton_schulz", lambda G, *a, **kw: (calls.append(tuple(G.shape)), ns(G, *a, **kw))[1])
+    monkeypatch.setattr(muon_mod, "newton_schulz",
+                        lambda G, *a, **kw: (calls.append(tuple(G.shape)), ns(G, *a, **kw))[1])
     for _ in range(3):
         for p, q in zip(together, alone):
             g = torch.randn_like(p)
