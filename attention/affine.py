@@ -218,7 +218,9 @@ class MesaAttention(_MesaBase):
     name = "mesa"
 
 
-@register_attention("affine_mesa", options=MesaOptions, description="affine MesaNet v̄ − S̃ H̃⁻¹(k̄ − q): LLA at h → ∞ (affine family)")
+@register_attention("affine_mesa", options=MesaOptions, description="affine MesaNet v̄ − S̃ H̃⁻¹(k̄ − q): LLA at h → ∞ (affine family)",
+                    reference_only="no fast path; the 0.6B config trained at 81-103 tok/s on one H100 (softmax ~17k "
+                                   "in the same smoke run): small-scale studies only")
 class AffineMesaAttention(_MesaBase):
     """o_i = v̄_i − S̃_i H̃_i⁻¹ (k̄_i − q_i): a uniform-weight affine ridge fit evaluated at q_i."""
 

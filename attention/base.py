@@ -88,21 +88,33 @@ class AttentionContext:
             self._rope[head_dim] = cos_sin
         return cos_sin
 
+    def use_rope_table(self, table: torch.Tensor) -> None:
+        """Fill the cos/sin of head dim ``table.shape[-1] // 2`` from a precomputed table (torchtitan's
+        ``precompute_rope_cache`` layout, [L, 2 * head_dim], L > every position, on the positions' device):
+        one gather, no host work that grows with T."""
+        head_dim = table.shape[-1] // 2
+        t = table[self.positions]  # [B, T, 2*head_dim]
+        self._rope[head_dim] = (t[..., None, :head_dim], t[..., None, head_dim:])
+
     @staticmethod
     def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float) -> "AttentionContext":
         """Build the context for a training batch. With ``block_causal`` a new document starts wherever
-        ``positions == 0`` (and at every row start)."""
+        ``positions == 0`` (and at every row start).
+
+        Host syncs: none for causal rows (positions restart in every row, so they are < T); with ``block_causal``
+        one read of two integers, the document count (the size of ``cu_seqlens``) and the longest document."""
         B, T = positions.shape
-        max_position = int(positions.max().item()) + 1 if positions.numel() else 1
         if not block_causal:
-            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=max_position)
+            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
         starts = positions.reshape(-1) == 0
         starts[::T] = True  # every row starts a document
-        idx = torch.nonzero(starts).flatten()
-        cu = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
-        max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+        idx = torch.arange(B * T, device=positions.device)
+        begin = torch.cummax(torch.where(starts, idx, 0), dim=0).values  # first token of each token's document
+        n_docs, max_seqlen = torch.stack([starts.sum(), (idx - begin).max() + 1]).tolist()  # the one host read
+        first = torch.sort(torch.where(starts, idx, B * T)).values[:n_docs]  # document starts, ascending
+        cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
         return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
-                                max_position=max_position)
+                                max_position=T)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan.models.qwen3.model.model import FeedForward
+from torchtitan.models.qwen3.model.model import FeedForward, precompute_rope_cache
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.train_spec import ModelProtocol
 
@@ -59,6 +59,16 @@ class Transformer(ModelProtocol):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.enable_weight_tying:
             self.output.weight = self.tok_embeddings.weight
+        self._rope_tables: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # not state: rebuilt on demand
+
+    def rope_table(self, head_dim: int, length: int, device: torch.device) -> torch.Tensor:
+        """torchtitan's RoPE table [length, 2 * head_dim] (cos | sin) on ``device``, built once per
+        (head dim, length, device) and kept, so no host work per step grows with T (rebuilding it per step left
+        the GPU idle at every step's start). Computed on the CPU as torchtitan does, so the values equal its."""
+        key = (head_dim, length, torch.device(device))
+        if key not in self._rope_tables:
+            self._rope_tables[key] = precompute_rope_cache(head_dim, length, self.model_args.rope_theta).to(device)
+        return self._rope_tables[key]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         nn.init.normal_(self.tok_embeddings.weight)
@@ -78,7 +88,9 @@ class Transformer(ModelProtocol):
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
-        ctx.rope(self.model_args.head_dim)  # fill the RoPE cache outside the compiled blocks
+        # positions restart in every row (< T): one table of max(max_seq_len, T) rows serves every batch
+        length = max(self.model_args.max_seq_len, tokens.shape[1])
+        ctx.use_rope_table(self.rope_table(self.model_args.head_dim, length, tokens.device))
         return ctx
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

@@ -172,10 +172,12 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize_many(self, items: list[tuple[Tensor, Tensor, dict]]) -> list[tuple[Tensor, float]]:
         """items: (U full [rows, cols], param, group) -> (O, s) each; O is pre-scaled per block when blocked.
 
-        Every matrix (or block of a blocked parameter) with the same shape and Newton–Schulz settings goes
-        through one batched NS call: the step costs ~5·3 batched GEMMs per distinct shape instead of per matrix.
+        Every matrix (or block of a blocked parameter) with the same wide-orientation shape and Newton–Schulz
+        settings goes through one batched NS call: a tall matrix is transposed into the batch of its wide shape
+        (NS runs on the wide orientation anyway), so the 0.6B block's wq (2048×1024) batches with wo (1024×2048)
+        and w1/w3 (3072×1024) with w2 (1024×3072): 3 batched NS calls per step instead of 5 (or one per matrix).
         """
-        units: dict[tuple, list[tuple[int, int, Tensor]]] = {}  # NS key -> (item, part, matrix)
+        units: dict[tuple, list[tuple[int, int, Tensor, bool]]] = {}  # NS key -> (item, part, wide matrix, tall)
         parts_of: list[list[Tensor | None]] = []
         for i, (U, p, group) in enumerate(items):
             spec = self.blocks.get(p)
@@ -183,15 +185,17 @@ class Muon(torch.optim.Optimizer):
             parts_of.append([None] * len(parts))
             settings = (group["ns_coefficients"], group["ns_steps"], group["ns_dtype"], group["eps"])
             for j, part in enumerate(parts):
-                units.setdefault((tuple(part.shape), settings), []).append((i, j, part))
-        for ((rows, cols), (spec, steps, dtype, eps)), members in units.items():
+                tall = part.shape[0] > part.shape[1]
+                wide = part.mT if tall else part
+                units.setdefault((tuple(wide.shape), settings), []).append((i, j, wide, tall))
+        for (_, (spec, steps, dtype, eps)), members in units.items():
             coeffs, safety = resolve_ns_coefficients(spec, steps)
             if len(members) == 1:  # the 2-D path: bit-for-bit torch.optim.Muon
                 outs = [newton_schulz(members[0][2], coeffs, NS_DTYPES[dtype], eps, safety)]
             else:
                 outs = newton_schulz(torch.stack([m[2] for m in members]), coeffs, NS_DTYPES[dtype], eps, safety)
-            for (i, j, _), o in zip(members, outs):
-                parts_of[i][j] = o
+            for (i, j, _, tall), o in zip(members, outs):
+                parts_of[i][j] = o.mT if tall else o
         results = []
         for (U, p, group), parts in zip(items, parts_of):
             spec, kind = self.blocks.get(p), group["update_scale"]

@@ -13,8 +13,13 @@ Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs)
 ``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
 prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
-``--profile`` also traces one step of each of our rows (torchtitan's profiler, step ``--steps`` − 1) and prints
-the GPU time of that step by kernel class and the top kernels (``trace_summary``): where the step goes.
+Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` − 1; ``--no-profile`` skips it).
+The table's "busy %" is that step's GPU-busy time (union of kernel intervals) over the row's median step time (from
+tok/s): the traced step itself runs slower (the profiler adds host work per op), so its own busy share, "traced %",
+understates the untraced steps. ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
+longest GPU-idle gaps with the host ops inside them. Per-step tok/s varies by ±20 % at B2, so medians want ~20
+steps (the default 30 gives steps 7–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this
+script (before/after rows of one change in one call).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
@@ -32,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+ADAMW = ["--optimizer.name", "AdamW", "--optimizer.lr", "3e-4"]
 ROWS = {  # name -> (config, extra args)
     "softmax": ("qwen3_0.6b_softmax", []),
     "parallax": ("qwen3_0.6b_parallax", []),
@@ -41,8 +47,21 @@ ROWS = {  # name -> (config, extra args)
     "parallax_adamw": ("qwen3_0.6b_parallax_adamw_wsd", []),
     # like stock torchtitan's qwen3 (plain causal mask, no document masking), for the ours-vs-stock ratio
     "softmax_adamw_causal": ("qwen3_0.6b_softmax_adamw_wsd", ["--model.attn_mask_type", "causal"]),
+    "parallax_p64_adamw": ("qwen3_0.6b_parallax_p64_adamw_wsd", []),
+    "gdn_adamw": ("qwen3_0.6b_gdn", ADAMW),
+    "kda_adamw": ("qwen3_0.6b_kda", ADAMW),
 }
-ADAMW = ["--optimizer.name", "AdamW", "--optimizer.lr", "3e-4"]
+
+RATIOS = (  # (row, baseline row, issue 35's target): same optimizer on both sides
+    ("softmax_adamw_causal", "stock", 1.05),  # same optimizer and mask
+    ("parallax_adamw", "softmax_adamw", 0.82),
+    ("parallax", "softmax", 0.82),
+    ("parallax_p64_adamw", "softmax_adamw", 0.95),
+    ("parallax_p64", "softmax", 0.95),
+    ("gdn_adamw", "softmax_adamw", 0.9),
+    ("kda_adamw", "softmax_adamw", 0.9),
+    ("gdn", "softmax", 0.9),
+)
 
 
 def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
@@ -54,9 +73,9 @@ def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
     return out
 
 
-def run(cmd: list[str], log: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO))
+def run(cmd: list[str], log: Path, repo: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(repo))
     log.write_text(p.stdout + p.stderr)
     if p.returncode:
         tail = (p.stdout + p.stderr)[-1500:]
@@ -72,29 +91,48 @@ def summarize(records: list[dict], warmup: int) -> dict:
     return {"tps": med("tps"), "mfu": med("mfu"), "mem": max(r["memory_gib"] for r in rows), "loss": rows[-1]["loss"]}
 
 
+def paper_config(repo: Path, name: str) -> Path:
+    """The paper configuration ``name`` in checkout ``repo`` (``configs/paper/``, or ``configs/`` in checkouts from
+    before the move, so ``--repo`` can time an older commit)."""
+    new = repo / "configs" / "paper" / f"{name}.toml"
+    return new if new.is_file() else repo / "configs" / f"{name}.toml"
+
+
 def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     config, extra = ROWS[name]
     dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
+    repo = Path(args.repo)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
-           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"),
-           "--job.config_file", str(REPO / "configs" / "paper" / f"{config}.toml"), *common(args, dump, fp8, nproc), *extra]
+           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(repo / "train.py"),
+           "--job.config_file", str(paper_config(repo, config)), *common(args, dump, fp8, nproc), *extra]
     if args.optimizer == "adamw":
         cmd += ADAMW
     if not fp8:
         cmd += ["--model.converters", ""]
-    if args.profile:  # one active step just before the last (3 profiler warm-up steps before it)
-        cmd += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 1),
-                "--profiling.save_traces_folder", "traces"]
-    run(cmd, out / f"{dump.name}.log")
+    run(cmd + profiling(args), out / f"{dump.name}.log", repo)
     path = dump / "metrics.jsonl"
     records = [json.loads(x) for x in open(path)] if path.exists() else []
     if args.profile:  # the profiler's warm-up and active steps (the last 4 before the last) run slower
         records = [r for r in records if r["step"] < args.steps - 4]
-    res = summarize(records, args.warmup)
+    return summarize(records, args.warmup) | profiled(args, dump)
+
+
+def profiling(args) -> list[str]:
+    """torchtitan's profiler: one active step just before the last (3 profiler warm-up steps before it)."""
+    if not args.profile:
+        return []
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 1),
+            "--profiling.save_traces_folder", "traces"]
+
+
+def profiled(args, dump: Path) -> dict:
+    """Print the traced step's summary; return its GPU-busy and wall ms (empty without a trace)."""
     traces = sorted(dump.glob("traces/iteration_*/rank0_trace.json"))
-    if args.profile and traces:
-        print(f"--- {dump.name}: one step's GPU kernels ({traces[-1]})\n{trace_summary(traces[-1])}", flush=True)
-    return res
+    if not args.profile or not traces:
+        return {}
+    text, busy = trace_summary(traces[-1], with_busy=True)
+    print(f"--- {dump.name}: one step's GPU kernels ({traces[-1]})\n{text}", flush=True)
+    return busy
 
 
 KERNEL_CLASSES = (  # (class, substrings of the kernel name, lower case); first match wins
@@ -107,9 +145,10 @@ KERNEL_CLASSES = (  # (class, substrings of the kernel name, lower case); first 
 )
 
 
-def trace_summary(path: Path, top: int = 12) -> str:
+def trace_summary(path: Path, top: int = 12, with_busy: bool = False):
     """GPU time of the traced step(s) by kernel class and the ``top`` kernels, from a chrome trace; then how
-    much of the step the GPU sat idle, the largest idle gaps and the host ops running in them."""
+    much of the step the GPU sat idle, the largest idle gaps and the host ops running in them. With
+    ``with_busy`` returns ``(text, {"busy_ms": GPU-busy ms, "wall_ms": traced step wall ms})``."""
     trace = json.load(open(path))["traceEvents"]
     events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_name: dict[str, float] = {}
@@ -126,15 +165,18 @@ def trace_summary(path: Path, top: int = 12) -> str:
               sorted(by_class.items(), key=lambda x: -x[1])]
     lines.append("  top kernels:")
     lines += [f"  {ms:8.2f} ms  {name[:110]}" for name, ms in sorted(by_name.items(), key=lambda x: -x[1])[:top]]
-    return "\n".join(lines + idle_summary(trace, events))
+    idle, busy = idle_summary(trace, events)
+    text = "\n".join(lines + idle)
+    return (text, busy) if with_busy else text
 
 
-def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> list[str]:
+def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> tuple[list[str], dict]:
     """Step wall time (the ProfilerStep span), GPU-busy time (union of kernel intervals), the ``gaps`` longest
-    idle stretches and the longest host ops (cpu_op / cuda_runtime / python) overlapping each."""
+    idle stretches and the longest host ops (cpu_op / cuda_runtime / python) overlapping each; and
+    ``{"busy_ms": busy, "wall_ms": wall}``."""
     steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
     if not steps or not kernels:
-        return []
+        return [], {}
     t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
     busy, idle, cur_s, cur_e = 0.0, [], None, None
@@ -156,7 +198,7 @@ def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> list[
         inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
         lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
                      + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
-    return lines
+    return lines, {"busy_ms": busy / 1e3, "wall_ms": (t1 - t0) / 1e3}
 
 
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
@@ -173,13 +215,18 @@ def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
     if fp8:
         cmd += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name",
                 "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
-    text = run(cmd, out / f"{dump.name}.log")
+    text = run(cmd + profiling(args), out / f"{dump.name}.log", Path(args.repo))
     rows = [(int(s), float(m), float(t.replace(",", "")), float(u)) for s, m, t, u in LINE.findall(text)]
-    rows = [r for r in rows if r[0] > args.warmup]
+    rows = [r for r in rows if r[0] > args.warmup and not (args.profile and r[0] >= args.steps - 4)]
     if not rows:
         return {}
     return {"tps": statistics.median(r[2] for r in rows), "mfu": statistics.median(r[3] for r in rows),
-            "mem": max(r[1] for r in rows), "loss": float("nan")}
+            "mem": max(r[1] for r in rows), "loss": float("nan")} | profiled(args, dump)
+
+
+def busy(r: dict, tokens: int) -> str:
+    """GPU-busy ms of the traced step over the median step's ms (``tokens`` per step per GPU / tok/s)."""
+    return f"{100 * r['busy_ms'] / (1e3 * tokens / r['tps']):.0f}" if "busy_ms" in r else "n/a"
 
 
 def main() -> None:
@@ -191,27 +238,32 @@ def main() -> None:
     ap.add_argument("--precisions", default="bf16,fp8", help="comma list of bf16/fp8")
     ap.add_argument("--batch", type=int, default=2, help="local batch size")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length")
-    ap.add_argument("--steps", type=int, default=20, help="training steps per row")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per row")
     ap.add_argument("--warmup", type=int, default=8, help="steps left out of the median")
     ap.add_argument("--out", default="", help="also write the raw records (JSON) here")
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
                     help="config: each config's optimizer (Muon); adamw: AdamW on every row (stock uses AdamW)")
     ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")
     ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
-    ap.add_argument("--profile", action="store_true", help="trace one step of our rows; print its kernel classes")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="trace one step of every row: the busy %% column and a kernel/idle summary per row")
+    ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args()
+    args.repo = str(Path(args.repo).resolve())
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
     results, scaled = {}, {}
+    tokens = args.batch * args.seq  # per GPU per step
     for prec in args.precisions.split(","):
         for name in args.rows.split(","):
             for k in ([1, args.nproc] if args.nproc > 1 else [1]):
                 r = stock(args, prec == "fp8", out, k) if name == "stock" else ours(args, name, prec == "fp8", out, k)
                 (results if k == 1 else scaled)[(name, prec)] = r
-                print(f"{name:14s} {prec:5s} x{k} " + (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem "
-                                                       f"{r['mem']:5.1f}GiB" if r else "failed"), flush=True)
+                line = (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB  busy % {busy(r, tokens)}"
+                        if r else "failed")
+                print(f"{name:14s} {prec:5s} x{k} {line}", flush=True)
     (out / "results.json").write_text(json.dumps(
         {f"{k[0]}/{k[1]}": v for k, v in results.items()} | {f"{k[0]}/{k[1]}/x{args.nproc}": v
                                                               for k, v in scaled.items()}, indent=1))
@@ -222,23 +274,23 @@ def main() -> None:
 
     print(f"\nB{args.batch}_T{args.seq} 0.6B, {args.steps} steps (median after {args.warmup}), optimizer "
           f"{'AdamW' if args.optimizer == 'adamw' else 'per config'}; logs in {out}")
-    print(f"{'row':14s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s}")
+    print(f"{'row':20s} {'prec':5s} {'tok/s/GPU':>10s} {'MFU%':>6s} {'GiB':>6s} {'step ms':>8s} {'busy %':>7s} "
+          f"{'busy ms':>8s} {'traced ms':>9s} {'traced %':>8s}")
     for (name, prec), r in results.items():
         if r:
-            print(f"{name:14s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f}")
+            prof = f"{'n/a':>8s} {'n/a':>9s} {'n/a':>8s}"
+            if "busy_ms" in r:
+                prof = f"{r['busy_ms']:8.1f} {r['wall_ms']:9.1f} {100 * r['busy_ms'] / r['wall_ms']:8.0f}"
+            step_ms = 1e3 * tokens / r["tps"]
+            print(f"{name:20s} {prec:5s} {r['tps']:10,.0f} {r['mfu']:6.1f} {r['mem']:6.1f} {step_ms:8.1f} "
+                  f"{busy(r, tokens):>7s} {prof}")
     for prec in args.precisions.split(","):
-        print(f"[{prec}] parallax/softmax {ratio(('parallax', prec), ('softmax', prec))} (target >= 0.9)  "
-              f"softmax/stock {ratio(('softmax', prec), ('stock', prec))} (target >= 1.0)")
+        for num, den, target in RATIOS:
+            if (num, prec) in results and (den, prec) in results:
+                print(f"[{prec}] {num}/{den} {ratio((num, prec), (den, prec))} (target >= {target})")
     for name in args.rows.split(","):
-        print(f"[{name}] fp8/bf16 {ratio((name, 'fp8'), (name, 'bf16'))} (target >= 1.2)")
-    if "softmax_adamw" in args.rows.split(","):
-        for prec in args.precisions.split(","):
-            print(f"[{prec}] softmax_adamw/stock {ratio(('softmax_adamw', prec), ('stock', prec))} (same optimizer)  "
-                  f"parallax_adamw/softmax_adamw {ratio(('parallax_adamw', prec), ('softmax_adamw', prec))}")
-    if "softmax_adamw_causal" in args.rows.split(","):
-        for prec in args.precisions.split(","):
-            print(f"[{prec}] softmax_adamw_causal/stock {ratio(('softmax_adamw_causal', prec), ('stock', prec))} "
-                  "(same optimizer, same mask)")
+        if (name, "fp8") in results and (name, "bf16") in results:
+            print(f"[{name}] fp8/bf16 {ratio((name, 'fp8'), (name, 'bf16'))} (target >= 1.15)")
     if scaled:
         print(f"\nscaling 1 -> {args.nproc} GPUs (local batch {args.batch} each)")
         print(f"{'row':14s} {'prec':5s} {'tok/s/GPU x1':>12s} {f'x{args.nproc}':>12s} {'efficiency':>10s} {'GiB':>6s}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.hf import REMOTE_CODE_DIR, save_hf
-from tests.test_hf import _args, _model
+from tests.models.test_hf import _args, _model
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")

@@ -1,10 +1,14 @@
-"""Model: parameter counts on the meta device, document isolation, hybrid layer patterns."""
+"""Model: parameter counts on the meta device, document isolation, hybrid layer patterns, the per-step context
+(RoPE table built once, host syncs)."""
 
 import pytest
 import torch
 
 from attention.base import AttentionContext
 from models.args import FLAVORS, get_flavor
+from torchtitan.models.qwen3.model.model import precompute_rope_cache
+
+import models.model
 from models.model import Transformer
 
 # Qwen3-0.6B as published (tied embeddings): 596,049,920 parameters.
@@ -81,6 +85,63 @@ def test_context_from_positions():
     pos = torch.tensor([[0, 1, 0, 1, 2], [3, 4, 0, 1, 2]])  # row 1 starts mid-document: still a boundary
     ctx = AttentionContext.from_positions(pos, True, 1e6)
     assert ctx.cu_seqlens.tolist() == [0, 2, 5, 7, 10] and ctx.max_seqlen == 3
+
+
+def test_rope_table_is_built_once_and_matches_torchtitan(monkeypatch):
+    model = _tiny("softmax")
+    built = []
+    monkeypatch.setattr(models.model, "precompute_rope_cache", lambda *a: built.append(a) or precompute_rope_cache(*a))
+    D, L, theta = model.model_args.head_dim, model.model_args.max_seq_len, model.model_args.rope_theta
+    for T in (12, 12, 7):  # three steps, two shapes: one table of max_seq_len rows serves them all
+        tokens = torch.randint(0, 64, (2, T))
+        pos = torch.cat([torch.arange(5), torch.arange(T - 5)]).expand(2, T)
+        ctx = model.context(tokens, pos)
+        table = precompute_rope_cache(D, L, theta)  # torchtitan's table, indexed by position
+        cos, sin = ctx.rope(D)
+        assert cos.shape == (2, T, 1, D) and sin.shape == (2, T, 1, D)
+        assert torch.equal(cos[:, :, 0], table[pos][..., :D]) and torch.equal(sin[:, :, 0], table[pos][..., D:])
+    assert built == [(D, L, theta)]
+    assert torch.equal(model.rope_table(D, L, "cpu"), precompute_rope_cache(D, L, theta))
+
+
+SYNCS = {"item", "tolist", "nonzero", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"}
+
+
+class _SyncSpy(torch.Tensor):
+    """Positions that record every call which reads tensor data back to the host (a host sync on a GPU);
+    results of ops on them are spies too, so derived tensors are followed."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCS or (name == "to" and "cpu" in map(str, [*args[1:], *(kwargs or {}).values()])):
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("mask, reads", [("causal", []), ("block_causal", ["tolist"])])
+def test_context_reads_the_device_at_most_once(mask, reads):
+    """No host sync per step for causal rows; with packed documents one read (document count and longest
+    document: the size of cu_seqlens depends on the data). Before issue 35 the context read 1 / 3 times."""
+    model = _tiny("softmax")
+    model.model_args.attn_mask_type = mask
+    T = 12
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
+    _SyncSpy.reads = []
+    ctx = model.context(torch.randint(0, 64, (2, T)).as_subclass(_SyncSpy), pos.as_subclass(_SyncSpy))
+    ctx.rope(model.model_args.head_dim)
+    assert _SyncSpy.reads == reads
+    _SyncSpy.reads = []  # the causal case again with the spy as the positions themselves (the model makes its own)
+    ctx = AttentionContext.from_positions(pos.as_subclass(_SyncSpy), mask == "block_causal", 1e6)
+    ctx.use_rope_table(model.rope_table(model.model_args.head_dim, T, "cpu"))
+    ctx.rope(model.model_args.head_dim)
+    assert _SyncSpy.reads == reads
+    if mask == "block_causal":
+        cu = ctx.cu_seqlens.as_subclass(torch.Tensor)
+        assert torch.equal(cu, torch.tensor([0, 5, 12, 20, 24], dtype=torch.int32))
+        assert ctx.max_seqlen == 8
 
 
 def test_flavors_are_fresh_copies():

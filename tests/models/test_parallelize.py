@@ -12,6 +12,8 @@ from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
 from attention.ops.parallax.kernels import ops as kops
 from attention.ops.parallax.kernels import parallax_triton
+from attention.ops.delta_rule import ops as drops
+from attention.ops.delta_rule.ops import delta_rule_op
 from models.parallelize import sac_save_list
 
 
@@ -54,3 +56,29 @@ def test_selective_ac_runs_the_parallax_forward_once(monkeypatch, save_list, for
     out.square().sum().backward()
     assert len(calls) == forwards
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v, r))
+
+
+class _DeltaBlock(nn.Module):
+    """A layer whose whole forward is the delta-rule custom op (GDN's gate; the op's CPU path is the chunk form)."""
+
+    def forward(self, q, k, v, beta, g):
+        return delta_rule_op(q, k, v, beta, g, backend="chunk", chunk_size=8)[0]
+
+
+@pytest.mark.parametrize("save_list, forwards", [(sac_save_list, 2), (lambda: _op_sac_save_list, 3)],
+                         ids=["project-list", "torchtitan-list"])
+def test_selective_ac_saves_the_delta_rule_forward(monkeypatch, save_list, forwards):
+    """GDN/KDA/DeltaNet's op: one forward, one inside its own backward (the chunk form's autograd); torchtitan's list
+    alone adds a recomputation of the whole forward."""
+    calls = []
+    chunk = drops.chunk_delta_rule
+    monkeypatch.setattr(drops, "chunk_delta_rule", lambda *a, **kw: (calls.append(1), chunk(*a, **kw))[1])
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": _DeltaBlock()})
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"), op_sac_save_list=save_list())
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 16, 2, 8), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 16, 2, 8, requires_grad=True)
+    beta, g = torch.rand(1, 16, 2, requires_grad=True), (-torch.rand(1, 16, 2)).requires_grad_()
+    model.layers["0"](q, k, v, beta, g).square().sum().backward()
+    assert len(calls) == forwards
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v, beta, g))

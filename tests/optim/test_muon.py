@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import optim.muon as muon_mod
 from optim.muon import Blocks, Muon, newton_schulz, resolve_ns_coefficients, update_scale
 
 # (coefficients, dtype, band of converged singular values, max off-diagonal of Uᵀ O V)
@@ -159,3 +160,29 @@ def test_update_scale_values():
 def test_rejects_non_matrix():
     with pytest.raises(ValueError, match="2-D"):
         Muon([torch.nn.Parameter(torch.randn(4))])
+
+
+def test_tall_and_wide_batch_together_within_bf16(monkeypatch):
+    """A tall matrix joins the batch of its transposed (wide) shape; in the default bf16 Newton–Schulz the batched
+    update equals each matrix's own one-parameter Muon within bf16 rounding."""
+    torch.manual_seed(1)
+    shapes = [(32, 64), (64, 32), (64, 32), (32, 64)]  # like wo (1024x2048) and wq (2048x1024)
+    together = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
+    opt = Muon(together, lr=0.02)
+    opts = [Muon([p], lr=0.02) for p in alone]
+    calls = []
+    ns = muon_mod.newton_schulz
+    monkeypatch.setattr(muon_mod, "newton_schulz",
+                        lambda G, *a, **kw: (calls.append(tuple(G.shape)), ns(G, *a, **kw))[1])
+    for _ in range(3):
+        for p, q in zip(together, alone):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        calls.clear()
+        opt.step()
+        assert calls == [(4, 32, 64)]  # one batched call for all four
+        for o in opts:
+            o.step()
+    for p, q in zip(together, alone):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=2e-3)  # lr 0.02 x bf16's 2^-8 x ~|O|

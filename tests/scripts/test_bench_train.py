@@ -24,3 +24,5 @@ def test_trace_summary(tmp_path):
     # busy = [0.1, 4.0] ∪ [7.0, 7.2] = 4.1 ms of a 10 ms step; the longest gap [4.0, 7.0] holds aten::item
     assert "step wall 10.0 ms (ProfilerStep), GPU busy 4.1 ms (41 %)" in text
     assert "3.00 ms at +4.0 ms: aten::mm 100.0ms; aten::item 2.5ms" in text
+    text_again, busy = trace_summary(path, with_busy=True)
+    assert text_again == text and busy == {"busy_ms": 4.1, "wall_ms": 10.0}  # the table's busy % column

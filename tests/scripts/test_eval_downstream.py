@@ -16,8 +16,7 @@ from tests.utils import REPO, make_corpus
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(REPO / "scripts"))
-import eval_downstream  # noqa: E402
+from scripts import eval_downstream
 
 TASKS = """
 task: tiny_lambada

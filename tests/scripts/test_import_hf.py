@@ -13,8 +13,7 @@ from tests.utils import REPO, make_corpus, run_train
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tomli_w")
-sys.path.insert(0, str(REPO / "scripts"))
-import import_hf  # noqa: E402
+from scripts import import_hf
 
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")
 

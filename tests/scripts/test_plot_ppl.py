@@ -8,8 +8,7 @@ import pytest
 
 from tests.utils import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import plot_ppl  # noqa: E402
+from scripts import plot_ppl
 
 
 def test_debiased_ema_of_a_constant_is_the_constant():

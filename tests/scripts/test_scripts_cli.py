@@ -64,10 +64,9 @@ def test_every_script_help_is_clean_and_writes_nothing(tmp_path):
 
 
 def _tool(name):
-    sys.path.insert(0, str(REPO / "scripts"))
     import importlib
 
-    return importlib.import_module(name)
+    return importlib.import_module(f"scripts.{name}")
 
 
 def _run_folder(tmp_path):
@@ -77,7 +76,7 @@ def _run_folder(tmp_path):
 
     from models.hf import save_dcp_state
     from models.run_folder import save_tokenizer
-    from tests.test_generate import _tiny
+    from tests.models.test_decode import _tiny
     from tests.utils import make_corpus
 
     corpus = make_corpus(tmp_path / "corpus")
@@ -110,7 +109,7 @@ def test_generate_and_export_reject_unknown_flags(tmp_path, capsys):
 def test_generate_takes_a_run_folder_and_step(tmp_path, capsys):
     import torch
 
-    from tests.test_generate import _full_greedy
+    from tests.models.test_decode import _full_greedy
 
     generate = _tool("generate")
     run, models = _run_folder(tmp_path)

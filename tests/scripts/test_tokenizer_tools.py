@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 from tests.utils import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import fetch_tokenizer  # noqa: E402
-import train_tokenizer  # noqa: E402
+from scripts import fetch_tokenizer
+from scripts import train_tokenizer
 
 
 def test_train_tokenizer_on_own_files_gives_a_trainer_usable_folder(tmp_path, capsys):
@@ -42,7 +41,7 @@ def test_train_tokenizer_on_own_files_gives_a_trainer_usable_folder(tmp_path, ca
 
 def test_fetch_tokenizer_offline_error_is_clear_and_writes_nothing(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "fetch_tokenizer.py"), "-o", str(tmp_path / "q")],
+    proc = subprocess.run([sys.executable, "-m", "scripts.fetch_tokenizer", "-o", str(tmp_path / "q")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot reach the Hugging Face Hub for Qwen/Qwen3-0.6B" in proc.stderr and "Traceback" not in proc.stderr
