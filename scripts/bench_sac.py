@@ -65,14 +65,15 @@ def measure(mechanism: str, save: set, args) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attention", default="parallax,gdn")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--flavor", default="0.6B")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--attention", default="parallax,gdn", help="comma list of mechanisms to time")
+    ap.add_argument("--batch", type=int, default=2, help="batch size")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length")
+    ap.add_argument("--layers", type=int, default=28, help="number of blocks (the flavor's other sizes are kept)")
+    ap.add_argument("--iters", type=int, default=10, help="timed fwd+bwd iterations per setting")
+    ap.add_argument("--flavor", default="0.6B", help="model flavor (debug for a CPU smoke run)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile each block as the trainer does")
     args = ap.parse_args()
     rows = []
     for mech in args.attention.split(","):
