@@ -10,9 +10,10 @@ Polar Express per-step schedule (Amsel et al., 2025, arXiv 2505.16932; modded-na
 cols = fan_in) is one of (:data:`UPDATE_SCALES`):
 
 - "sqrt_max1_rows_over_cols": √max(1, rows/cols) (Jordan et al.; ``torch.optim.Muon``'s ``adjust_lr_fn=
-  "original"``); "spectral" is an alias kept because configs and saved optimizer states name it;
+  "original"``); "spectral", its former name, stays an alias: checkpoints restore it with
+  the param groups on resume, and older configs set it;
 - "sqrt_fan_out_over_fan_in": √(rows/cols) (Dion, Ahn et al. 2025, arXiv 2504.05295, "spectral_norm"): the same
-  on tall and square matrices, √(rows/cols) < 1 on wide ones (wo, w2, GQA's wk/wv);
+  on tall and square matrices, √(rows/cols) < 1 on wide ones (w2; wo when n_heads·d_h > dim; wk/wv when n_kv_heads·d_h < dim);
 - "match_rms_adamw": 0.2·√max(rows, cols) (Moonlight, arXiv 2502.16982).
 
 The Parallax paper asks for "spectral scaling" (Appendix F.2) and cites both Muon and Dion without giving a
