@@ -37,9 +37,9 @@ class ParallaxOptions(SoftmaxOptions):
     """Starting gain g of ρ's RMSNorm (``r_norm.weight``, every entry), ≥ 0. ρ is RMS-normalised per head, so
     at init ‖ρ_i‖ = √head_dim · g whatever W_R's scale (0 when W_R x = 0). The paper applies an RMSNorm to ρ
     (Section 4.2, Appendix F.1) with the norm lr multiplier 0.015× under Muon (Table 2b) and does not state the
-    gain's init; 1 is RMSNorm's default, hence the paper's recipe as far as it is written. With g = 1 the
-    correction Σ_KV ρ starts several times the size of the softmax output (COR, eq. 16); a smaller g starts the
-    probe weak. g = 0 makes ρ = 0 (softmax attention) until the gain itself learns."""
+    gain's init; 1 is RMSNorm's default, hence the paper's recipe as far as it is written. The correction Σ_KV ρ
+    is linear in g, so g sets its starting size relative to the softmax output (COR, eq. 16); g = 0 makes ρ = 0
+    (softmax attention) until the gain itself learns."""
 
 
 @register_attention("parallax", options=ParallaxOptions, description="Parallax: softmax attention + learned covariance probe ρ (W_R=0 is softmax)")
