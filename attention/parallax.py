@@ -10,6 +10,7 @@ Transformer checkpoint converts by adding a zero ``wr``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ class ParallaxOptions(SoftmaxOptions):
     """Initial bias of the gate (σ(bias) is the initial gate value)."""
     wr_init: str = "normal"
     """Initialisation of W_R: "normal" (like W_Q, std 0.02) or "zero" (starts as softmax attention)."""
+    rho_norm_init: float = 1.0
+    """Starting gain g of ρ's RMSNorm (``r_norm.weight``, every entry), ≥ 0. ρ is RMS-normalised per head, so
+    at init ‖ρ_i‖ = √head_dim · g whatever W_R's scale (0 when W_R x = 0). The paper applies an RMSNorm to ρ
+    (Section 4.2, Appendix F.1) with the norm lr multiplier 0.015× under Muon (Table 2b) and does not state the
+    gain's init; 1 is RMSNorm's default, hence the paper's recipe as far as it is written. The correction Σ_KV ρ
+    is linear in g, so g sets its starting size relative to the softmax output (COR, eq. 16); g = 0 makes ρ = 0
+    (softmax attention) until the gain itself learns."""
 
 
 @register_attention("parallax", options=ParallaxOptions, description="Parallax: softmax attention + learned covariance probe ρ (W_R=0 is softmax)")
@@ -42,6 +50,8 @@ class ParallaxAttention(SoftmaxAttention):
         super().__init__(args, opts)
         if opts.wr_init not in ("normal", "zero"):
             raise ValueError(f"attention.parallax.wr_init={opts.wr_init!r}; choose from ['normal', 'zero']")
+        if not (math.isfinite(opts.rho_norm_init) and opts.rho_norm_init >= 0):
+            raise ValueError(f"attention.parallax.rho_norm_init={opts.rho_norm_init!r}; must be a finite number >= 0")
         self.wr = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.r_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.r_gate = nn.Linear(args.dim, args.n_heads, bias=True) if opts.rho_gate else None
@@ -52,7 +62,7 @@ class ParallaxAttention(SoftmaxAttention):
             nn.init.zeros_(self.wr.weight)
         else:
             trunc_normal_(self.wr.weight, mean=0.0, std=0.02)
-        self.r_norm.reset_parameters()
+        nn.init.constant_(self.r_norm.weight, self.opts.rho_norm_init)
         if self.r_gate is not None:
             trunc_normal_(self.r_gate.weight, mean=0.0, std=0.02)
             nn.init.constant_(self.r_gate.bias, self.opts.rho_gate_bias)

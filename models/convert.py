@@ -5,6 +5,7 @@ scripts/convert_to_parallax.py and scripts/import_hf.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -27,18 +28,23 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     return sorted(out)
 
 
-def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False):
-    """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0. Every converted layer must be
-    softmax attention; other mechanisms stay as they are."""
+def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False,
+                  rho_norm_init=1.0):
+    """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0 and ρ's RMSNorm gain
+    ``rho_norm_init`` (any gain keeps ρ = 0, so the function is unchanged; the gain sets how strong ρ is once
+    W_R moves: ‖ρ‖ = √head_dim · gain as soon as W_R x ≠ 0). Every converted layer must be softmax attention;
+    other mechanisms stay as they are."""
     mechs = args.layer_mechanisms()
     not_softmax = [(i, mechs[i]) for i in layers if mechs[i] != "softmax"]
     if not_softmax:
         raise CheckpointError(f"layers {[i for i, _ in not_softmax]} are {sorted({m for _, m in not_softmax})}, "
                               "not softmax attention; only softmax layers convert to Parallax")
+    if not (math.isfinite(rho_norm_init) and rho_norm_init >= 0):
+        raise CheckpointError(f"--rho-norm-init {rho_norm_init!r}: must be a finite number >= 0")
     sm = args.attention_options["softmax"]
     popts = attention.get_mechanism("parallax").options(
         window_size=sm.window_size, qk_norm=sm.qk_norm, rope_on_rho=rope_on_rho, rho_gate=rho_gate,
-        rho_gate_bias=gate_bias, wr_init="zero")
+        rho_gate_bias=gate_bias, wr_init="zero", rho_norm_init=rho_norm_init)
     if "parallax" in args.attention_options:
         old = args.attention_options["parallax"]
         if (old.rope_on_rho, old.rho_gate, old.window_size, old.qk_norm) != (rope_on_rho, rho_gate, sm.window_size, sm.qk_norm):
@@ -57,7 +63,7 @@ def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=
         p = f"layers.{i}.attention."
         dtype = sd[f"{p}wq.weight"].dtype
         out[f"{p}wr.weight"] = torch.zeros(HD, dim, dtype=dtype)
-        out[f"{p}r_norm.weight"] = torch.ones(args.head_dim, dtype=dtype)
+        out[f"{p}r_norm.weight"] = torch.full((args.head_dim,), float(rho_norm_init), dtype=dtype)
         if rho_gate:
             out[f"{p}r_gate.weight"] = torch.zeros(args.n_heads, dim, dtype=dtype)
             out[f"{p}r_gate.bias"] = torch.full((args.n_heads,), float(gate_bias), dtype=dtype)

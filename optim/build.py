@@ -89,7 +89,8 @@ def _param_groups(routes: list[Route], settings, cfg, kind: str) -> list[dict]:
             continue
         g = groups.setdefault(
             r.group_key,
-            dict(params=[], name=r.group_key, lr=s["lr"], weight_decay=s["weight_decay"],
+            dict(params=[], name=r.group_key, lr=cfg.lr * r.lr_mult[1] if r.lr_mult else s["lr"],
+                 weight_decay=s["weight_decay"],
                  lr_warmup_steps=cfg.lr_warmup_steps if r.warmup else 0),
         )
         g["params"].append(r.param)

@@ -36,9 +36,13 @@ class Optimizer(_TTOptimizer):
     """Dtype of the Newton–Schulz iteration: "bfloat16" or "float32"."""
     muon_eps: float = 1e-7
     """Lower clamp of the Frobenius norm before Newton–Schulz."""
-    muon_update_scale: str = "spectral"
-    """Update scaling: "spectral" √max(1, rows/cols) (Keller Jordan's, the paper's) or "match_rms_adamw"
-    0.2·√max(rows, cols) (Moonlight; reuses AdamW lr/wd)."""
+    muon_update_scale: str = "sqrt_max1_rows_over_cols"
+    """Per-matrix update scale, rows × cols = fan_out × fan_in of the [out, in] weight (or of each head block
+    under muon_per_head): "sqrt_max1_rows_over_cols" √max(1, rows/cols) (Jordan's, torch.optim.Muon's
+    "original"; alias "spectral"), "sqrt_fan_out_over_fan_in" √(rows/cols) (Dion's "spectral_norm"; smaller on
+    wide matrices such as wo, w2) or "match_rms_adamw" 0.2·√max(rows, cols) (Moonlight; reuses AdamW lr/wd).
+    The Parallax paper says "spectral scaling" (Appendix F.2) without a formula: it does not settle which of
+    the first two it means."""
     muon_per_head: bool = False
     """Orthogonalise attention input projections per head: each head's block of rows is its own matrix."""
     muon_per_head_patterns: list[str] = field(default_factory=lambda: [r"\.(wq|wk|wv|wr)\.weight$"])
@@ -80,6 +84,11 @@ class Optimizer(_TTOptimizer):
     Tensors that are not 2-D always land here unless a hint says otherwise; full-width output gates
     (`g_proj`) are ordinary matrices and go to Muon."""
 
+    lr_mult_patterns: list[str] = field(default_factory=list)
+    """Per-parameter lr overrides "REGEX=MULT" (re.search on the parameter name, first match wins): a match gets
+    lr = optimizer.lr × MULT instead of its group's multiplier, in its own param group "<group>[REGEX]" (group
+    kind, optimizer and weight decay unchanged). E.g. ["\\.r_norm\\.=1"] trains Parallax's ρ-norm gain at the base
+    lr instead of the norm group's adam_norm_lr_mult (0.015× under Muon, Table 2b)."""
     lr_warmup_patterns: list[str] = field(default_factory=list)
     """Regexes of parameters with an extra lr warmup (own param groups, "<group>_warmup"), e.g. ["\\.wr\\."]
     when fine-tuning a converted Parallax model whose W_R starts at zero."""

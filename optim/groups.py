@@ -12,6 +12,9 @@ Precedence, first match wins:
 3. not 2-D → "vector"; 2-D with a side < ``muon_min_dim`` → "vector";
 4. otherwise "matrix".
 
+Independently of the group, ``lr_mult_patterns`` ("REGEX=MULT", first match wins) give a parameter its own
+lr = optimizer.lr × MULT, in its own param group "<group>[REGEX]" (see :func:`parse_lr_mults`).
+
 Muon splits of a "matrix" parameter into independently orthogonalised blocks:
 - module attribute ``muon_blocks = {"<rel name>": [rows...]}`` or ``{"<rel name>": (dim, [sizes...])}``
   for fused projections (e.g. q|k|v|gate), always applied;
@@ -21,6 +24,7 @@ Muon splits of a "matrix" parameter into independently orthogonalised blocks:
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,11 +52,29 @@ class Route:
     reason: str
     blocks: Blocks | None = None
     warmup: bool = False
+    lr_mult: tuple[str, float] | None = None  # (pattern, multiplier of optimizer.lr) from lr_mult_patterns
 
     @property
     def group_key(self) -> str:
-        """Param-group name: the group, plus "_warmup" for parameters with the extra lr warmup."""
-        return self.group + ("_warmup" if self.warmup else "")
+        """Param-group name: the group, "[pattern]" for an lr_mult_patterns match, "_warmup" for the extra warmup."""
+        return self.group + (f"[{self.lr_mult[0]}]" if self.lr_mult else "") + ("_warmup" if self.warmup else "")
+
+
+def parse_lr_mults(specs: list[str]) -> list[tuple[re.Pattern, float]]:
+    """``optimizer.lr_mult_patterns`` entries "REGEX=MULT" (split at the last "=") -> [(compiled regex, MULT)];
+    MULT must be a finite number >= 0."""
+    out = []
+    for i, spec in enumerate(specs):
+        pat, sep, mult = str(spec).rpartition("=")
+        try:
+            m = float(mult)
+            if not sep or not pat or not (math.isfinite(m) and m >= 0):
+                raise ValueError
+            out.append((re.compile(pat), m))
+        except (ValueError, re.error):
+            raise ValueError(f"optimizer.lr_mult_patterns[{i}]={spec!r}; expected 'REGEX=MULT' with a valid regex "
+                             "and a finite MULT >= 0, e.g. '\\.r_norm\\.=1'") from None
+    return out
 
 
 def _hint_group(value, where: str) -> str:
@@ -97,6 +119,7 @@ def route_parameters(model: nn.Module, cfg) -> list[Route]:
     pats = [(g, [re.compile(p) for p in getattr(cfg, f"{g}_patterns")]) for g in ("embed", "head", "norm", "vector")]
     per_head = [re.compile(p) for p in cfg.muon_per_head_patterns]
     warm = [re.compile(p) for p in cfg.lr_warmup_patterns]
+    mults = parse_lr_mults(cfg.lr_mult_patterns)
     routes = []
     for raw, p in model.named_parameters():
         if not p.requires_grad:
@@ -120,7 +143,8 @@ def route_parameters(model: nn.Module, cfg) -> list[Route]:
                     blocks = Blocks(0, (hd,) * (p.shape[0] // hd))
             if blocks is None and name in hint_blocks:
                 blocks = _blocks(hint_blocks[name], p.shape, name)
-        routes.append(Route(name, p, group, reason, blocks, any(r.search(name) for r in warm)))
+        lr_mult = next(((r.pattern, m) for r, m in mults if r.search(name)), None)
+        routes.append(Route(name, p, group, reason, blocks, any(r.search(name) for r in warm), lr_mult))
     _check_routes(model, routes)
     return routes
 

@@ -6,9 +6,19 @@
 NS_k is the Newton–Schulz iteration X ← aX + b(XXᵀ)X + c(XXᵀ)²X on X = U/‖U‖_F, run on the wide
 orientation (rows ≤ cols) in bf16 by default. Coefficients: the quintic (3.4445, −4.7750, 2.0315) or the
 Polar Express per-step schedule (Amsel et al., 2025, arXiv 2505.16932; modded-nanogpt's 5-step table with its
-2 % safety factor). s = √max(1, rows/cols) ("spectral", the Parallax paper's) or 0.2·√max(rows, cols)
-("match_rms_adamw", Moonlight, arXiv 2502.16982). For a single plain matrix the step is bit-for-bit
-``torch.optim.Muon`` (same EMA momentum form, same op order).
+2 % safety factor). The per-matrix scale s(rows, cols) of a PyTorch weight [out, in] (rows = fan_out,
+cols = fan_in) is one of (:data:`UPDATE_SCALES`):
+
+- "sqrt_max1_rows_over_cols": √max(1, rows/cols) (Jordan et al.; ``torch.optim.Muon``'s ``adjust_lr_fn=
+  "original"``); "spectral", its former name, stays an alias: checkpoints restore it with
+  the param groups on resume, and older configs set it;
+- "sqrt_fan_out_over_fan_in": √(rows/cols) (Dion, Ahn et al. 2025, arXiv 2504.05295, "spectral_norm"): the same
+  on tall and square matrices, √(rows/cols) < 1 on wide ones (w2; wo when n_heads·d_h > dim; wk/wv when n_kv_heads·d_h < dim);
+- "match_rms_adamw": 0.2·√max(rows, cols) (Moonlight, arXiv 2502.16982).
+
+The Parallax paper asks for "spectral scaling" (Appendix F.2) and cites both Muon and Dion without giving a
+formula, so its text does not settle which of the first two it means. For a single plain matrix the step is
+bit-for-bit ``torch.optim.Muon`` (same EMA momentum form, same op order).
 
 Departures from ``torch.optim.Muon``:
 - DTensor (FSDP2) parameters: momentum is kept on the local shard; for orthogonalisation each full matrix
@@ -37,7 +47,8 @@ POLAR_EXPRESS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-UPDATE_SCALES = ("spectral", "match_rms_adamw")
+UPDATE_SCALES = ("sqrt_max1_rows_over_cols", "sqrt_fan_out_over_fan_in", "match_rms_adamw")
+UPDATE_SCALE_ALIASES = {"spectral": "sqrt_max1_rows_over_cols"}
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -104,13 +115,23 @@ def newton_schulz(
     return X.mT if tall else X
 
 
+def check_update_scale(kind: str) -> str:
+    """The canonical name of ``kind`` (aliases resolved); ValueError naming the key if unknown."""
+    kind = UPDATE_SCALE_ALIASES.get(kind, kind)
+    if kind not in UPDATE_SCALES:
+        raise ValueError(f"optimizer.muon_update_scale={kind!r}; choose from "
+                         f"{list(UPDATE_SCALES) + list(UPDATE_SCALE_ALIASES)}")
+    return kind
+
+
 def update_scale(rows: int, cols: int, kind: str) -> float:
-    """Per-matrix lr factor s(shape)."""
-    if kind == "spectral":
+    """Per-matrix lr factor s(rows, cols) of a [rows, cols] = [fan_out, fan_in] matrix or head block."""
+    kind = check_update_scale(kind)
+    if kind == "sqrt_max1_rows_over_cols":
         return math.sqrt(max(1, rows / cols))
-    if kind == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"optimizer.muon_update_scale={kind!r}; choose from {list(UPDATE_SCALES)}")
+    if kind == "sqrt_fan_out_over_fan_in":
+        return math.sqrt(rows / cols)
+    return 0.2 * math.sqrt(max(rows, cols))
 
 
 @dataclass(frozen=True)
@@ -129,7 +150,7 @@ class Muon(torch.optim.Optimizer):
         lr, weight_decay, momentum, nesterov, ns_steps, eps: as ``torch.optim.Muon``.
         ns_coefficients: "quintic" | "polar_express" | "a,b,c;..." | sequence of triples.
         ns_dtype: "bfloat16" | "float32".
-        update_scale: "spectral" | "match_rms_adamw".
+        update_scale: one of :data:`UPDATE_SCALES` (or an alias); blocks are scaled by their own shape.
         blocks: optional ``{param: Blocks}`` for per-block orthogonalisation.
     """
 
@@ -144,13 +165,12 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_dtype: str = "bfloat16",
         eps: float = 1e-7,
-        update_scale: str = "spectral",
+        update_scale: str = "sqrt_max1_rows_over_cols",
         blocks: dict[Tensor, Blocks] | None = None,
     ) -> None:
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"optimizer.muon_ns_dtype={ns_dtype!r}; choose from {list(NS_DTYPES)}")
-        if update_scale not in UPDATE_SCALES:
-            raise ValueError(f"optimizer.muon_update_scale={update_scale!r}; choose from {list(UPDATE_SCALES)}")
+        update_scale = check_update_scale(update_scale)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"optimizer.muon_momentum={momentum} must be in [0, 1)")
         coeffs, _ = resolve_ns_coefficients(ns_coefficients, ns_steps)

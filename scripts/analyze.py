@@ -11,6 +11,8 @@ Diagnostics (Parallax paper §4.3–4.4, eqs. 16–19), for a subset of query po
 - KV correlation ‖Σ_VV^{-1/2} Σ_KV Σ_KK^{-1/2}‖_F (eq. 17; covariances under p_i·, ridge 1e-4·tr/D);
 - Parallax score range max_j s_ij − min_j s_ij (and min/max), s_ij = p_ij(1 + t̄_i − t_ij);
 - attention sink p_i1 (softmax) and s_i1²/Σ_j s_ij² (Parallax, eq. 19); softmax entropy −Σ p log p;
+- the gain of ρ's RMSNorm (``r_norm.weight``: mean/min/max per layer; ‖ρ_i‖ = √d_h · gain when the gain is
+  uniform, so the probe norm and the gain tell apart "ρ grew" from "the gain grew");
 - stable rank ‖X‖_F²/‖X‖₂² of W_Q, W_K, W_V, W_O, W_R and per head of W_Q W_Kᵀ, W_O W_V, W_R W_Kᵀ
   (raw weights: the q/k/ρ RMSNorm gains between them are left out).
 
@@ -210,6 +212,10 @@ def analyze(model, rows: list[torch.Tensor], n_queries: int = 32, min_pos: int =
         i = int(i)
         entry = {"layer": i, "mechanism": getattr(layer.attention, "mechanism", type(layer.attention).__name__),
                  "stable_rank": weight_ranks(layer.attention), "activations": {}}
+        r_norm = getattr(layer.attention, "r_norm", None)
+        if getattr(r_norm, "weight", None) is not None:
+            g = r_norm.weight.detach().double()
+            entry["rho_norm_gain"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
         for name, per_head in acts.get(i, {}).items():
             heads = [torch.cat(v) for v in per_head]
             entry["activations"][name] = {**summarize(torch.cat(heads)),
@@ -226,6 +232,9 @@ def _summary(layers: list[dict]) -> dict:
         vals = [l["activations"][key]["mean"] for l in layers if key in l["activations"]]
         if vals:
             out[key] = sum(vals) / len(vals)
+    gains = [l["rho_norm_gain"]["mean"] for l in layers if "rho_norm_gain" in l]
+    if gains:
+        out["rho_gain"] = sum(gains) / len(gains)
     for key in ("wq", "wk", "wv", "wo", "wr", "qk_circuit", "ov_circuit", "rk_circuit"):
         vals = [x for l in layers if key in l["stable_rank"]
                 for x in (l["stable_rank"][key] if isinstance(l["stable_rank"][key], list) else [l["stable_rank"][key]])]

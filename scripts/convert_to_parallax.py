@@ -5,7 +5,7 @@
 
 SRC is a run folder (latest step, or ``--step N``), a DCP step folder (``<dump>/checkpoint/step-N``) or a
 Hugging Face Qwen3 safetensors folder; DST is written in the same format. Each converted layer gets ``wr = 0`` (so ρ = RMSNorm(0) = 0 and Parallax
-reduces to softmax attention, Parallax paper §5), ``r_norm`` weights 1 and, with ``--rho-gate``, a gate
+reduces to softmax attention, Parallax paper §5), ``r_norm`` weights ``--rho-norm-init`` (1) and, with ``--rho-gate``, a gate
 with zero weights and bias ``--gate-bias``. Before anything is written both models run on a fixed batch in
 float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
 
@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rho-gate", action="store_true", help="add the per-head sigmoid gate on ρ (weights 0)")
     ap.add_argument("--gate-bias", type=float, default=0.0, help="initial gate bias (σ(bias) = initial gate)")
     ap.add_argument("--no-rope-on-rho", action="store_true", help="do not apply RoPE to ρ")
+    ap.add_argument("--rho-norm-init", type=float, default=1.0,
+                    help="gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
+                         "‖ρ‖ = √head_dim · gain once W_R moves)")
     ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
     ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
@@ -62,7 +65,8 @@ def main(argv=None) -> int:
             layers = parse_layers(a.layers, args.n_layers)
         else:
             layers = list(range(args.n_layers))
-        new_args, new_sd = convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress)
+        new_args, new_sd = convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
+                                      a.rho_norm_init)
         diff = max_logit_diff(args, sd, new_args, new_sd)
         if not diff <= a.tol:
             raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g} > {a.tol:g}; "

@@ -28,7 +28,7 @@ MODELS = {  # suffix -> (flavor suffix, attention, [attention.*] table)
 }
 OPTIMS = {  # suffix -> ([optimizer], [lr_scheduler])
     "": ('name = "muon"\nlr = 5e-3\nweight_decay = 0.1\nmuon_momentum = 0.95\nmuon_ns_steps = 5\n'
-         'muon_update_scale = "spectral"\nadam_beta1 = 0.8\nadam_beta2 = 0.95\nadam_eps = 1e-7\n',
+         'muon_update_scale = "sqrt_max1_rows_over_cols"\nadam_beta1 = 0.8\nadam_beta2 = 0.95\nadam_eps = 1e-7\n',
          'schedule = "wsd"\nwarmup_steps = 0\ndecay_start = 0.8\ndecay_type = "linear"\nmin_lr_factor = 0.0\n'),
     "_adamw_wsd": ('name = "AdamW"\nlr = 3e-4\nweight_decay = 0.1\nbeta1 = 0.9\nbeta2 = 0.95\neps = 1e-8\n',
                    'schedule = "wsd"\nwarmup_steps = 0\ndecay_start = 0.8\ndecay_type = "linear"\nmin_lr_factor = 0.0\n'),

@@ -2,6 +2,26 @@
 
     python -m scripts.replicate --corpus DIR --out DIR [--budget-s 520] [--runs all]
         [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
+    python -m scripts.replicate --corpus DIR --out DIR --suite dose|horizon|context [--seeds 0,1] [--runs ARMS]
+        [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3]
+
+Suites (issue 40: the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
+arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/`` with the tokenizer shared in
+``<out>/tokenizer`` (see :func:`suite_arms`):
+
+- ``dose`` (160 steps, Muon): softmax; Parallax at each ``--gains`` starting ρ-norm gain
+  (``attention.parallax.rho_norm_init``); Parallax at ``--best-gain`` with the ρ-norm lr at 1× optimizer.lr
+  (``optimizer.lr_mult_patterns``) instead of the norm group's 0.015×;
+- ``horizon`` (1,600 steps, validation every 200): softmax and Parallax at gain 1 and at ``--best-gain`` under
+  Muon; softmax and Parallax (gain 1) under AdamW at each of ``--adamw-lrs``;
+- ``context`` (160 steps, sequence 4096, batch 16: the same tokens per step as 64 × 1024): softmax, Parallax at
+  gain 1 and at ``--best-gain``, each with ``causal`` and ``block_causal`` masks.
+
+A suite run fits device calls of limited length: ``--budget-s`` is this call's wall time, a run trains in chunks
+of at most ``--chunk-steps`` steps (``training.stop_after_step``; a full checkpoint at each stop) sized to what fits
+in the time left, and a run that does not finish is paused with a resumable checkpoint; the same command resumes
+it from ``<run>/checkpoint`` (and skips finished runs) until the table has every run. ``<out>/<suite>/table.txt``
+and ``summary.json`` keep the rows of earlier calls (other seeds or arms) beside this call's.
 
 Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
 
@@ -55,8 +75,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "replication", "repl_base.toml")
 
-ADAMW = ["--optimizer.name", "adamw", "--optimizer.lr", "1e-3", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
-         "--optimizer.eps", "1e-8"]
+ADAMW_NO_LR = ["--optimizer.name", "adamw", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95", "--optimizer.eps", "1e-8"]
+ADAMW = [*ADAMW_NO_LR, "--optimizer.lr", "1e-3"]
 RUNS: dict[str, list[str]] = {  # in run order: converted needs softmax_muon; gdn_muon takes what time is left
     "softmax_muon": ["--model.attention", "softmax"],
     "parallax_muon": ["--model.attention", "parallax"],
@@ -69,6 +89,40 @@ RUNS: dict[str, list[str]] = {  # in run order: converted needs softmax_muon; gd
 }
 CONVERTED_FRACTION = 4  # the converted fine-tune trains steps // 4 steps
 ANALYZED = ("softmax", "parallax", "converted")
+SUITES = {  # suite -> steps, validation.freq and checkpoint.interval (0 = none: validation at the first and last
+    # step, checkpoints at chunk stops and the end), seq_len, batch (None = --seq-len/--batch)
+    "dose": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=None, batch=None),
+    "horizon": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
+    "context": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=4096, batch=16),
+}
+RHO_NORM_LR_1X = ["--optimizer.lr_mult_patterns", "\\.r_norm\\.=1"]  # ρ-norm gain at 1× optimizer.lr
+
+
+def _gain(g: float) -> list[str]:
+    return ["--model.attention", "parallax", "--attention.parallax.rho_norm_init", f"{g:g}"]
+
+
+def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list[float]) -> dict[str, list[str]]:
+    """Arm name -> train.py flags of ``suite`` (see the module docstring), in run order."""
+    softmax = ["--model.attention", "softmax"]
+    if suite == "dose":
+        return {"softmax_muon": softmax, **{f"parallax_g{g:g}_muon": _gain(g) for g in gains},
+                f"parallax_g{best_gain:g}_rnormlr1_muon": [*_gain(best_gain), *RHO_NORM_LR_1X]}
+    if suite == "horizon":
+        arms = {"softmax_muon": softmax, "parallax_g1_muon": _gain(1.0), f"parallax_g{best_gain:g}_muon": _gain(best_gain)}
+        for lr in adamw_lrs:
+            adamw = [*ADAMW_NO_LR, "--optimizer.lr", f"{lr:g}"]
+            arms[f"softmax_adamw_lr{lr:g}"] = [*softmax, *adamw]
+            arms[f"parallax_g1_adamw_lr{lr:g}"] = [*_gain(1.0), *adamw]
+        return arms
+    if suite == "context":
+        arms = {}
+        for mask in ("causal", "block_causal"):
+            m = ["--model.attn_mask_type", mask]
+            arms.update({f"softmax_muon_{mask}": [*softmax, *m], f"parallax_g1_muon_{mask}": [*_gain(1.0), *m],
+                         f"parallax_g{best_gain:g}_muon_{mask}": [*_gain(best_gain), *m]})
+        return arms
+    raise ValueError(f"--suite {suite!r}; choose from {list(SUITES)}")
 
 
 def mechanism(name: str) -> str:
@@ -118,6 +172,34 @@ def fit_steps(seconds: float, fixed: float, tps: float, tokens_per_step: int, ca
     return max(0, min(cap, math.floor((seconds - fixed) * tps / tokens_per_step)))
 
 
+def chunk_stop(current: int, steps: int, chunk: int, seconds: float | None, fixed: float, tps: float,
+               tokens_per_step: int) -> int:
+    """Step at which the next chunk of a run at ``current`` stops: at most ``chunk`` steps (0 = no limit), at most
+    ``steps``, and (with ``seconds``, the time left) only what fits at ``fixed`` s per launch and ``tps`` tokens/s.
+    Returns ``current`` when nothing fits."""
+    cap = steps - current if chunk <= 0 else min(chunk, steps - current)
+    if seconds is not None:
+        cap = fit_steps(seconds, fixed, tps, tokens_per_step, cap)
+    return current + cap
+
+
+def resumable_step(run_dir: str) -> int:
+    """Highest ``step-N`` with DCP metadata under ``<run_dir>/checkpoint`` (0 if none)."""
+    found = [int(d.rsplit("-", 1)[1]) for d in glob.glob(os.path.join(run_dir, "checkpoint", "step-*"))
+             if d.rsplit("-", 1)[1].isdigit() and os.path.isfile(os.path.join(d, ".metadata"))]
+    return max(found, default=0)
+
+
+def truncate_metrics(run_dir: str, step: int) -> None:
+    """Drop ``metrics.jsonl`` records after ``step``: a chunk killed past its last checkpoint logged steps that the
+    resumed run logs again."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(path, "w") as f:
+            f.writelines(keep)
+
+
 def read_metrics(run_dir: str) -> dict:
     """Last validation/training record and the median training tokens/s (log intervals after step 1)."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -137,9 +219,9 @@ def _env() -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _run(cmd: list[str], log: str, timeout: float) -> tuple[bool, float]:
+def _run(cmd: list[str], log: str, timeout: float, append: bool = False) -> tuple[bool, float]:
     t0 = time.time()
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
                                 timeout=max(1.0, timeout)).returncode
@@ -181,15 +263,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used)")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"),
                     help="folder of the runs, plots and summary")
-    ap.add_argument("--runs", default="all", help=f"comma-separated subset of {list(RUNS)}")
+    ap.add_argument("--runs", default="all",
+                    help=f"comma-separated subset of {list(RUNS)}, or with --suite of the suite's arms")
+    ap.add_argument("--suite", choices=list(SUITES), default="",
+                    help="run a named arm set (module docstring) instead of the replication runs")
+    ap.add_argument("--seeds", default="0", help="--suite: comma-separated seeds (debug.seed), one run per arm and seed")
+    ap.add_argument("--gains", default="1,0.3,0.1", help="--suite dose: starting ρ-norm gains of the Parallax arms")
+    ap.add_argument("--best-gain", type=float, default=0.1,
+                    help="--suite: the gain of the 'best gain' arms (set it from the dose suite's result)")
+    ap.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3", help="--suite horizon: the AdamW lr sweep")
+    ap.add_argument("--chunk-steps", type=int, default=0,
+                    help="--suite: at most this many steps per train.py launch (0 = as many as fit the budget)")
+    ap.add_argument("--ckpt-every", type=int, default=None,
+                    help="--suite: full checkpoint every N steps (default: the suite's, 200 for horizon, else none)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="total wall seconds for everything: sets the steps per run (0 = use --steps)")
     ap.add_argument("--margin-s", type=float, default=30.0, help="part of --budget-s kept for the end (plots, analyses)")
     ap.add_argument("--calib-steps", type=int, default=20, help="steps of each calibration run (--budget-s)")
-    ap.add_argument("--steps", type=int, default=300, help="steps per run without --budget-s")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run without --budget-s (default 300), or override a suite's steps")
     ap.add_argument("--max-steps", type=int, default=100000, help="cap on the budgeted steps")
-    ap.add_argument("--batch", type=int, default=64, help="sequences per step")
-    ap.add_argument("--seq-len", type=int, default=1024, help="training sequence length")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 64, or the suite's)")
+    ap.add_argument("--seq-len", type=int, default=None, help="training sequence length (default 1024, or the suite's)")
     ap.add_argument("--flavor", default="repl-68M", help="model.flavor of every run")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size of the trained tokenizer")
     ap.add_argument("--tokenizer", default="", help="reuse this tokenizer folder instead of training one")
@@ -205,9 +300,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--fresh", action="store_true", help="retrain runs that already finished in --out")
     ap.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
     args = ap.parse_args(argv)
-    bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in RUNS]
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",")]
+        args.gains = [float(x) for x in args.gains.split(",")]
+        args.adamw_lrs = [float(x) for x in args.adamw_lrs.split(",")]
+    except ValueError as e:
+        ap.error(f"--seeds/--gains/--adamw-lrs: comma-separated numbers expected ({e})")
+    suite = SUITES.get(args.suite, {})
+    args.batch = args.batch or suite.get("batch") or 64
+    args.seq_len = args.seq_len or suite.get("seq_len") or 1024
+    args.steps = args.steps or suite.get("steps") or 300
+    valid = list(suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs)) if args.suite else list(RUNS)
+    bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in valid]
     if bad:
-        ap.error(f"--runs: unknown {bad}; choose from {list(RUNS)}")
+        ap.error(f"--runs: unknown {bad}; choose from {valid}")
     return args
 
 
@@ -220,7 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     want = set(RUNS) if args.runs == "all" else set(args.runs.split(","))
     if "converted" in want:
         want.add("softmax_muon")
-    names = [n for n in RUNS if n in want]
+    names = [n for n in RUNS if n in want] if not args.suite else []
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -258,6 +364,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "--validation.steps", str(val_steps), "--training.dataloader.num_workers", str(args.workers),
               *(["--compile.enable"] if compile_on else []), *args.extra]
     log.update(tokens_per_step=k, val_tokens=k * val_steps if val_steps > 0 else "all")
+    if args.suite:
+        suite_out = os.path.join(out, args.suite)
+        os.makedirs(suite_out, exist_ok=True)
+        log["suite"] = args.suite
+        results, background, cleanup = run_suite(args, suite_out, common, val_file, left if budget > 0 else None, log)
+        return finish(suite_out, results, background, cleanup, log, left, t0)
 
     # ---- calibration: fixed cost per run and training tokens/s per mechanism (warms the compile cache)
     fixed: dict[str, float] = {}
@@ -361,31 +473,128 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 with open(os.path.join(out, "convert.log"), "w") as f:
                     f.write(str(e))
         if row["ok"] and not args.no_analyze and any(m in name for m in ANALYZED):
-            proc = _spawn([sys.executable, "-m", "scripts.analyze", dump, "--data", val_file,
-                           "--rows", "8", "--queries", "16", "--seq-len", str(min(args.seq_len, 1024)),
-                           # CPU: the per-head float64 eigh/SVD diagnostics (small matrices) are slower through
-                           # cusolver next to a training run than on a few CPU cores
-                           "--device", "cpu"],
-                          os.path.join(dump, "analyze.log"))
-            background.append((row, dump, proc))
+            background.append((row, dump, _analyze(dump, val_file, args.seq_len)))
         print(json.dumps(row), flush=True)
         results.append(row)
         write_summary(out, results, log)
 
-    # ---- analyses, cleanup, plots, table
-    for row, dump, proc in background:
-        ok = _wait(proc, max(5.0, left() - 10))
-        path = os.path.join(dump, "analysis", "analysis.json")
-        if ok and os.path.isfile(path):
-            s = json.load(open(path))["summary"]
-            row.update({k2: s.get(k2) for k2 in ("cor", "cpa", "entropy", "sink_p", "srank_wr", "srank_wq")})
-        else:
-            row["analysis_error"] = _tail(os.path.join(dump, "analyze.log"), 200)
     _wait(convert_job, 10)
-    if not args.keep_checkpoints:
-        for name in names:
-            shutil.rmtree(os.path.join(out, name, "checkpoint"), ignore_errors=True)
-        shutil.rmtree(conv_dir, ignore_errors=True)
+    cleanup = [] if args.keep_checkpoints else [*(os.path.join(out, n, "checkpoint") for n in names), conv_dir]
+    return finish(out, results, background, cleanup, log, left, t0)
+
+
+def _analyze(dump: str, val_file: str, seq_len: int) -> subprocess.Popen:
+    return _spawn([sys.executable, "-m", "scripts.analyze", dump, "--data", val_file,
+                   "--rows", "8", "--queries", "16", "--seq-len", str(min(seq_len, 1024)),
+                   # CPU: the per-head float64 eigh/SVD diagnostics (small matrices) are slower through
+                   # cusolver next to a training run than on a few CPU cores
+                   "--device", "cpu"],
+                  os.path.join(dump, "analyze.log"))
+
+
+ANALYSIS_KEYS = ("cor", "cpa", "probe_norm", "rho_gain", "entropy", "sink_p", "srank_wr", "srank_wq")
+
+
+def _read_analysis(row: dict, dump: str) -> bool:
+    path = os.path.join(dump, "analysis", "analysis.json")
+    if not os.path.isfile(path):
+        return False
+    s = json.load(open(path))["summary"]
+    row.update({key: s.get(key) for key in ANALYSIS_KEYS})
+    return True
+
+
+def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict):
+    """Train ``args.suite``'s arms × seeds in ``out`` (module docstring), resuming unfinished runs in chunks; ``left``:
+    seconds left in this call (None = no budget). Returns (rows, background analyses, paths to delete at the end)."""
+    spec = SUITES[args.suite]
+    arms = suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs)
+    chosen = list(arms) if args.runs == "all" else args.runs.split(",")
+    k, steps = args.batch * args.seq_len, args.steps
+    val_freq = str(spec["val_freq"] or 100000)  # 100000: only steps 1 and `steps` validate
+    # periodic full checkpoints: a launch killed at the end of a call loses at most ckpt_every steps
+    ckpt_every = str(args.ckpt_every if args.ckpt_every is not None else spec["ckpt_every"] or 100000)
+    est: dict[str, tuple[float, float]] = {}  # mechanism -> (fixed s per launch, training tokens/s), measured here
+    results, background, cleanup = [], [], []
+    summary = os.path.join(out, "summary.json")  # earlier calls' rows (other seeds or arms) stay in the table
+    earlier = {r["run"]: r for r in (json.load(open(summary))["runs"] if os.path.isfile(summary) else [])}
+
+    def table_rows() -> list[dict]:
+        return list({**earlier, **{r["run"]: r for r in results}}.values())
+
+    log.update(seeds=args.seeds, steps=steps, arms={a: arms[a] for a in chosen})
+    for arm in chosen:
+        for seed in args.seeds:
+            name, mech = f"{arm}_s{seed}", mechanism(arm)
+            dump = os.path.join(out, name)
+            flags = [*common, *arms[arm], "--debug.seed", str(seed), "--job.dump_folder", dump,
+                     "--training.steps", str(steps), "--metrics.log_freq", str(max(1, steps // 25)),
+                     "--validation.freq", val_freq, "--checkpoint.interval", ckpt_every]
+            row = {"run": name, "arm": arm, "seed": seed, "steps": steps, "tokens": steps * k, "seconds": 0.0}
+            args_file = os.path.join(dump, "train_args.json")
+            same = not args.fresh and os.path.isfile(args_file) and json.load(open(args_file)) == flags
+            done = read_metrics(dump) if same else {}
+            if done.get("step") == steps and done.get("val_loss") is not None:
+                row.update(**done, ok=True, cached=True, seconds=earlier.get(name, {}).get("seconds", 0.0))
+            else:
+                current = resumable_step(dump) if same else 0
+                if current:
+                    truncate_metrics(dump, current)
+                else:
+                    shutil.rmtree(dump, ignore_errors=True)
+                    os.makedirs(dump)
+                    with open(args_file, "w") as f:
+                        json.dump(flags, f)
+                row["resumed_from"] = current
+                while current < steps:
+                    # this mechanism's launch cost and speed, else another's at half the speed (Parallax is slower)
+                    fixed, tps = est.get(mech) or next(((f, t / 2) for f, t in est.values()), (0.0, 0.0))
+                    seconds = left() - args.margin_s if left is not None and tps else None
+                    stop = chunk_stop(current, steps, args.chunk_steps, seconds, fixed, tps, k)
+                    if stop <= current or (left is not None and left() <= args.margin_s):
+                        row.update(ok=False, paused=current, error=f"paused at step {current}/{steps} (no time "
+                                   "left); the same command resumes it")
+                        break
+                    chunk = ["--training.stop_after_step", str(stop)] if stop < steps else []
+                    timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
+                    ok, secs = _run([sys.executable, "-m", "scripts.replicate", "--train-one", *flags, *chunk],
+                                    os.path.join(dump, "train.log"), timeout, append=True)
+                    row["seconds"] = round(row["seconds"] + secs, 1)
+                    m = read_metrics(dump)
+                    if not ok and left is not None and left() <= args.margin_s + 10:  # killed at the budget's end
+                        current = resumable_step(dump)
+                        row.update(ok=False, paused=current, error=f"paused at step {current}/{steps} (stopped at "
+                                   "the budget's end); the same command resumes it")
+                        break
+                    if not ok:
+                        row.update(ok=False, error="see train.log: " + _tail(os.path.join(dump, "train.log"), 200)
+                                   .replace("\n", " | "))
+                        break
+                    if m.get("tps"):
+                        est[mech] = (max(0.0, secs - (stop - current) * k / m["tps"]) + 3.0, m["tps"])
+                    current = stop
+                else:
+                    row.update(ok=True, **read_metrics(dump))
+            if row["ok"] and not args.no_analyze:
+                if row.get("cached") and _read_analysis(row, dump):
+                    pass
+                elif os.path.isdir(os.path.join(dump, "checkpoint")):
+                    background.append((row, dump, _analyze(dump, val_file, args.seq_len)))
+            if row["ok"] and not args.keep_checkpoints:
+                cleanup.append(os.path.join(dump, "checkpoint"))
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            write_summary(out, table_rows(), log)
+    return table_rows(), background, cleanup
+
+
+def finish(out: str, results: list[dict], background, cleanup: list[str], log: dict, left, t0: float) -> list[dict]:
+    """Wait for the analyses, delete ``cleanup``, plot, write summary.json and table.txt, print the table."""
+    for row, dump, proc in background:
+        if not (_wait(proc, max(5.0, left() - 10)) and _read_analysis(row, dump)):
+            row["analysis_error"] = _tail(os.path.join(dump, "analyze.log"), 200)
+    for path in cleanup:
+        shutil.rmtree(path, ignore_errors=True)
     ran = [os.path.join(out, r["run"]) for r in results if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
     if ran:
         _run([sys.executable, "-m", "scripts.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png")],
@@ -409,8 +618,9 @@ def write_summary(out: str, rows: list[dict], log: dict) -> None:
 
 
 def plot_diagnostics(out: str, names: list[str]) -> str | None:
-    """``diagnostics_by_layer.png``: per-layer means of COR, CPA, softmax entropy and sink of every analysed run."""
-    keys = ("cor", "cpa", "entropy", "sink_p")
+    """``diagnostics_by_layer.png``: per-layer means of COR, CPA, the probe norm ‖ρ‖, the ρ-norm gain, softmax entropy
+    and sink of every analysed run."""
+    keys = ("cor", "cpa", "probe_norm", "rho_gain", "entropy", "sink_p")
     series = {}
     for name in names:
         path = os.path.join(out, name, "analysis", "analysis.json")
@@ -426,7 +636,9 @@ def plot_diagnostics(out: str, names: list[str]) -> str | None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6))
     for ax, key in zip(axes, keys):
         for i, (name, layers) in enumerate(series.items()):
-            pts = [(lay["layer"], lay["activations"][key]["mean"]) for lay in layers if key in lay["activations"]]
+            pts = [(lay["layer"], (lay.get("rho_norm_gain") if key == "rho_gain" else lay["activations"].get(key)))
+                   for lay in layers]
+            pts = [(i, v["mean"]) for i, v in pts if v]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=f"C{i}", label=name)
         ax.set_title(key)
@@ -449,14 +661,17 @@ def format_table(rows: list[dict], log: dict | None = None) -> str:
         width = int(spec.split(".")[0])
         return f"{'-':>{width}}" if v is None else format(v, spec)
 
-    head = (f"{'run':<18}{'steps':>6}{'tokens':>12}{'val_ppl':>9}{'val_loss':>9}{'COR':>7}{'CPA':>7}{'srankWr':>8}"
-            f"{'s/run':>7}  status")
+    w = max([18, *(len(r["run"]) + 1 for r in rows)])
+    head = (f"{'run':<{w}}{'steps':>6}{'tokens':>12}{'val_ppl':>9}{'val_loss':>9}{'COR':>7}{'CPA':>7}{'|rho|':>7}"
+            f"{'gain':>7}{'srankWr':>8}{'s/run':>7}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['run']:<18}{r['steps']:>6}{r['tokens']:>12,}{fmt(r.get('val_ppl'), '9.2f')}"
+        status = ("ok" if r.get("ok") else r["error"] if r.get("paused") is not None
+                  else "FAILED " + r.get("error", "see train.log")[:120])
+        lines.append(f"{r['run']:<{w}}{r['steps']:>6}{r['tokens']:>12,}{fmt(r.get('val_ppl'), '9.2f')}"
                      f"{fmt(r.get('val_loss'), '9.4f')}{fmt(r.get('cor'), '7.3f')}{fmt(r.get('cpa'), '7.3f')}"
-                     f"{fmt(r.get('srank_wr'), '8.2f')}{r.get('seconds', 0):>7.0f}  "
-                     f"{'ok' if r.get('ok') else 'FAILED ' + r.get('error', 'see train.log')[:120]}")
+                     f"{fmt(r.get('probe_norm'), '7.2f')}{fmt(r.get('rho_gain'), '7.3f')}"
+                     f"{fmt(r.get('srank_wr'), '8.2f')}{r.get('seconds', 0):>7.0f}  {status}")
     if log:
         lines.append(f"tokens/step {log.get('tokens_per_step'):,}; val tokens {log.get('val_tokens')}; "
                      f"compile {log.get('compile')}; {log.get('device')}; total {log.get('total_s')} s; "

@@ -107,6 +107,28 @@ def test_wr_zero_init_option_and_bad_value():
         _module("parallax", wr_init="ones")
 
 
+@pytest.mark.parametrize("gain", [1.0, 0.3, 0.0])
+def test_rho_norm_init_sets_gain_and_probe_norm(gain):
+    """r_norm.weight = gain everywhere after init_weights, and ‖ρ_i‖ = √head_dim · gain for every token and head
+    (RMSNorm, then RoPE, a rotation)."""
+    args = AttentionArgs(dim=32, n_heads=4, n_kv_heads=2, head_dim=16, impl="reference")
+    mech = attention.get_mechanism("parallax")
+    m = mech.cls(args, mech.options(rho_norm_init=gain)).double()
+    with torch.no_grad():
+        m.init_weights(0.02)
+    assert torch.equal(m.r_norm.weight, torch.full((16,), gain, dtype=torch.float64))
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    ctx = AttentionContext.from_positions(torch.arange(10).expand(2, 10), False, 1e6)
+    norms = m.probe(x, ctx).norm(dim=-1)  # [B, T, HQ]
+    torch.testing.assert_close(norms, torch.full_like(norms, 4.0 * gain), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_rho_norm_init_bad_value(bad):
+    with pytest.raises(ValueError, match=r"attention.parallax.rho_norm_init=.*>= 0"):
+        _module("parallax", rho_norm_init=bad)
+
+
 def test_unknown_mechanism_lists_valid_names():
     with pytest.raises(ValueError, match=r"model.attention='nope' is not registered; choose from \[.*'parallax'.*'softmax'"):
         attention.build_attention("nope", AttentionArgs(dim=8, n_heads=1, n_kv_heads=1, head_dim=8))

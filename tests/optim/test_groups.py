@@ -164,6 +164,33 @@ def test_warmup_groups_and_table():
     assert "layers.*.attention.wr.weight" in table and "matrix_warmup" in table
 
 
+@pytest.mark.parametrize("name,norm_lr", [("muon", 0.015 * 5e-3), ("adamw", 5e-3)])
+def test_lr_mult_pattern_only_for_r_norm(name, norm_lr):
+    """`\.r_norm\.=1` puts only the ρ-norm gains in their own group at 1× optimizer.lr; q/k and block norms keep
+    the norm group's lr; the group name reaches the routing table and the per-group lr log."""
+    model = TinyQwen([_mech("parallax"), _mech("parallax")])
+    opt = build_optimizers([model], Optimizer(name=name, lr=5e-3, lr_mult_patterns=[r"\.r_norm\.=1"]))
+    groups = {g["name"]: g for o in opt.optimizers for g in o.param_groups}
+    rho = groups[r"norm[\.r_norm\.]"]
+    assert rho["lr"] == pytest.approx(5e-3) and rho["weight_decay"] == 0.0
+    assert {id(p) for p in rho["params"]} == {id(model.layers[i].attention.r_norm.weight) for i in "01"}
+    assert groups["norm"]["lr"] == pytest.approx(norm_lr)
+    assert id(model.layers["0"].attention.q_norm.weight) in {id(p) for p in groups["norm"]["params"]}
+    row = [ln.split() for ln in opt.routing_table().splitlines() if ln.startswith("layers.*.attention.r_norm.")]
+    assert row and row[0][:4] == ["layers.*.attention.r_norm.weight", "2", "16", r"norm[\.r_norm\.]"]
+    assert float(row[0][5]) == pytest.approx(5e-3)
+    assert opt.lr_wd()[r"lr/norm[\.r_norm\.]"] == pytest.approx(5e-3)
+
+
+def test_lr_mult_default_unchanged_and_bad_values():
+    model = TinyQwen([_mech("parallax")])
+    names = [g["name"] for o in build_optimizers([model], Optimizer(name="muon")).optimizers for g in o.param_groups]
+    assert names == ["matrix", "embed", "norm"]
+    for bad in ("r_norm", "r_norm=x", "=1", "r_norm=-1", "r_norm=nan", "(=1"):
+        with pytest.raises(ValueError, match=r"optimizer.lr_mult_patterns\[0\]"):
+            route_parameters(model, Optimizer(lr_mult_patterns=[bad]))
+
+
 # (group, lr, weight decay) per group: Muon recipe (Table 2b) and AdamW (wd off for norms / vectors)
 LR_WD = {
     "muon": {"matrix": (5e-3, 0.1), "embed": (1.5e-3, 0.1), "norm": (7.5e-5, 0.0), "vector": (5e-3, 0.0)},

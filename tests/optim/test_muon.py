@@ -150,8 +150,11 @@ def test_same_shape_matrices_batched_equal_separate_optimizers():
 
 
 def test_update_scale_values():
-    assert update_scale(3072, 1024, "spectral") == math.sqrt(3)
+    assert update_scale(3072, 1024, "spectral") == math.sqrt(3)  # alias of sqrt_max1_rows_over_cols
     assert update_scale(1024, 3072, "spectral") == 1.0
+    for rows, cols in ((3072, 1024), (1024, 3072), (512, 512)):
+        assert update_scale(rows, cols, "sqrt_max1_rows_over_cols") == math.sqrt(max(1, rows / cols))
+        assert update_scale(rows, cols, "sqrt_fan_out_over_fan_in") == math.sqrt(rows / cols)
     assert update_scale(1024, 3072, "match_rms_adamw") == pytest.approx(0.2 * math.sqrt(3072))
     with pytest.raises(ValueError, match="optimizer.muon_update_scale"):
         update_scale(4, 4, "rms")
@@ -186,3 +189,43 @@ def test_tall_and_wide_batch_together_within_bf16(monkeypatch):
             o.step()
     for p, q in zip(together, alone):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=2e-3)  # lr 0.02 x bf16's 2^-8 x ~|O|
+
+
+def _one_step_update(shape, scale, blocks=None):
+    """W_before − W_after of one Muon step (no weight decay, float32 NS) on a fixed gradient."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(*shape))
+    g = torch.randn(*shape)
+    w0 = p.detach().clone()
+    opt = Muon([p], lr=0.1, weight_decay=0.0, ns_dtype="float32", update_scale=scale,
+               blocks={p: blocks} if blocks else None)
+    p.grad = g
+    opt.step()
+    return w0 - p.detach()
+
+
+@pytest.mark.parametrize("rows,cols", [(48, 16), (16, 48)], ids=["tall", "wide"])
+def test_fan_out_over_fan_in_vs_max1_ratio(rows, cols):
+    """PyTorch weights are [out, in]: Dion's √(fan_out/fan_in) equals √max(1, rows/cols) on a tall matrix and is
+    √(rows/cols) of it on a wide one."""
+    jordan = _one_step_update((rows, cols), "sqrt_max1_rows_over_cols")
+    dion = _one_step_update((rows, cols), "sqrt_fan_out_over_fan_in")
+    expected = 1.0 if rows >= cols else math.sqrt(rows / cols)
+    torch.testing.assert_close(dion, jordan * expected)
+    torch.testing.assert_close(_one_step_update((rows, cols), "spectral"), jordan, rtol=0, atol=0)
+
+
+def test_update_scale_per_head_block():
+    """Per-head mode scales each [head_dim, dim] block by its own shape: 16 × 64 blocks get √(16/64) = 0.5 from
+    √(fan_out/fan_in) and 1 from √max(1, rows/cols)."""
+    blocks = Blocks(0, (16,) * 4)
+    jordan = _one_step_update((64, 64), "sqrt_max1_rows_over_cols", blocks)
+    dion = _one_step_update((64, 64), "sqrt_fan_out_over_fan_in", blocks)
+    torch.testing.assert_close(dion, 0.5 * jordan)
+    whole = _one_step_update((64, 64), "sqrt_max1_rows_over_cols")
+    assert not torch.allclose(whole, jordan)  # blocks are orthogonalised separately
+
+
+def test_bad_update_scale_names_the_key():
+    with pytest.raises(ValueError, match=r"optimizer.muon_update_scale='fan_ratio'.*sqrt_fan_out_over_fan_in"):
+        Muon([torch.nn.Parameter(torch.randn(4, 4))], update_scale="fan_ratio")

@@ -79,13 +79,15 @@ def test_top_half_with_gate_and_hf_source(trained):
     root, corpus, src = trained
     tokens = _batch(corpus)
     dst = root / "top"
-    assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho") == 0
+    assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho",
+                    "--rho-norm-init", "0.1") == 0
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a, sd = load_checkpoint(dst)
     assert a.layer_mechanisms() == ["softmax", "softmax", "parallax", "parallax"]
     o = a.attention_options["parallax"]
-    assert (o.rho_gate, o.rho_gate_bias, o.rope_on_rho) == (True, 1.5, False)
+    assert (o.rho_gate, o.rho_gate_bias, o.rope_on_rho, o.rho_norm_init) == (True, 1.5, False, 0.1)
     assert torch.equal(sd["layers.3.attention.r_gate.bias"], torch.full((4,), 1.5))
+    assert torch.equal(sd["layers.2.attention.r_norm.weight"], torch.full((32,), 0.1))  # the gain; ρ is still 0
     assert "layers.1.attention.wr.weight" not in sd
     assert torch.equal(_loss(a_sm, sd_sm, tokens, "reference"), _loss(a, sd, tokens, "reference"))
 
@@ -127,6 +129,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     _fails(capsys, px, match="not softmax attention", dst=tmp_path / "o3")
     # layer range outside the model, existing destination
     _fails(capsys, src, "--layers", "2-9", match="outside 0-3", dst=tmp_path / "o4")
+    _fails(capsys, src, "--rho-norm-init", "-1", match="--rho-norm-init -1.0: must be", dst=tmp_path / "o6")
     assert _convert(src, px) == 2 and "already exists" in capsys.readouterr().err
     # HF: unsupported architecture, tensors that do not fit config.json, corrupt safetensors
     hf = tmp_path / "hf"

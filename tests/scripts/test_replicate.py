@@ -59,15 +59,21 @@ def test_table_and_diagnostics_plot(tmp_path):
     rows = [{"run": "softmax_muon", "steps": 10, "tokens": 655_360, "ok": True, "seconds": 31.2, "val_ppl": 50.5,
              "val_loss": math.log(50.5)},
             {"run": "parallax_muon", "steps": 10, "tokens": 655_360, "ok": True, "seconds": 35.0, "val_ppl": 48.0,
-             "val_loss": math.log(48.0), "cor": 0.5, "cpa": 0.25, "srank_wr": 12.0},
-            {"run": "gdn_muon", "steps": 0, "tokens": 0, "ok": False, "seconds": 0.0, "error": "RuntimeError: no time"}]
+             "val_loss": math.log(48.0), "cor": 0.5, "cpa": 0.25, "probe_norm": 8.0, "rho_gain": 1.0, "srank_wr": 12.0},
+            {"run": "gdn_muon", "steps": 0, "tokens": 0, "ok": False, "seconds": 0.0, "error": "RuntimeError: no time"},
+            {"run": "parallax_g0.1_rnormlr1_muon_s0", "steps": 10, "tokens": 655_360, "ok": False, "seconds": 9.0,
+             "paused": 4, "error": "paused at step 4/10 (no time left); the same command resumes it"}]
     table = R.format_table(rows, {"tokens_per_step": 65536, "val_tokens": 262144, "compile": True, "device": "x"})
     lines = table.splitlines()
-    assert lines[0].split()[:9] == ["run", "steps", "tokens", "val_ppl", "val_loss", "COR", "CPA", "srankWr", "s/run"]
-    assert lines[3].split()[:10] == ["parallax_muon", "10", "655,360", "48.00", f"{math.log(48):.4f}", "0.500",
-                                     "0.250", "12.00", "35", "ok"]
+    assert lines[0].split()[:11] == ["run", "steps", "tokens", "val_ppl", "val_loss", "COR", "CPA", "|rho|", "gain",
+                                     "srankWr", "s/run"]
+    assert lines[3].split()[:12] == ["parallax_muon", "10", "655,360", "48.00", f"{math.log(48):.4f}", "0.500",
+                                     "0.250", "8.00", "1.000", "12.00", "35", "ok"]
     assert "FAILED RuntimeError: no time" in lines[4]
-    layers = [{"layer": i, "activations": {"cor": {"mean": 0.1 * i}, "entropy": {"mean": 2.0}}} for i in range(3)]
+    assert lines[5].split()[:2] == ["parallax_g0.1_rnormlr1_muon_s0", "10"] and "paused at step 4/10" in lines[5]
+    assert "FAILED" not in lines[5]
+    layers = [{"layer": i, "activations": {"cor": {"mean": 0.1 * i}, "entropy": {"mean": 2.0}},
+               "rho_norm_gain": {"mean": 1.0}} for i in range(3)]
     os.makedirs(tmp_path / "parallax_muon" / "analysis")
     (tmp_path / "parallax_muon" / "analysis" / "analysis.json").write_text(json.dumps({"layers": layers}))
     path = R.plot_diagnostics(str(tmp_path), ["softmax_muon", "parallax_muon"])
@@ -123,3 +129,89 @@ def test_plan_steps_counts_only_the_requested_runs():
     fixed, tps, k = {"parallax": 10.0}, {"parallax": 1000.0}, 100  # softmax borrows parallax's numbers
     # softmax_muon + converted: 2 fixed costs, 1.25 * steps * 0.1 s
     assert R.plan_steps(60.0, fixed, tps, k, ["softmax_muon", "converted"]) == 320
+
+
+def test_suite_arms_flags():
+    dose = R.suite_arms("dose", [1.0, 0.3, 0.1], 0.1, [])
+    assert list(dose) == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon", "parallax_g0.1_muon",
+                          "parallax_g0.1_rnormlr1_muon"]
+    assert dose["parallax_g0.3_muon"] == ["--model.attention", "parallax", "--attention.parallax.rho_norm_init", "0.3"]
+    assert dose["parallax_g0.1_rnormlr1_muon"][-2:] == ["--optimizer.lr_mult_patterns", r"\.r_norm\.=1"]
+    assert not any("lr_mult" in f for a in list(dose)[:4] for f in dose[a])
+    horizon = R.suite_arms("horizon", [], 0.3, [5e-4, 1e-3, 2e-3])
+    assert list(horizon)[:3] == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon"]
+    assert len(horizon) == 3 + 6
+    flags = horizon["parallax_g1_adamw_lr0.002"]
+    assert flags[flags.index("--optimizer.name") + 1] == "adamw" and flags.count("--optimizer.lr") == 1
+    assert flags[flags.index("--optimizer.lr") + 1] == "0.002"
+    context = R.suite_arms("context", [], 0.1, [])
+    assert len(context) == 6 and context["parallax_g0.1_muon_causal"][-2:] == ["--model.attn_mask_type", "causal"]
+    assert context["softmax_muon_block_causal"][-1] == "block_causal"
+
+
+def test_parse_args_suites():
+    a = R.parse_args(["--corpus", "c", "--suite", "context", "--seeds", "0,1", "--runs", "softmax_muon_causal"])
+    assert (a.seq_len, a.batch, a.steps, a.seeds) == (4096, 16, 160, [0, 1])
+    a = R.parse_args(["--corpus", "c", "--suite", "horizon", "--steps", "20", "--batch", "2"])
+    assert (a.seq_len, a.batch, a.steps) == (1024, 2, 20)
+    assert (R.parse_args(["--corpus", "c"]).steps, R.parse_args(["--corpus", "c"]).batch) == (300, 64)
+    for bad in (["--suite", "dose", "--runs", "softmax_adamw"], ["--suite", "dose", "--seeds", "a"],
+                ["--suite", "nope"]):
+        with pytest.raises(SystemExit):
+            R.parse_args(["--corpus", "c", *bad])
+
+
+def test_chunk_stop():
+    assert R.chunk_stop(0, 160, 0, None, 0, 0, 100) == 160  # no budget, no chunk: the whole run
+    assert R.chunk_stop(40, 160, 50, None, 0, 0, 100) == 90
+    assert R.chunk_stop(150, 160, 50, None, 0, 0, 100) == 160
+    # 100 s left, 10 s per launch, 1000 tokens/s at 100 tokens/step: 900 steps fit; capped by chunk and by steps
+    assert R.chunk_stop(0, 2000, 0, 100.0, 10.0, 1000.0, 100) == 900
+    assert R.chunk_stop(0, 2000, 300, 100.0, 10.0, 1000.0, 100) == 300
+    assert R.chunk_stop(5, 10, 0, 100.0, 10.0, 1000.0, 100) == 10
+    assert R.chunk_stop(7, 2000, 0, 5.0, 10.0, 1000.0, 100) == 7  # nothing fits
+
+
+def test_resumable_step_and_truncate_metrics(tmp_path):
+    assert R.resumable_step(str(tmp_path)) == 0
+    for n, meta in ((40, True), (80, True), (120, False)):  # step-120: interrupted save without metadata
+        d = tmp_path / "checkpoint" / f"step-{n}"
+        d.mkdir(parents=True)
+        if meta:
+            (d / ".metadata").write_bytes(b"x")
+    assert R.resumable_step(str(tmp_path)) == 80
+    recs = [{"step": s, "loss": 1.0} for s in (1, 40, 80, 100)] + [{"step": 100, "val_loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    R.truncate_metrics(str(tmp_path), 80)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 40, 80]
+
+
+@pytest.mark.slow
+def test_dose_suite_chunks_resume_and_records_gain_cpu(tmp_path):
+    """--suite dose on the debug flavor: two arms, 4 steps in chunks of 2 (stop_after_step, then resume from the
+    checkpoint), the ρ-norm lr arm's own param group in the metrics, the starting gain in the analysis; a second
+    call reuses the finished runs."""
+    _tiny_corpus(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--corpus", str(tmp_path), "--out", str(out), "--flavor", "debug", "--steps", "4", "--batch", "2",
+            "--seq-len", "32", "--vocab", "300", "--tokenizer-docs", "40", "--val-tokens", "64", "--suite", "dose",
+            "--runs", "softmax_muon,parallax_g0.1_rnormlr1_muon", "--seeds", "3", "--chunk-steps", "2",
+            "--timeout", "900"]
+    rows = R.main(argv)
+    assert [r["run"] for r in rows] == ["softmax_muon_s3", "parallax_g0.1_rnormlr1_muon_s3"]
+    assert all(r["ok"] and r["step"] == 4 and math.isfinite(r["val_loss"]) for r in rows), rows
+    run = out / "dose" / "parallax_g0.1_rnormlr1_muon_s3"
+    log = (run / "train.log").read_text()
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == sorted({r["step"] for r in recs if "loss" in r})
+    assert any(r"lr/norm[\.r_norm\.]" in r for r in recs), recs[0].keys()
+    assert "Training starts at step 1" in log and "checkpoint/step-2." in log and "Training starts at step 3" in log
+    # 4 steps at lr ≤ 5e-3 (× 1 for the gain) move a gain of 0.1 by at most 0.02
+    assert rows[1]["rho_gain"] == pytest.approx(0.1, abs=0.025) and rows[1]["probe_norm"] > 0
+    assert rows[0].get("rho_gain") is None and rows[0]["cor"] is None
+    for f in ("summary.json", "table.txt", "ppl.png", "diagnostics_by_layer.png"):
+        assert (out / "dose" / f).is_file(), f
+    assert not (run / "checkpoint").exists() and (out / "tokenizer" / "tokenizer.json").is_file()
+    again = R.main(argv)
+    assert all(r.get("cached") for r in again) and again[1]["rho_gain"] == rows[1]["rho_gain"]
+    assert [r["seconds"] for r in again] == [r["seconds"] for r in rows]

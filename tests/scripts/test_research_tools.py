@@ -232,3 +232,20 @@ def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, cor
     with pytest.raises(SystemExit) as e:
         eval_ppl.main([str(run), "--data", corpus["val"], "--model.attention", "softmax"])  # unknown flag
     assert e.value.code == 2
+
+
+def test_analyze_records_rho_gain_and_probe_norm_per_layer(parallax_run, corpus):
+    """A uniform ρ-norm gain g gives ‖ρ_i‖ = √head_dim · g at every query; both land per layer and in the summary."""
+    from models.checkpoint_io import load_model
+
+    model, cfg, _ = load_model(parallax_run, _flags(corpus, "parallax"))
+    with torch.no_grad():
+        for i, layer in model.layers.items():
+            layer.attention.r_norm.weight.fill_(0.25 * (1 + int(i)))
+    res = analyze.analyze(model, [torch.tensor([0, 5, 9, 12, 7, 30, 31, 4, 8, 2, 11])], n_queries=5, min_pos=2)
+    for layer in res["layers"]:
+        g = 0.25 * (1 + layer["layer"])
+        assert layer["rho_norm_gain"] == pytest.approx({"mean": g, "min": g, "max": g})
+        hd = model.layers[str(layer["layer"])].attention.head_dim
+        assert layer["activations"]["probe_norm"]["mean"] == pytest.approx(math.sqrt(hd) * g, rel=1e-3)
+    assert res["summary"]["rho_gain"] == pytest.approx(0.25 * (1 + 2 + 3 + 4) / 4)
