@@ -43,7 +43,7 @@ def run_dir_of(step_dir: Path) -> Path:
 
 def load_config(argv: list[str] | None, step_dir: Path):
     """The merged JobConfig: from ``argv`` (train.py's flags) or ``<run>/train_args.json``."""
-    from train import DEFAULT_CONFIG, parse_config
+    from config import DEFAULT_CONFIG, parse_config
 
     argv = list(argv or [])
     saved = run_dir_of(step_dir) / "train_args.json"

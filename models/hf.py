@@ -424,7 +424,7 @@ def _bar(it, desc: str, enable: bool = True):
 def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
     """ModelArgs of a training TOML (+ ``--section.key value`` overrides), as the trainer builds them."""
     from models.args import get_flavor
-    from train import parse_config
+    from config import parse_config
 
     cfg = parse_config(["--job.config_file", str(config_file), *(overrides or [])])
     args = get_flavor(cfg.model.flavor)

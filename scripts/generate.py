@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             args.attn_impl = a.impl
         tok_dir = a.tokenizer or (a.ckpt if fmt == "hf" else None)
         if tok_dir is None and a.config:
-            from train import parse_config
+            from config import parse_config
 
             tok_dir = parse_config(["--job.config_file", a.config, *overrides]).model.hf_assets_path
         tok = _Tok(tok_dir if tok_dir != "embedded" else None)

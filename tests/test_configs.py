@@ -8,7 +8,7 @@ import torch
 from models import register_train_spec
 from models.args import get_flavor
 from models.model import Transformer
-from train import parse_config
+from config import parse_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
 
