@@ -93,7 +93,7 @@ def _source(job_config, split: str):
     t, v, d = job_config.training, job_config.validation, job_config.data
     if split == "val" and v.dataset_path:
         ds, field = open_text_dataset(v.dataset_path, "validation.dataset_path", local=True,
-                                      text_field=d.text_field, streaming=d.streaming)
+                                      text_field=d.text_field, streaming=d.streaming, max_bad=d.max_bad_records)
         return ds, field, v.dataset_path
     if t.dataset == EMBEDDED and not t.dataset_path:
         folder = build_embedded(d.cache_dir, d.embedded_vocab_size)
@@ -101,11 +101,18 @@ def _source(job_config, split: str):
         return ds, field, f"{EMBEDDED}/{split}"
     local = bool(t.dataset_path)
     spec = t.dataset_path or t.dataset
-    ds, field = open_text_dataset(spec, "training.dataset_path" if local else "training.dataset", local=local,
-                                  text_field=d.text_field, split=d.hub_split, streaming=d.streaming)
+    key = "training.dataset_path" if local else "training.dataset"
+    ds, field = open_text_dataset(spec, key, local=local, text_field=d.text_field, split=d.hub_split,
+                                  streaming=d.streaming, max_bad=d.max_bad_records)
     if d.val_every > 0 and job_config.validation.enable:  # hold out every k-th document for validation
         keep = (lambda _, i: i % d.val_every == 0) if split == "val" else (lambda _, i: i % d.val_every != 0)
         ds = ds.filter(keep, with_indices=True)
+        empty = len(ds) == 0 if isinstance(ds, Dataset) else next(iter(ds), None) is None
+        if empty:
+            raise ValueError(f"{key}={spec!r}: the {split} split is empty after holding out every "
+                             f"data.val_every={d.val_every}-th document (from the first) for validation; add "
+                             "documents, set validation.dataset_path, or set data.val_every = 0 or "
+                             "validation.enable = false")
     return ds, field, f"{spec}/{split}"
 
 
@@ -116,6 +123,9 @@ def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, se
         raise ValueError(f"the tokenizer at model.hf_assets_path has {tokenizer.get_vocab_size()} tokens but the "
                          f"model's vocabulary is {model_vocab}; set model.vocab_size >= {tokenizer.get_vocab_size()}")
     dataset = PackedTextDataset(ds, field, name, tokenizer, seq_len, dp_rank, dp_world_size, **kw)
+    if isinstance(dataset._data, Dataset) and len(dataset._data) == 0:  # an infinite loader would re-loop forever
+        raise ValueError(f"{name}: {len(ds)} documents leave data-parallel rank {dp_rank} of {dp_world_size} "
+                         "none; add documents or use fewer ranks")
     logger.info(f"Data ({split}): {name}, rank {dp_rank}/{dp_world_size}")
     return ReshardableDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                  **{**asdict(dl_config), "batch_size": batch_size})

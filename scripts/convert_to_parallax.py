@@ -9,8 +9,9 @@ reduces to softmax attention, spec ``parallax.md`` §1), ``r_norm`` weights 1 an
 with zero weights and bias ``--gate-bias``. Before anything is written both models run on a fixed batch in
 float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
 
-A DCP folder records no architecture: it is read from the folder's ``attnlab.json`` when present, else
-inferred from tensor shapes (pass ``--rope-theta`` / ``--norm-eps`` when the run changed them). The DCP output
+A DCP folder records no architecture: it is read from the folder's ``attnlab.json`` (the trainer writes one
+into every step folder, mask type included) when present, else inferred from tensor shapes (pass
+``--rope-theta`` / ``--norm-eps`` / ``--attn-mask-type`` when the run changed them). The DCP output
 is a model-only checkpoint for ``checkpoint.initial_load_path`` (see configs/convert_finetune_parallax.toml).
 """
 
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rope-on-rho", action="store_true", help="do not apply RoPE to ρ")
     ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
     ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
+    ap.add_argument("--attn-mask-type", choices=["causal", "block_causal"], default="causal",
+                    help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -116,7 +119,8 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{dst} already exists; choose a new destination")
         if not dst.parent.is_dir():
             raise CheckpointError(f"{dst.parent} does not exist")
-        fmt, args, sd = load_checkpoint(a.src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
+        fmt, args, sd = load_checkpoint(a.src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
+                                        attn_mask_type=a.attn_mask_type)
         if a.top_half:
             layers = list(range(args.n_layers // 2, args.n_layers))
         elif a.layers:
