@@ -149,7 +149,8 @@ def _describe(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin in (list, tuple):
-        inner = ", ".join(_describe(a) for a in args if a is not Ellipsis) or "values"
+        plural = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+        inner = ", ".join(plural.get(a, _describe(a)) for a in dict.fromkeys(args) if a is not Ellipsis) or "values"
         return f"a list of {inner}" + (f" ({len(args)} items)" if origin is tuple and Ellipsis not in args else "")
     return {bool: "a boolean (true/false, unquoted)", int: "an integer", float: "a number", str: "a string",
             type(None): "unset (None)"}.get(tp, getattr(tp, "__name__", str(tp)))
