@@ -364,8 +364,9 @@ class AttnTrainer(Trainer):
         disk |= any(s in text for s in ("No space left", "Disk quota", "File too large", "unexpected pos"))
         free = shutil.disk_usage(self.checkpointer.folder).free / 2**30
         if disk:
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                shutil.rmtree(path, ignore_errors=True)  # incomplete (no .metadata): never loadable
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            if rank0 and not os.path.isfile(os.path.join(path, ".metadata")):
+                shutil.rmtree(path, ignore_errors=True)  # DCP writes .metadata last: without it, never loadable
             return OSError(errno.ENOSPC, f"the disk is full (or a quota / file-size limit was hit) while saving "
                                          f"{path}: {free:.2f} GiB free, one checkpoint needs about "
                                          f"{self._checkpoint_bytes() / 2**30:.2f} GiB. The incomplete folder was "

@@ -12,7 +12,9 @@ GOOD = [json.dumps({"text": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3)
 
 
 def _open(path, max_bad=0, **kw):
-    return open_text_dataset(str(path), "training.dataset_path", local=True, text_field="text", max_bad=max_bad, **kw)
+    if max_bad:
+        kw["max_bad"] = max_bad
+    return open_text_dataset(str(path), "training.dataset_path", local=True, text_field="text", **kw)
 
 
 BAD = {
