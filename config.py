@@ -118,7 +118,10 @@ def _check_keys(cls, data: dict, prefix: str = "") -> None:
         if key not in fields:
             section = f"[{prefix}]" if prefix else "top level"
             raise ValueError(f"unknown config key {key!r} in {section}; valid keys: {sorted(fields)}")
-        _check_keys(fields[key].type, value, f"{prefix}.{key}" if prefix else key)
+        name = f"{prefix}.{key}" if prefix else key
+        if dataclasses.is_dataclass(fields[key].type) and not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r}: expected a table [{name}] of keys (tyro would ignore the value)")
+        _check_keys(fields[key].type, value, name)
 
 
 def parse_config(argv: list[str]):
@@ -152,6 +155,8 @@ def _describe(tp) -> str:
         plural = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
         inner = ", ".join(plural.get(a, _describe(a)) for a in dict.fromkeys(args) if a is not Ellipsis) or "values"
         return f"a list of {inner}" + (f" ({len(args)} items)" if origin is tuple and Ellipsis not in args else "")
+    if dataclasses.is_dataclass(tp):
+        return "a table of keys"
     return {bool: "a boolean (true/false, unquoted)", int: "an integer", float: "a number", str: "a string",
             type(None): "unset (None)"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -185,7 +190,9 @@ def _fits(value, tp) -> bool:
         return not args or (len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args)))
     if origin is dict:
         return isinstance(value, dict)
-    if isinstance(tp, type) and not dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp):
+        return dataclasses.is_dataclass(value) and not isinstance(value, type)
+    if isinstance(tp, type):
         return isinstance(value, tp)
     return True
 

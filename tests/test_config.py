@@ -32,6 +32,8 @@ def _toml(tmp_path, extra: str, replace: tuple[str, str] | None = None) -> str:
     ("", ("decay_type = \"linear\"", "decay_type = \"cosin\""), r"lr_scheduler.decay_type='cosin'.*one of"),
     ("", ("min_lr_factor = 0.0", "min_lr_factor = 2.0"), r"lr_scheduler.min_lr_factor=2.0: must be in \[0, 1\]"),
     ('[attention.gdn]\nA_init_range = [1.0]\n', None, r"attention.gdn.A_init_range=\[1.0\].*2 items"),
+    ("", ("[attention]\nimpl = \"auto\"", "[attention]\nimpl = \"auto\"\nparallax = 5"),
+     r"attention.parallax=5: expected a table \[attention.parallax\] of keys"),
     ("", ('attention = "softmax"', 'attention = "softmax"\nlayer_pattern = "gdn"'),
      r"model.layer_pattern='gdn' \(str\): expected a list of strings"),
 ])
