@@ -47,7 +47,7 @@ class PackedTextDataset(HuggingFaceTextDataset):
     ``repeatable`` mode for validation (every pass reads the same documents from the start)."""
 
     def __init__(self, ds, text_field: str, name: str, tokenizer, seq_len: int, dp_rank: int, dp_world_size: int,
-                 infinite: bool, repeatable: bool = False):
+                 infinite: bool, repeatable: bool = False, max_bad: int = 0):
         self.dataset_name = name
         # Interleaved shards (document i goes to rank i % world): rank r's k-th row comes from the same part of
         # the corpus as a single process's (k·world + r)-th row, so data-parallel runs see the same data.
@@ -58,8 +58,27 @@ class PackedTextDataset(HuggingFaceTextDataset):
         self.infinite = infinite
         self.repeatable = repeatable
         self._text_processor = lambda sample: sample[text_field]
+        self._text_field, self.max_bad, self.bad_records = text_field, max_bad, 0
         self._sample_idx = 0
         self._token_buffer: list[int] = []
+
+    def _get_data_iter(self):
+        """torchtitan's iterator minus records without a string text field. Local files never have them (they
+        are scanned at start, data.sources); hub data is checked here: skipped with a count up to
+        ``data.max_bad_records``, then an error naming the dataset, the record and the key."""
+        for sample in super()._get_data_iter():
+            text = sample.get(self._text_field) if isinstance(sample, dict) else None
+            if isinstance(text, str):
+                yield sample
+                continue
+            self.bad_records += 1
+            if isinstance(self._data, Dataset):
+                self._sample_idx += 1  # the position stays the document index (resume)
+            what = f"{self.dataset_name}: a record's {self._text_field!r} is {type(text).__name__}, not a string"
+            if self.bad_records > self.max_bad:
+                raise ValueError(f"{what} ({self.bad_records} such records, more than data.max_bad_records="
+                                 f"{self.max_bad}); set data.text_field or data.max_bad_records")
+            logger.warning(f"{what}; skipped ({self.bad_records}/{self.max_bad} allowed by data.max_bad_records)")
 
     def __iter__(self):
         if self.repeatable:
@@ -190,10 +209,10 @@ def _flavor_vocab(job_config) -> int:
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
     t = job_config.training
     return _loader(job_config, "train", tokenizer, dp_rank, dp_world_size, t.local_batch_size, t.seq_len,
-                   t.dataloader, infinite=True)
+                   t.dataloader, infinite=True, max_bad=job_config.data.max_bad_records)
 
 
 def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
     v = job_config.validation
     return _loader(job_config, "val", tokenizer, dp_rank, dp_world_size, v.local_batch_size, v.seq_len,
-                   v.dataloader, infinite=False, repeatable=True)
+                   v.dataloader, infinite=False, repeatable=True, max_bad=job_config.data.max_bad_records)
