@@ -111,7 +111,7 @@ def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: 
         records = _records(path, builder, text_field)
         while True:
             try:
-                line, text, reason = next(records)
+                line, _, reason = next(records)
             except StopIteration:
                 break
             except UnreadableFile as e:

@@ -197,6 +197,7 @@ def test_corrupt_shard_with_nan_bytes_fails_on_resume_naming_the_step(corpus, st
     shard.write_bytes(bytes(data))
     with pytest.raises(AssertionError, match=r"checkpoint .*step-6.* \(step 6\) is corrupt: non-finite values in"):
         run_train(tiny_args(corpus, dump, 8))
+    assert _steps(dump) == [3, 6]  # nothing written, nothing rotated away
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -207,6 +208,7 @@ def test_resume_into_a_different_architecture_is_an_error(corpus, straight, tmp_
     dump = _copy_run(straight, tmp_path / "run")
     with pytest.raises(AssertionError, match=message + r".*checkpoint.partial_load"):
         run_train(tiny_args(corpus, dump, 8, 16, 2, *extra))
+    assert _steps(dump) == [3, 6]
 
 
 def test_partial_load_on_purpose_and_lr_jump_warning(corpus, straight, tmp_path):
@@ -234,6 +236,7 @@ def test_second_run_into_a_live_folder_fails_and_stale_lock_is_taken(corpus, tmp
             run_train(tiny_args(corpus, dump, 1))
     finally:
         held.release()
+    assert sorted(p.name for p in dump.iterdir()) == []  # the second run wrote nothing into the held folder
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (dump / RunLock.NAME).write_text(f"{socket.gethostname()} {dead.pid}")
