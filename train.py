@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import socket
@@ -78,7 +79,8 @@ class RunLock:
 
     def _holder(self) -> tuple[str, int | None]:
         try:
-            host, _, pid = open(self.path).read().strip().partition(" ")
+            with open(self.path) as f:
+                host, _, pid = f.read().strip().partition(" ")
             return host, int(pid)
         except (OSError, ValueError):
             return "?", None
@@ -249,10 +251,8 @@ class AttnTrainer(Trainer):
 
     def check_finite(self, step: int, loss: float | None = None, grad_norm: float | None = None) -> None:
         """Raise :class:`NonFiniteError` when any rank saw a non-finite loss since the start, or when the
-        (global) ``loss`` / ``grad_norm`` given are non-finite. Synchronises the device flag (log steps and
-        checkpoint saves only)."""
-        import math
-
+        (global) ``loss`` / ``grad_norm`` given are non-finite. Synchronises the device flag (log steps,
+        checkpoint saves and the end of training only)."""
         first = int(self._world_reduce(self._bad_step.clone(), dist.ReduceOp.MIN).item())
         values = {"loss": loss, "grad norm": grad_norm}
         bad_now = {k: v for k, v in values.items() if v is not None and not math.isfinite(v)}
@@ -399,7 +399,8 @@ class AttnTrainer(Trainer):
         rec = os.path.join(path, "schedule.json")
         if not os.path.isfile(rec):
             return
-        old = json.load(open(rec))
+        with open(rec) as f:
+            old = json.load(f)
         new = self._group_lrs()
         if len(old["lr"]) != len(new):
             return
@@ -480,6 +481,7 @@ class AttnTrainer(Trainer):
 
     def train(self):
         super().train()
+        self.check_finite(self.step)  # a run without a log step or save since the last check ends loudly too
         stop = self.job_config.training.stop_after_step
         if 0 < stop == self.step < self.job_config.training.steps and self.step % self.checkpointer.interval:
             # a full (resumable) save now; "last_step" saves would be model-only by default
