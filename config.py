@@ -1,14 +1,21 @@
 """The project's TOML sections, merged into torchtitan 0.2.2's ``JobConfig`` (custom-config mechanism).
 
 Precedence: command line (``--section.key value``) > TOML file > the defaults below and torchtitan's.
-Sections added or extended here: ``[model]`` (attention choice), ``[training]`` (``stop_after_step``), ``[attention]`` (one sub-table per
-registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
-optimizer/scheduler fields of ``optim/config.py``. :func:`validate_config` checks everything once at start.
+Sections added or extended here: ``[model]`` (attention choice), ``[training]`` (``stop_after_step``,
+``nonfinite_skips``), ``[checkpoint]`` (``partial_load``), ``[attention]`` (one sub-table per registered mechanism,
+e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the optimizer/scheduler fields of
+``optim/config.py``. :func:`parse_config` reads argv into the merged ``JobConfig``; :func:`validate_config` checks
+every key's type (from the dataclass annotations) and range once at start, naming the key, the value and what is
+valid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 
 import attention
@@ -62,6 +69,10 @@ class Data:
     """Vocabulary of the BPE tokenizer trained for the embedded corpus."""
     cache_dir: str = ".cache/attnlab"
     """Where the embedded corpus and its tokenizer are built once and reused."""
+    max_bad_records: int = 0
+    """Malformed records (not a JSON object, no ``text_field`` string, broken UTF-8) that are skipped with a count
+    before the run stops; 0 = the first one stops the run, naming the file and line. Local files are checked
+    record by record before step 1, so a bad record never stops a run mid-training."""
 
 
 @dataclass
@@ -69,6 +80,18 @@ class Training:
     stop_after_step: int = 0
     """Stop after this step as if the job were preempted (0 = run to ``training.steps``); the schedule still
     spans ``training.steps``, and a checkpoint is written at the stop step so the same command resumes."""
+    nonfinite_skips: int = 0
+    """Steps with a non-finite loss or gradient norm that are skipped (no optimizer update) before the run stops;
+    0 = stop at the first one. 0 costs no extra host sync (checked at log steps and before every checkpoint save);
+    > 0 decides before every optimizer step, one host sync and all-reduce per step."""
+
+
+@dataclass
+class Checkpoint:
+    partial_load: bool = False
+    """Resume from a checkpoint whose model keys differ from the model built: keys missing from the checkpoint
+    keep their initialisation, keys the model lacks are ignored (both listed in the log). Off: any difference is
+    an error naming the keys."""
 
 
 JobConfig = dataclasses.make_dataclass(
@@ -77,15 +100,163 @@ JobConfig = dataclasses.make_dataclass(
      ("attention", Attention, field(default_factory=Attention)),
      ("data", Data, field(default_factory=Data)),
      ("training", Training, field(default_factory=Training)),
+     ("checkpoint", Checkpoint, field(default_factory=Checkpoint)),
      ("optimizer", optim_config.Optimizer, field(default_factory=optim_config.Optimizer)),
      ("lr_scheduler", optim_config.LRScheduler, field(default_factory=optim_config.LRScheduler))],
 )
+
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "debug_cpu.toml")
+
+
+def _check_keys(cls, data: dict, prefix: str = "") -> None:
+    """Reject unknown TOML keys, naming the section, the key and the valid keys."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in fields:
+            section = f"[{prefix}]" if prefix else "top level"
+            raise ValueError(f"unknown config key {key!r} in {section}; valid keys: {sorted(fields)}")
+        name = f"{prefix}.{key}" if prefix else key
+        if dataclasses.is_dataclass(fields[key].type) and not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r}: expected a table [{name}] of keys (tyro would ignore the value)")
+        _check_keys(fields[key].type, value, name)
+
+
+def parse_config(argv: list[str]):
+    """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    merged = ConfigManager._merge_configs(TitanJobConfig, JobConfig)
+    manager = ConfigManager(config_cls=merged)
+    toml_values = manager._maybe_load_toml(argv)
+    if toml_values:
+        _check_keys(merged, toml_values)
+    cfg = manager.parse_args(argv)
+    cfg.model.name = cfg.model.name or "qwen3_attn"
+    if isinstance(cfg.model.converters, list):  # `--model.converters ""` turns float8 off
+        cfg.model.converters = [c for c in cfg.model.converters if c]
+    validate_config(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------- types
+
+def _describe(tp) -> str:
+    """What a value of annotation ``tp`` looks like, in TOML words."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return f"one of {list(args)}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin in (list, tuple):
+        plural = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+        inner = ", ".join(plural.get(a, _describe(a)) for a in dict.fromkeys(args) if a is not Ellipsis) or "values"
+        return f"a list of {inner}" + (f" ({len(args)} items)" if origin is tuple and Ellipsis not in args else "")
+    if dataclasses.is_dataclass(tp):
+        return "a table of keys"
+    return {bool: "a boolean (true/false, unquoted)", int: "an integer", float: "a number", str: "a string",
+            type(None): "unset (None)"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _fits(value, tp) -> bool:
+    """Does ``value`` (as TOML/tyro produced it) have annotation ``tp``? Unknown annotations pass."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any or isinstance(tp, (str, typing.TypeVar)):
+        return True
+    if origin is typing.Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return not args or (len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args)))
+    if origin is dict:
+        return isinstance(value, dict)
+    if dataclasses.is_dataclass(tp):
+        return dataclasses.is_dataclass(value) and not isinstance(value, type)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def check_types(obj, prefix: str = "") -> None:
+    """Every field of the dataclass ``obj`` (recursively) against its annotation; raises naming the key, the
+    value and the expected type. TOML values reach the config unconverted (``rope_on_rho = "false"`` is a
+    string, ``steps = 10.7`` a float), so this is where they are caught."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        tp = hints.get(f.name, f.type)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_types(value, key + ".")
+        elif not _fits(value, tp):
+            raise ValueError(f"{key}={value!r} ({type(value).__name__}): expected {_describe(tp)}")
+
+
+_POS, _NONNEG, _UNIT = "> 0", ">= 0", "in [0, 1]"
+RANGES: dict[str, str] = {
+    "training.steps": _POS, "training.seq_len": _POS, "training.local_batch_size": _POS,
+    "training.max_norm": _POS, "training.stop_after_step": _NONNEG, "training.nonfinite_skips": _NONNEG,
+    "training.gc_freq": _POS,
+    "optimizer.lr": _POS, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS,
+    "optimizer.beta1": "in [0, 1)", "optimizer.beta2": "in [0, 1)", "optimizer.adam_beta1": "in [0, 1)",
+    "optimizer.adam_beta2": "in [0, 1)", "optimizer.adam_eps": _POS, "optimizer.muon_momentum": "in [0, 1)",
+    "optimizer.muon_ns_steps": _POS, "optimizer.muon_eps": _POS, "optimizer.muon_min_dim": _NONNEG,
+    "optimizer.adam_embed_lr_mult": _NONNEG, "optimizer.adam_head_lr_mult": _NONNEG,
+    "optimizer.adam_norm_lr_mult": _NONNEG, "optimizer.adam_vector_lr_mult": _NONNEG,
+    "optimizer.lr_warmup_steps": _NONNEG,
+    "lr_scheduler.warmup_steps": _NONNEG, "lr_scheduler.total_steps": _POS, "lr_scheduler.decay_ratio": _UNIT,
+    "lr_scheduler.min_lr_factor": _UNIT, "lr_scheduler.warmup_fraction": _UNIT, "lr_scheduler.decay_start": _UNIT,
+    "lr_scheduler.wd_anneal_gamma": _NONNEG,
+    "data.val_every": _NONNEG, "data.embedded_vocab_size": _POS, "data.max_bad_records": _NONNEG,
+    "checkpoint.interval": _POS, "checkpoint.keep_latest_k": "0 or >= 2", "checkpoint.load_step": ">= -1",
+    "metrics.log_freq": _POS, "validation.freq": _POS, "validation.steps": "-1 or > 0",
+    "validation.seq_len": _POS, "validation.local_batch_size": _POS,
+    "model.vocab_size": _NONNEG, "model.rope_theta": _NONNEG,
+}
+"""Range of numeric keys (None = unset passes); anything outside is an error naming the key."""
+
+_RULES = {
+    _POS: lambda v: v > 0, _NONNEG: lambda v: v >= 0, _UNIT: lambda v: 0 <= v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1, "0 or >= 2": lambda v: v == 0 or v >= 2, ">= -1": lambda v: v >= -1,
+    "-1 or > 0": lambda v: v == -1 or v > 0,
+}
+
+
+def check_ranges(job_config) -> None:
+    for key, rule in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(job_config, section, None), name, None)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value) or not _RULES[rule](value):
+            raise ValueError(f"{key}={value!r}: must be {rule}")
 
 
 def validate_config(job_config) -> None:
     """Fail before training starts, naming the key, the value and what is valid."""
     from models.args import get_flavor
 
+    check_types(job_config)
+    check_ranges(job_config)
     m = job_config.model
     args = get_flavor(m.flavor)
     for key, name in [("model.attention", m.attention)] + [
@@ -96,12 +267,6 @@ def validate_config(job_config) -> None:
         raise ValueError(f"model.attn_mask_type={m.attn_mask_type!r}; choose from ['causal', 'block_causal']")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"model.flavor={m.flavor!r}: n_heads={args.n_heads} is not a multiple of n_kv_heads={args.n_kv_heads}")
-    if m.vocab_size < 0:
-        raise ValueError(f"model.vocab_size={m.vocab_size} must be >= 0")
-    t = job_config.training
-    if t.seq_len <= 0 or t.local_batch_size <= 0 or t.steps <= 0:
-        raise ValueError(f"training.seq_len, training.local_batch_size and training.steps must be positive "
-                         f"(got {t.seq_len}, {t.local_batch_size}, {t.steps})")
     f8 = job_config.quantize.linear.float8
     if "quantize.linear.float8" in job_config.model.converters and f8.recipe_name and f8.enable_fsdp_float8_all_gather:
         raise ValueError(f"quantize.linear.float8.recipe_name={f8.recipe_name!r} cannot be combined with "

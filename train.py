@@ -4,72 +4,463 @@
     python train.py --list-attention                  # registered mechanisms
     torchrun --nproc_per_node=N train.py --job.config_file configs/X.toml [--section.key value ...]
 
-Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``).
-What this subclass adds to torchtitan's ``Trainer``: config validation before anything starts, CPU
-support (device shim + gloo), ``training.stop_after_step`` (simulated preemption), perplexity and per-group lr/wd in every log line and in
-``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and clear errors for unusable checkpoints.
+Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``, which
+parses and validates it). What this subclass adds to torchtitan's ``Trainer``: CPU support (device shim + gloo),
+``training.stop_after_step`` (simulated preemption), perplexity and per-group lr/wd in every log line and in
+``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and the safety rules of ``docs/failures.md``: a lock
+on the run folder, a writable checkpoint folder and enough free disk checked at start, a stop on non-finite
+losses that never writes or rotates away a finite checkpoint, resume checks (architecture, finite tensors,
+schedule), and clear errors for unusable checkpoints or a full disk.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import math
 import os
+import shutil
 import socket
 import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.config import ConfigManager
-from torchtitan.config import JobConfig as TitanJobConfig
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 import attention
 import config as project_config
+from config import DEFAULT_CONFIG, parse_config
 from models import register_train_spec
 from models.cpu import install_cpu_shim
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "debug_cpu.toml")
+NO_BAD_STEP = 2**62
+"""Sentinel of the non-finite guard's device-side "first bad step" (no non-finite value seen)."""
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient norm or weight; nothing was saved after it."""
+
+
+class RunLock:
+    """``<dump_folder>/.attnlab.lock`` holding "host pid": one live run per dump folder.
+
+    Taken by global rank 0 only (other ranks of the same job never touch it), before anything is built, and
+    released in ``Trainer.close``. A lock whose process is gone (same host, pid not alive) is stale and is taken
+    over with a warning; a lock from another host cannot be probed and is treated as live. With node-local dump
+    folders only rank 0's host holds a lock."""
+
+    NAME = ".attnlab.lock"
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, self.NAME)
+        os.makedirs(folder, exist_ok=True)
+        me = f"{socket.gethostname()} {os.getpid()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                host, pid = self._holder()
+                if host == socket.gethostname() and pid is not None and not _pid_alive(pid):
+                    logger.warning(f"Taking over the stale lock {self.path} of process {pid} (no longer running)")
+                    os.unlink(self.path)
+                    continue
+                raise RuntimeError(f"job.dump_folder {folder!r} is in use by another run (process {pid} on host "
+                                   f"{host}, lock file {self.path}); choose another job.dump_folder, or stop that "
+                                   "run (delete the lock file only if that process is gone)") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            return
+        raise RuntimeError(f"could not take the lock {self.path}")
+
+    def _holder(self) -> tuple[str, int | None]:
+        try:
+            with open(self.path) as f:
+                host, _, pid = f.read().strip().partition(" ")
+            return host, int(pid)
+        except (OSError, ValueError):
+            return "?", None
+
+    def release(self) -> None:
+        if self._holder() == (socket.gethostname(), os.getpid()):
+            os.unlink(self.path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_writable(folder: str, key: str) -> None:
+    """Fail at start when ``folder`` (or, while it does not exist yet, its nearest existing parent) cannot be
+    written, instead of at the first save after hours of training. Nothing is created inside a missing
+    ``folder``: torchtitan reads ``checkpoint.initial_load_path`` only while the checkpoint folder is absent."""
+    probe_dir = folder
+    while not os.path.isdir(probe_dir):
+        parent = os.path.dirname(probe_dir.rstrip(os.sep)) or "."
+        if parent == probe_dir or (os.path.exists(probe_dir) and not os.path.isdir(probe_dir)):
+            break
+        probe_dir = parent
+    probe = os.path.join(probe_dir, f".attnlab-write-probe-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{key}: cannot write checkpoints to {folder!r} ({probe_dir!r}: {e.strerror or e}); "
+                         "make it writable or point it elsewhere") from e
+
+
+def check_free_space(folder: str, need: int, keep: int) -> None:
+    """Log free disk space at ``folder`` against the estimated size ``need`` of one checkpoint; fail when not
+    even one fits, warn when ``keep`` of them (``checkpoint.keep_latest_k``, 0 = all) plus one being written
+    might not."""
+    probe = folder
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe) or "."
+    free = shutil.disk_usage(probe).free
+    gib = 2**30
+    logger.info(f"Checkpoints in {folder}: about {need / gib:.3f} GiB each, {free / gib:.2f} GiB free")
+    if free < need:
+        raise ValueError(f"checkpoint.folder {folder!r}: {free / gib:.2f} GiB free, one checkpoint needs about "
+                         f"{need / gib:.2f} GiB; free space or point checkpoint.folder/job.dump_folder elsewhere")
+    if keep and free < need * (keep + 1):
+        logger.warning(f"checkpoint.folder {folder!r}: {free / gib:.2f} GiB free may not hold "
+                       f"checkpoint.keep_latest_k={keep} checkpoints of about {need / gib:.2f} GiB plus one in flight")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nonfinite_names(named: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors (local shards) holding a NaN or an infinity (one host sync)."""
+    named = {k: _local(t) for k, t in named.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()}
+    if not named:
+        return []
+    flags = [torch.isfinite(t).all() for t in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    return [k for k, good in zip(named, ok.cpu().tolist()) if not good]
 
 
 class AttnTrainer(Trainer):
-    """torchtitan's Trainer; overrides only state (RNG) and checkpoint loading errors."""
+    """torchtitan's Trainer plus RNG state, the run lock, resume checks, checkpoint save guards and the
+    non-finite guard.
+
+    Non-finite guard (``training.nonfinite_skips``): every micro-batch's loss is checked on the device
+    (``isfinite``, no host sync) into the first step that went bad; that tensor is read only where torchtitan
+    already synchronises (log steps, which also check the logged global loss and gradient norm) and before every
+    checkpoint save, which additionally checks every weight. A non-finite step therefore stops the run at the
+    next log step or save at the latest, before anything non-finite is written, so the newest checkpoint is
+    always finite and ``keep_latest_k`` rotation never removes the last good one. A NaN gradient turns the
+    weights NaN and the next loss NaN, so the loss check sees it one step later (the log-step and pre-save
+    checks see it directly). With ``nonfinite_skips = N > 0`` the decision is needed before each optimizer step:
+    loss and gradients are checked and all-reduced every step (one host sync per step), a bad step is skipped
+    (no update; the schedule and data move on) and the N+1-th stops the run.
+    """
 
     def __init__(self, job_config):
         project_config.validate_config(job_config)
         install_cpu_shim()
         register_train_spec()
-        super().__init__(job_config)
-        self._wrap_checkpoint_load()
+        self._lock = RunLock(job_config.job.dump_folder) if int(os.environ.get("RANK", "0")) == 0 else None
+        try:
+            ck = job_config.checkpoint
+            ck_folder = os.path.join(job_config.job.dump_folder, ck.folder)
+            if ck.enable and not ck.load_only:
+                check_writable(ck_folder, "checkpoint.folder")
+            super().__init__(job_config)
+            self._bad_step = torch.tensor(NO_BAD_STEP, device=self.device)
+            self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
+            self._skips, self._skipped_step = 0, -1
+            self._partial_load = False
+            self._wrap_optimizer_step()
+            self._wrap_metrics_log()
+            self._wrap_checkpointer()
+            if ck.enable and not ck.load_only:
+                check_free_space(self.checkpointer.folder, self._checkpoint_bytes(), ck.keep_latest_k)
+        except BaseException:
+            self._release_lock()
+            raise
 
-    def _wrap_checkpoint_load(self) -> None:
-        load = self.checkpointer.load
-        folder = getattr(self.checkpointer, "folder", self.job_config.checkpoint.folder)
+    def _release_lock(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._release_lock()
+
+    # ------------------------------------------------------------------------------------- non-finite guard
+
+    def _world_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def forward_backward_step(self, *args, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(*args, **kwargs)
+        self._step_bad = self._step_bad | ~torch.isfinite(loss.detach())  # on the device: no sync
+        return loss
+
+    def _wrap_optimizer_step(self) -> None:
+        step_fn = self.optimizers.step
+
+        def guarded_step(*args, **kwargs):
+            bad, self._step_bad = self._step_bad, torch.zeros((), dtype=torch.bool, device=self.device)
+            if self.job_config.training.nonfinite_skips == 0:
+                # python scalars enter kernels as arguments: no host-to-device copy, no sync
+                self._bad_step = torch.where(bad, self._bad_step.clamp(max=self.step), self._bad_step)
+                return step_fn(*args, **kwargs)
+            grads = [_local(p.grad) for m in self.model_parts for p in m.parameters() if p.grad is not None]
+            if grads:
+                bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+            if not self._world_reduce(bad.to(torch.int32), dist.ReduceOp.MAX).item():
+                return step_fn(*args, **kwargs)
+            self._skips += 1
+            self._skipped_step = self.step
+            limit = self.job_config.training.nonfinite_skips
+            if self._skips > limit:
+                raise NonFiniteError(f"step {self.step}: non-finite loss or gradients, the {self._skips}-th such step "
+                                     f"(training.nonfinite_skips = {limit}); training stopped. "
+                                     f"{self._last_checkpoint_hint()}")
+            logger.warning(f"step {self.step}: non-finite loss or gradients; optimizer step skipped "
+                           f"({self._skips}/{limit} allowed by training.nonfinite_skips)")
+            return None
+
+        self.optimizers.step = guarded_step
+
+    def _last_checkpoint_hint(self) -> str:
+        step = self.checkpointer._find_load_step() if self.checkpointer.enable else -1
+        where = (f"The newest checkpoint, {os.path.join(self.checkpointer.folder, f'step-{step}')}, is finite and "
+                 "kept" if step >= 0 else "No checkpoint was written")
+        return (f"{where}; lower optimizer.lr or training.max_norm and resume, or allow skipped steps with "
+                "training.nonfinite_skips")
+
+    def check_finite(self, step: int, loss: float | None = None, grad_norm: float | None = None) -> None:
+        """Raise :class:`NonFiniteError` when any rank saw a non-finite loss since the start, or when the
+        (global) ``loss`` / ``grad_norm`` given are non-finite. Synchronises the device flag (log steps,
+        checkpoint saves and the end of training only)."""
+        first = int(self._world_reduce(self._bad_step.clone(), dist.ReduceOp.MIN).item())
+        values = {"loss": loss, "grad norm": grad_norm}
+        bad_now = {k: v for k, v in values.items() if v is not None and not math.isfinite(v)}
+        if self._skipped_step == step:
+            bad_now = {}
+        if first == NO_BAD_STEP and not bad_now:
+            return
+        first_txt = f"first at step {first}" if first != NO_BAD_STEP else f"at step {step}"
+        now = ", ".join(f"{k} {v}" for k, v in bad_now.items())
+        raise NonFiniteError(f"non-finite training loss or gradient norm ({first_txt}{'; ' + now if now else ''}); "
+                             f"training stopped at step {step} without saving. {self._last_checkpoint_hint()}")
+
+    def _wrap_metrics_log(self) -> None:
+        log = self.metrics_processor.log
+
+        def checked_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+            self.check_finite(step, global_avg_loss, grad_norm)
+
+        self.metrics_processor.log = checked_log
+
+    def _nonfinite_state(self) -> list[str]:
+        """Non-finite weights and optimizer-state tensors of this rank; [""] when only another rank has some."""
+        named = {k: v for m in self.model_parts for k, v in m.state_dict().items()}
+        for i, opt in enumerate(getattr(self.optimizers, "optimizers", [])):
+            names = {id(p): n for m in self.model_parts for n, p in m.named_parameters()}
+            for p, st in opt.state.items():
+                named.update({f"optimizer{i}.{names.get(id(p), '?')}.{k}": v for k, v in st.items()
+                              if torch.is_tensor(v) and v.dim() > 0})
+        bad = nonfinite_names(named)
+        flag = self._world_reduce(torch.tensor(int(bool(bad)), device=self.device), dist.ReduceOp.MAX)
+        return bad or ([""] if flag.item() else [])
+
+    @staticmethod
+    def _names(bad: list[str]) -> str:
+        return "tensors of another rank" if bad == [""] else f"{bad[:5]}{' …' if len(bad) > 5 else ''}"
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_bytes(self) -> int:
+        """Estimated size of one full checkpoint: the parameters (global sizes) plus two optimizer moments."""
+        n = sum(p.numel() * p.element_size() for m in self.model_parts for p in m.parameters())
+        return 3 * n
+
+    def _wrap_checkpointer(self) -> None:
+        cp = self.checkpointer
+        load, save, dcp_load = cp.load, cp.save, cp.dcp_load
 
         def checked_load(step: int = -1) -> bool:
-            self._prepare_dataloader_reshard(folder, step)
+            path, model_only = self._load_path(step)
+            if path is not None:
+                self._check_architecture(path, model_only)
+                if not model_only:
+                    self._prepare_dataloader_reshard(path)
             try:
-                return load(step=step)
+                loaded = load(step=step)
             except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
                 lines = [ln for ln in str(e).splitlines() if ln.strip()]
                 raise RuntimeError(
-                    f"checkpoint in {folder!r} (step {step if step >= 0 else 'latest'}) cannot be loaded into this "
-                    f"run: {type(e).__name__}: {lines[-1] if lines else ''}. It is corrupt or was written "
-                    "by a different model/optimizer config; point checkpoint.folder/job.dump_folder elsewhere or "
-                    "remove it.") from e
+                    f"checkpoint {path or cp.folder!r} cannot be loaded into this run: {type(e).__name__}: "
+                    f"{lines[-1] if lines else ''}. It is corrupt or was written by a different model/optimizer "
+                    "config; point checkpoint.folder/job.dump_folder elsewhere or remove it.") from e
+            if loaded:
+                bad = self._nonfinite_state()
+                if bad:
+                    raise NonFiniteError(f"checkpoint {path or cp.folder!r} (step {self.step}) is corrupt: non-finite "
+                                         f"values in {self._names(bad)}. Remove that step folder to resume from an "
+                                         "earlier one, or pick one with checkpoint.load_step.")
+                if path is not None and not model_only:
+                    self._check_schedule(path)
+            return loaded
 
-        self.checkpointer.load = checked_load
+        def partial_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+            if not (self._partial_load and not from_hf):
+                return dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    def _prepare_dataloader_reshard(self, folder: str, step: int) -> None:
+            dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True))
+            if "model" in cp.states:
+                cp.states["model"].load_state_dict(state_dict)
+
+        def checked_save(curr_step: int, last_step: bool = False) -> None:
+            if not cp._should_save(curr_step, last_step):
+                return save(curr_step, last_step)
+            self.check_finite(curr_step)
+            bad = self._nonfinite_state()
+            if bad:
+                raise NonFiniteError(f"step {curr_step}: non-finite values in {self._names(bad)}; no checkpoint "
+                                     f"written. {self._last_checkpoint_hint()}")
+            path = cp._create_checkpoint_id(curr_step)
+            try:
+                save(curr_step, last_step)
+            except (Exception, CheckpointException) as e:
+                raise self._save_error(e, path) from e
+            if cp.keep_latest_k > 0 and last_step:
+                cp._purge_stale_checkpoints()  # torchtitan skips rotation after the last step's save
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                self._write_sidecars(path)
+
+        cp.load, cp.save, cp.dcp_load = checked_load, checked_save, partial_dcp_load
+
+    def _save_error(self, e: BaseException, path: str) -> Exception:
+        """A save failure; a full disk (or quota / file-size limit) is named as such."""
+        text, cause, disk = str(e), e, False
+        while cause is not None:
+            disk |= isinstance(cause, OSError) and cause.errno in _DISK_ERRNOS
+            cause = cause.__cause__ or cause.__context__
+        disk |= any(s in text for s in ("No space left", "Disk quota", "File too large", "unexpected pos"))
+        free = shutil.disk_usage(self.checkpointer.folder).free / 2**30
+        if disk:
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            if rank0 and not os.path.isfile(os.path.join(path, ".metadata")):
+                shutil.rmtree(path, ignore_errors=True)  # DCP writes .metadata last: without it, never loadable
+            return OSError(errno.ENOSPC, f"the disk is full (or a quota / file-size limit was hit) while saving "
+                                         f"{path}: {free:.2f} GiB free, one checkpoint needs about "
+                                         f"{self._checkpoint_bytes() / 2**30:.2f} GiB. The incomplete folder was "
+                                         "removed; earlier checkpoints are intact. Free space and resume.")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        return RuntimeError(f"saving {path} failed: {type(e).__name__}: {lines[-1] if lines else ''}")
+
+    def _write_sidecars(self, path: str) -> None:
+        """Next to each DCP step folder's shards: ``attnlab.json`` (the architecture, as ``models.hf`` writes it,
+        so offline tools and the converter rebuild the exact model, mask type included) and
+        ``schedule.json`` (training.steps and the next step's lr per group, for the resume check)."""
+        from models.hf import SIDECAR, args_to_dict
+
+        if not os.path.isdir(path):
+            return
+        with open(os.path.join(path, SIDECAR), "w") as f:
+            json.dump(args_to_dict(self.model_args), f, indent=2)
+        with open(os.path.join(path, "schedule.json"), "w") as f:
+            json.dump({"training_steps": self.job_config.training.steps, "lr": self._group_lrs()}, f)
+
+    def _group_lrs(self) -> list[float]:
+        """The schedule's lr of every parameter group for the next step (from the scheduler's own lambdas, not
+        the optimizer's param groups, which a checkpoint load may overwrite with the saved values)."""
+        return [base * fn(s.last_epoch) for s in self.lr_schedulers.schedulers
+                for base, fn in zip(s.base_lrs, getattr(s, "lr_lambdas", [lambda _: 1.0] * len(s.base_lrs)))]
+
+    def _check_schedule(self, path: str) -> None:
+        """Warn when the resumed run's schedule gives a different lr at this step than the run that wrote the
+        checkpoint (typically ``training.steps`` raised after a finished run: the decayed lr jumps back)."""
+        rec = os.path.join(path, "schedule.json")
+        if not os.path.isfile(rec):
+            return
+        with open(rec) as f:
+            old = json.load(f)
+        new = self._group_lrs()
+        if len(old["lr"]) != len(new):
+            return
+        worst = max(abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(old["lr"], new))
+        if worst > 1e-6:
+            logger.warning(
+                f"Resuming at step {self.step} with a different learning-rate schedule: the checkpoint's run "
+                f"(training.steps = {old['training_steps']}) continued with lr {old['lr'][0]:.3e}, this run "
+                f"(training.steps = {self.job_config.training.steps}) uses {new[0]:.3e} from here. The schedule is "
+                "recomputed from the current config; keep training.steps and the [lr_scheduler] section as they "
+                "were to continue it, or accept the lr jump.")
+
+    def _load_path(self, step: int) -> tuple[str | None, bool]:
+        """(DCP folder about to be loaded, model only?) mirroring torchtitan's ``CheckpointManager.load``;
+        None for HF loads or when nothing will be loaded."""
+        cp = self.checkpointer
+        if not cp.enable:
+            return None, False
+        if not os.path.exists(cp.folder):
+            if cp.initial_load_path and not cp.initial_load_in_hf and os.path.isdir(cp.initial_load_path):
+                return cp.initial_load_path, cp.initial_load_model_only
+            return None, False
+        step = cp._find_load_step() if step == -1 else step
+        path = cp._create_checkpoint_id(step)
+        if step < 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+            return None, False
+        return path, step == 0
+
+    def _check_architecture(self, path: str, model_only: bool) -> None:
+        """The checkpoint's model keys must be the built model's: DCP loads only the keys asked for, so extra
+        checkpoint keys (a Parallax run resumed as softmax) would be dropped silently. With
+        ``checkpoint.partial_load`` the difference is logged and the load keeps what is there."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        except Exception:  # unreadable metadata: the load itself reports it
+            return
+        others = tuple(f"{k}." for k in self.checkpointer.states if k != "model")
+        ckpt = {k for k in keys if not k.startswith(others)}
+        model = set(self.checkpointer.states["model"].state_dict())
+        missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
+        if not (missing or unexpected):
+            return
+        what = (f"checkpoint {path!r} does not match the model built from this config: missing from the checkpoint "
+                f"{missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), not in the model "
+                f"{unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})")
+        if not self.job_config.checkpoint.partial_load:
+            raise ValueError(f"{what}. It was written by a different architecture (model.attention, layer_pattern, "
+                             "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
+                             "checkpoint.partial_load = true to load the common keys on purpose.")
+        logger.warning(f"{what}; checkpoint.partial_load = true: loading the common keys, missing ones keep their "
+                       "initialisation")
+        self._partial_load = True
+
+    def _prepare_dataloader_reshard(self, path: str) -> None:
         """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from
         the DCP metadata), so that a different world size reshards its position (see data.loader)."""
         dl = getattr(self, "dataloader", None)
-        if dl is None or not hasattr(dl, "resume_world_size") or not folder or not os.path.isdir(folder):
-            return
-        step = step if step >= 0 else self.checkpointer._find_load_step(folder)
-        path = os.path.join(folder, f"step-{step}")
-        if step < 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+        if dl is None or not hasattr(dl, "resume_world_size"):
             return
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -82,12 +473,15 @@ class AttnTrainer(Trainer):
         if ranks:
             dl.check_reshardable(len(ranks))  # before DCP, so the message is not buried in a load error
 
+    # ------------------------------------------------------------------------------------------------ loop
+
     def should_continue_training(self) -> bool:
         stop = self.job_config.training.stop_after_step
         return super().should_continue_training() and not (0 < stop <= self.step)
 
     def train(self):
         super().train()
+        self.check_finite(self.step)  # a run without a log step or save since the last check ends loudly too
         stop = self.job_config.training.stop_after_step
         if 0 < stop == self.step < self.job_config.training.steps and self.step % self.checkpointer.interval:
             # a full (resumable) save now; "last_step" saves would be model-only by default
@@ -107,34 +501,6 @@ class AttnTrainer(Trainer):
             torch.set_rng_state(state_dict["rng_cpu"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
-
-
-def _check_keys(cls, data: dict, prefix: str = "") -> None:
-    """Reject unknown TOML keys, naming the section, the key and the valid keys."""
-    import dataclasses
-
-    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
-        return
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        if key not in fields:
-            section = f"[{prefix}]" if prefix else "top level"
-            raise ValueError(f"unknown config key {key!r} in {section}; valid keys: {sorted(fields)}")
-        _check_keys(fields[key].type, value, f"{prefix}.{key}" if prefix else key)
-
-
-def parse_config(argv: list[str]):
-    """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it."""
-    merged = ConfigManager._merge_configs(TitanJobConfig, project_config.JobConfig)
-    manager = ConfigManager(config_cls=merged)
-    toml_values = manager._maybe_load_toml(argv)
-    if toml_values:
-        _check_keys(merged, toml_values)
-    cfg = manager.parse_args(argv)
-    cfg.model.name = cfg.model.name or "qwen3_attn"
-    cfg.model.converters = [c for c in cfg.model.converters if c]  # `--model.converters ""` turns float8 off
-    project_config.validate_config(cfg)
-    return cfg
 
 
 def _single_process_env() -> None:

@@ -47,7 +47,7 @@ class PackedTextDataset(HuggingFaceTextDataset):
     ``repeatable`` mode for validation (every pass reads the same documents from the start)."""
 
     def __init__(self, ds, text_field: str, name: str, tokenizer, seq_len: int, dp_rank: int, dp_world_size: int,
-                 infinite: bool, repeatable: bool = False):
+                 infinite: bool, repeatable: bool = False, max_bad: int = 0):
         self.dataset_name = name
         # Interleaved shards (document i goes to rank i % world): rank r's k-th row comes from the same part of
         # the corpus as a single process's (k·world + r)-th row, so data-parallel runs see the same data.
@@ -58,8 +58,27 @@ class PackedTextDataset(HuggingFaceTextDataset):
         self.infinite = infinite
         self.repeatable = repeatable
         self._text_processor = lambda sample: sample[text_field]
+        self._text_field, self.max_bad, self.bad_records = text_field, max_bad, 0
         self._sample_idx = 0
         self._token_buffer: list[int] = []
+
+    def _get_data_iter(self):
+        """torchtitan's iterator minus records without a string text field. Local files never have them (they
+        are scanned at start, data.sources); hub data is checked here: skipped with a count up to
+        ``data.max_bad_records``, then an error naming the dataset, the record and the key."""
+        for sample in super()._get_data_iter():
+            text = sample.get(self._text_field) if isinstance(sample, dict) else None
+            if isinstance(text, str):
+                yield sample
+                continue
+            self.bad_records += 1
+            if isinstance(self._data, Dataset):
+                self._sample_idx += 1  # the position stays the document index (resume)
+            what = f"{self.dataset_name}: a record's {self._text_field!r} is {type(text).__name__}, not a string"
+            if self.bad_records > self.max_bad:
+                raise ValueError(f"{what} ({self.bad_records} such records, more than data.max_bad_records="
+                                 f"{self.max_bad}); set data.text_field or data.max_bad_records")
+            logger.warning(f"{what}; skipped ({self.bad_records}/{self.max_bad} allowed by data.max_bad_records)")
 
     def __iter__(self):
         if self.repeatable:
@@ -93,7 +112,7 @@ def _source(job_config, split: str):
     t, v, d = job_config.training, job_config.validation, job_config.data
     if split == "val" and v.dataset_path:
         ds, field = open_text_dataset(v.dataset_path, "validation.dataset_path", local=True,
-                                      text_field=d.text_field, streaming=d.streaming)
+                                      text_field=d.text_field, streaming=d.streaming, max_bad=d.max_bad_records)
         return ds, field, v.dataset_path
     if t.dataset == EMBEDDED and not t.dataset_path:
         folder = build_embedded(d.cache_dir, d.embedded_vocab_size)
@@ -101,11 +120,18 @@ def _source(job_config, split: str):
         return ds, field, f"{EMBEDDED}/{split}"
     local = bool(t.dataset_path)
     spec = t.dataset_path or t.dataset
-    ds, field = open_text_dataset(spec, "training.dataset_path" if local else "training.dataset", local=local,
-                                  text_field=d.text_field, split=d.hub_split, streaming=d.streaming)
+    key = "training.dataset_path" if local else "training.dataset"
+    ds, field = open_text_dataset(spec, key, local=local, text_field=d.text_field, split=d.hub_split,
+                                  streaming=d.streaming, max_bad=d.max_bad_records)
     if d.val_every > 0 and job_config.validation.enable:  # hold out every k-th document for validation
         keep = (lambda _, i: i % d.val_every == 0) if split == "val" else (lambda _, i: i % d.val_every != 0)
         ds = ds.filter(keep, with_indices=True)
+        empty = len(ds) == 0 if isinstance(ds, Dataset) else next(iter(ds), None) is None
+        if empty:
+            raise ValueError(f"{key}={spec!r}: the {split} split is empty after holding out every "
+                             f"data.val_every={d.val_every}-th document (from the first) for validation; add "
+                             "documents, set validation.dataset_path, or set data.val_every = 0 or "
+                             "validation.enable = false")
     return ds, field, f"{spec}/{split}"
 
 
@@ -116,6 +142,9 @@ def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, se
         raise ValueError(f"the tokenizer at model.hf_assets_path has {tokenizer.get_vocab_size()} tokens but the "
                          f"model's vocabulary is {model_vocab}; set model.vocab_size >= {tokenizer.get_vocab_size()}")
     dataset = PackedTextDataset(ds, field, name, tokenizer, seq_len, dp_rank, dp_world_size, **kw)
+    if isinstance(dataset._data, Dataset) and len(dataset._data) == 0:  # an infinite loader would re-loop forever
+        raise ValueError(f"{name}: {len(ds)} documents leave data-parallel rank {dp_rank} of {dp_world_size} "
+                         "none; add documents or use fewer ranks")
     logger.info(f"Data ({split}): {name}, rank {dp_rank}/{dp_world_size}")
     return ReshardableDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                  **{**asdict(dl_config), "batch_size": batch_size})
@@ -180,10 +209,10 @@ def _flavor_vocab(job_config) -> int:
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
     t = job_config.training
     return _loader(job_config, "train", tokenizer, dp_rank, dp_world_size, t.local_batch_size, t.seq_len,
-                   t.dataloader, infinite=True)
+                   t.dataloader, infinite=True, max_bad=job_config.data.max_bad_records)
 
 
 def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:
     v = job_config.validation
     return _loader(job_config, "val", tokenizer, dp_rank, dp_world_size, v.local_batch_size, v.seq_len,
-                   v.dataloader, infinite=False, repeatable=True)
+                   v.dataloader, infinite=False, repeatable=True, max_bad=job_config.data.max_bad_records)

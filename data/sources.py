@@ -34,16 +34,133 @@ def resolve_files(spec: str, key: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
+def _open(path: str):
+    import gzip
+
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+class UnreadableFile(ValueError):
+    """A local data file that cannot be read to its end."""
+
+
+def _records(path: str, builder: str, text_field: str):
+    """Yield (line number, text or None, reason) for every record of a local text file; ``reason`` says why a
+    record is malformed (then text is None). A file that cannot be read to its end (truncated or corrupt gzip)
+    raises ValueError naming it."""
+    import json
+    import zlib
+
+    try:
+        with _open(path) as f:
+            if builder == "text":  # one document per file
+                yield 1, *_decoded(f.read())
+                return
+            if path.removesuffix(".gz").endswith(".json") and f.peek(1).lstrip()[:1] == b"[":
+                text, reason = _decoded(f.read())
+                try:
+                    rows = json.loads(text) if reason is None else None
+                except json.JSONDecodeError as e:
+                    reason = f"not valid JSON ({e.msg}, line {e.lineno} column {e.colno})"
+                if reason:
+                    yield 1, None, reason
+                    return
+                for i, rec in enumerate(rows if isinstance(rows, list) else [rows]):
+                    yield i + 1, *_text_of(rec, text_field)
+                return
+            for n, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                text, reason = _decoded(raw.rstrip(b"\r\n"))
+                if reason is None:
+                    try:
+                        yield n, *_text_of(json.loads(text), text_field)
+                        continue
+                    except json.JSONDecodeError as e:
+                        reason = f"not valid JSON ({e.msg}, column {e.colno})"
+                yield n, None, reason
+    except (EOFError, OSError, zlib.error) as e:
+        raise UnreadableFile(f"{path}: cannot be read to the end ({type(e).__name__}: {e}); a truncated or "
+                             "corrupt file? Replace it or leave it out of the dataset path") from e
+
+
+def _decoded(raw: bytes) -> tuple[str | None, str | None]:
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})"
+
+
+def _text_of(rec, text_field: str) -> tuple[str | None, str | None]:
+    if not isinstance(rec, dict):
+        return None, f"not a JSON object ({type(rec).__name__})"
+    if text_field not in rec:
+        return None, f"no column {text_field!r} (data.text_field) in this record; its keys are {sorted(rec)[:8]}"
+    if not isinstance(rec[text_field], str):
+        return None, f"{text_field!r} is {type(rec[text_field]).__name__}, not a string"
+    return rec[text_field], None
+
+
+def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: str, max_bad: int) -> int:
+    """Read every record of local text files once, before training: a malformed record (broken JSON, bad
+    UTF-8, not an object, no string ``text_field``) or an unreadable file is found here, not mid-training.
+    Returns the number of malformed records (<= ``max_bad``, to be skipped); more stops with one message naming
+    the file, the line and the keys to change. Costs one pass over the files at start (parquet is not scanned)."""
+    bad, good, first = 0, 0, None
+    for path in files:
+        records = _records(path, builder, text_field)
+        while True:
+            try:
+                line, _, reason = next(records)
+            except StopIteration:
+                break
+            except UnreadableFile as e:
+                raise ValueError(f"{key}={spec!r}: {e}") from e
+            if reason is None:
+                good += 1
+                continue
+            bad, first = bad + 1, first or f"{path} line {line}: {reason}"
+            if bad > max_bad:
+                more = f" ({bad} malformed records so far, more than data.max_bad_records={max_bad})" if max_bad else ""
+                raise ValueError(f"{key}={spec!r}: {path} line {line}: {reason}{more}. Fix the file, or set "
+                                 "data.max_bad_records to skip malformed records with a count")
+    if not good:
+        raise ValueError(f"{key}={spec!r}: no records in {files[:5]}; the dataset is empty")
+    if bad:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(f"{key}={spec!r}: skipping {bad} malformed records (data.max_bad_records={max_bad}); "
+                       f"the first: {first}")
+    return bad
+
+
+def _good_records(files: list[str], builder: str, text_field: str):
+    for path in files:
+        for _, text, reason in _records(path, builder, text_field):
+            if reason is None:
+                yield {text_field: text}
+
+
 def open_text_dataset(spec: str, key: str, *, local: bool, text_field: str, split: str = "train",
-                      streaming: bool | None = None):
+                      streaming: bool | None = None, max_bad: int = 0):
     """A ``datasets`` dataset with a ``text_field`` column. ``local`` selects files (``spec`` a path/glob)
-    versus a hub dataset name (streamed by default)."""
+    versus a hub dataset name (streamed by default). Local text files are scanned first (:func:`scan_files`);
+    when ``max_bad`` malformed records are allowed and some are found, the dataset is built from the good
+    records only."""
     if local:
         builder, files = resolve_files(spec, key)
-        kw = {"sample_by": "document"} if builder == "text" else {}
-        ds = load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kw)
         if builder == "text":
             text_field = "text"
+        skipped = scan_files(files, builder, key, spec, text_field, max_bad) if builder != "parquet" else 0
+        if skipped:
+            from datasets import Dataset, IterableDataset
+
+            cls = IterableDataset if streaming else Dataset
+            ds = cls.from_generator(_good_records, gen_kwargs={"files": files, "builder": builder,
+                                                               "text_field": text_field})
+        else:
+            kw = {"sample_by": "document"} if builder == "text" else {}
+            ds = load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kw)
     else:
         try:
             ds = load_dataset(spec, split=split, streaming=True if streaming is None else streaming)

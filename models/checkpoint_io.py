@@ -43,7 +43,7 @@ def run_dir_of(step_dir: Path) -> Path:
 
 def load_config(argv: list[str] | None, step_dir: Path):
     """The merged JobConfig: from ``argv`` (train.py's flags) or ``<run>/train_args.json``."""
-    from train import DEFAULT_CONFIG, parse_config
+    from config import DEFAULT_CONFIG, parse_config
 
     argv = list(argv or [])
     saved = run_dir_of(step_dir) / "train_args.json"
@@ -77,18 +77,23 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu") -> torch.nn
 
 def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bool = True) -> list[str]:
     """Read ``model``'s keys from a DCP checkpoint in place; returns keys the checkpoint lacks (only when
-    ``strict=False``; those keep their initialisation)."""
+    ``strict=False``; those keep their initialisation). With ``strict``, model keys the checkpoint lacks and
+    checkpoint model keys the model lacks (weights that would be dropped) are both errors naming the keys."""
     import torch.distributed.checkpoint as dcp
+
+    from models.hf import NON_MODEL_PREFIXES
 
     reader = dcp.FileSystemReader(str(step_dir))
     meta = reader.read_metadata().state_dict_metadata
     sd = model.state_dict()
     missing = [k for k in sd if k not in meta]
+    unexpected = sorted(k for k in meta if not k.startswith(NON_MODEL_PREFIXES) and k not in sd)
     bad = [f"{k}: checkpoint {tuple(meta[k].size)} vs model {tuple(v.shape)}" for k, v in sd.items()
            if k in meta and hasattr(meta[k], "size") and tuple(meta[k].size) != tuple(v.shape)]
-    if bad or (missing and strict):
+    if bad or ((missing or unexpected) and strict):
         raise ValueError(f"checkpoint {str(step_dir)!r} does not fit the model built from the config "
-                         f"(pass the training flags / --job.config_file): mismatched {bad[:5]}, missing {missing[:5]}")
+                         f"(pass the training flags / --job.config_file): mismatched {bad[:5]}, missing "
+                         f"{missing[:5]}, not in the model {unexpected[:5]}")
     present = {k: v for k, v in sd.items() if k in meta}
     dcp.load(present, storage_reader=reader, no_dist=True)
     model.load_state_dict({**sd, **present}, strict=True)

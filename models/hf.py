@@ -437,7 +437,7 @@ def progress_bar(it, desc: str, enable: bool = True):
 
 def job_config(config_file, overrides: list[str] | None = None):
     """The merged JobConfig of a training TOML (+ ``--section.key value`` overrides)."""
-    from train import parse_config
+    from config import parse_config
 
     return parse_config(["--job.config_file", str(config_file), *(overrides or [])])
 

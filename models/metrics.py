@@ -22,7 +22,9 @@ class JsonlLogger:
         self.f = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        """Non-finite numbers become ``null`` (JSON has no NaN); the run stops on them (train.py's guard)."""
+        finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self.f.write(json.dumps({"step": step, "time": time.time(), **finite}, allow_nan=False) + "\n")
         self.f.flush()
 
     def close(self) -> None:

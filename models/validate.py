@@ -1,22 +1,62 @@
 """Validation: torchtitan's ``Validator`` fed by this project's held-out split. Every validation pass reads
 the same batches from the start (``validation.steps`` of them, or the whole split with -1), so validation
-perplexity is comparable across steps and runs; it also runs at the last training step."""
+perplexity is comparable across steps and runs; it also runs at the last training step.
+
+Data-parallel ranks read interleaved shards of the split, which can hold different numbers of batches; every
+collective of a validation batch must be entered by every rank, so all ranks stop at the first batch that some
+rank does not have (:class:`RankAlignedLoader`), and a split that gives some rank no batch at all is an error at
+start."""
 
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 from torchtitan.components.validate import Validator
 
 from data.loader import build_validation_dataloader
 
 
+class RankAlignedLoader:
+    """Iterates ``loader`` while every rank of ``group`` still has a batch: before each batch the ranks
+    all-reduce (MIN) whether they have one. One scalar all-reduce and host sync per validation batch."""
+
+    def __init__(self, loader, group, device: torch.device | str):
+        self.loader, self.group, self.device = loader, group, device
+
+    def all_have(self, has: bool) -> bool:
+        flag = torch.tensor(int(has), device=self.device)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            batch = next(it, None)
+            if not self.all_have(batch is not None):
+                return
+            yield batch
+
+
 class PackedValidator(Validator):
     def __init__(self, job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn, validation_context,
                  maybe_enable_amp, metrics_processor, **_pp):
+        from torchtitan.tools import utils
+
         self.job_config, self.tokenizer, self.parallel_dims, self.loss_fn = job_config, tokenizer, parallel_dims, loss_fn
-        self.validation_dataloader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer, job_config)
+        loader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer, job_config)
+        group = parallel_dims.get_mesh("batch").get_group() if parallel_dims.dp_enabled else None
+        self.validation_dataloader = RankAlignedLoader(loader, group, utils.device_type)
         self.validation_context, self.maybe_enable_amp = validation_context, maybe_enable_amp
         self.metrics_processor = metrics_processor
         self.pp_schedule = self.pp_has_first_stage = self.pp_has_last_stage = None
+        if not self.validation_dataloader.all_have(next(iter(loader), None) is not None):
+            v = job_config.validation
+            raise ValueError(f"the validation split ({v.dataset_path or 'held out from the training data'}) gives "
+                             f"some of the {dp_world_size} data-parallel ranks no batch of validation.local_batch_size"
+                             f"={v.local_batch_size} rows of validation.seq_len={v.seq_len} tokens; add validation "
+                             "documents, lower those, or set validation.enable = false")
 
     def should_validate(self, step: int) -> bool:
         return super().should_validate(step) or step == self.job_config.training.steps

@@ -10,7 +10,8 @@ with zero weights and bias ``--gate-bias``. Before anything is written both mode
 float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
 
 A DCP folder records no architecture: it is read from the run's ``config.toml``, else the folder's
-``attnlab.json``, else inferred from tensor shapes (pass ``--rope-theta`` / ``--norm-eps`` when the run changed them). The DCP output
+``attnlab.json`` (the trainer writes one into every step folder, mask type included), else inferred from tensor
+shapes (pass ``--rope-theta`` / ``--norm-eps`` / ``--attn-mask-type`` when the run changed them). The DCP output
 is a model-only checkpoint for ``checkpoint.initial_load_path`` (see configs/convert_finetune_parallax.toml).
 """
 
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
                          "‖ρ‖ = √head_dim · gain once W_R moves)")
     ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
     ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
+    ap.add_argument("--attn-mask-type", choices=["causal", "block_causal"], default="causal",
+                    help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
         if not dst.parent.is_dir():
             raise CheckpointError(f"{dst.parent} does not exist")
         src = resolve(a.src, a.step)
-        fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
+        fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
+                                                attn_mask_type=a.attn_mask_type)
         if a.top_half:
             layers = list(range(args.n_layers // 2, args.n_layers))
         elif a.layers:

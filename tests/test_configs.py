@@ -6,8 +6,8 @@ import torch
 from models import register_train_spec
 from models.args import get_flavor
 from models.model import Transformer
+from config import parse_config
 from tests.utils import REPO
-from train import parse_config
 
 CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
 PAPER = REPO / "configs" / "paper"

@@ -99,7 +99,7 @@ def test_corrupt_checkpoint_fails_clearly(corpus, straight, tmp_path):
     for f in (dump / "checkpoint" / "step-6").iterdir():
         if f.suffix == ".distcp":
             f.write_bytes(b"garbage")
-    with pytest.raises(AssertionError, match=r"checkpoint in .* cannot be loaded into this run"):
+    with pytest.raises(AssertionError, match=r"checkpoint .* cannot be loaded into this run"):
         run_train(tiny_args(corpus, dump, 8))
 
 
@@ -127,3 +127,196 @@ def test_hybrid_stack_trains_and_resumes_exactly(corpus, tmp_path):
     run_train(tiny_args(corpus, resumed, 4, 16, 2, *hybrid))
     a, b = losses(straight), losses(resumed)
     assert a[4] < a[1] and [b[s] for s in (3, 4)] == [a[s] for s in (3, 4)]
+
+
+# ----------------------------------------------------------------------------------- safety (docs/failures.md)
+
+def _copy_run(straight, dump):
+    import shutil
+
+    shutil.copytree(straight / "checkpoint", dump / "checkpoint")
+    return dump
+
+
+def _steps(dump):
+    return sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*"))
+
+
+def _assert_finite_checkpoint(step_dir):
+    import torch
+
+    from models.hf import load_dcp_state
+
+    sd = load_dcp_state(step_dir)
+    assert sd and all(bool(torch.isfinite(v).all()) for v in sd.values() if v.is_floating_point()), step_dir
+
+
+def _json_strict(dump):
+    import json
+
+    def no_nan(c):
+        raise AssertionError(f"bare {c} in metrics.jsonl")
+
+    return [json.loads(line, parse_constant=no_nan) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_finite_checkpoint(corpus, straight, tmp_path):
+    """The issue's case: a good run resumed with lr 1e6 goes NaN; the run must fail, write nothing non-finite,
+    and rotation (keep_latest_k = 2) must keep finite checkpoints only."""
+    dump = _copy_run(straight, tmp_path / "run")
+    with pytest.raises(AssertionError, match=r"non-finite .*training stopped at step \d+ without saving\. The newest "
+                                             r"checkpoint, .*step-\d+, is finite and kept"):
+        run_train(tiny_args(corpus, dump, 30, 16, 2, "--optimizer.lr", "1e6", "--checkpoint.interval", "2",
+                            "--metrics.log_freq", "5"))
+    steps = _steps(dump)
+    assert len(steps) == 2 and steps[-1] >= 6, steps
+    for s in steps:
+        _assert_finite_checkpoint(dump / "checkpoint" / f"step-{s}")
+    _json_strict(dump)
+
+
+def test_nonfinite_steps_can_be_skipped_up_to_a_limit(corpus, straight, tmp_path):
+    dump = _copy_run(straight, tmp_path / "run")
+    with pytest.raises(AssertionError, match=r"the 3-th such step \(training.nonfinite_skips = 2\)") as err:
+        run_train(tiny_args(corpus, dump, 40, 16, 2, "--optimizer.lr", "1e6", "--training.nonfinite_skips", "2",
+                            "--checkpoint.interval", "2"))
+    assert "optimizer step skipped (1/2 allowed" in str(err.value)
+    for s in _steps(dump):
+        _assert_finite_checkpoint(dump / "checkpoint" / f"step-{s}")
+    recs = [r for r in _json_strict(dump) if "loss" in r]
+    # the skipped steps' non-finite loss or gradient norm is logged as null, not as a bare NaN
+    assert any(r["loss"] is None or r["grad_norm"] is None for r in recs)
+
+
+def test_corrupt_shard_with_nan_bytes_fails_on_resume_naming_the_step(corpus, straight, tmp_path):
+    dump = _copy_run(straight, tmp_path / "run")
+    shard = next((dump / "checkpoint" / "step-6").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = b"\xff" * 4096  # same size; float32 0xFFFFFFFF is NaN
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match=r"checkpoint .*step-6.* \(step 6\) is corrupt: non-finite values in"):
+        run_train(tiny_args(corpus, dump, 8))
+    assert _steps(dump) == [3, 6]  # nothing written, nothing rotated away
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model.attention", "parallax"], r"missing from the checkpoint \['layers.0.attention.r_norm.weight'"),
+    (["--attention.softmax.no-qk-norm"], r"not in the model \['layers.0.attention.k_norm.weight'"),
+])
+def test_resume_into_a_different_architecture_is_an_error(corpus, straight, tmp_path, extra, message):
+    dump = _copy_run(straight, tmp_path / "run")
+    with pytest.raises(AssertionError, match=message + r".*checkpoint.partial_load"):
+        run_train(tiny_args(corpus, dump, 8, 16, 2, *extra))
+    assert _steps(dump) == [3, 6]
+
+
+def test_partial_load_on_purpose_and_lr_jump_warning(corpus, straight, tmp_path):
+    """``checkpoint.partial_load`` resumes a softmax checkpoint as Parallax (W_R keeps its init); extending the
+    finished 6-step run to 8 steps warns that the decayed lr jumps back."""
+    dump = _copy_run(straight, tmp_path / "run")
+    out = run_train(tiny_args(corpus, dump, 8, 16, 2, "--model.attention", "parallax", "--checkpoint.partial_load"))
+    log = out.stdout + out.stderr
+    assert "checkpoint.partial_load = true: loading the common keys" in log
+    assert "different learning-rate schedule" in log and "(training.steps = 6)" in log
+    assert sorted(losses(dump)) == [7, 8]
+
+
+def test_second_run_into_a_live_folder_fails_and_stale_lock_is_taken(corpus, tmp_path):
+    import os
+    import socket
+
+    from train import RunLock
+
+    dump = tmp_path / "run"
+    held = RunLock(str(dump))  # this (live) process holds the folder
+    try:
+        with pytest.raises(AssertionError, match=rf"job.dump_folder '{dump}' is in use by another run \(process "
+                                                 rf"{os.getpid()} on host"):
+            run_train(tiny_args(corpus, dump, 1))
+    finally:
+        held.release()
+    assert sorted(p.name for p in dump.iterdir()) == []  # the second run wrote nothing into the held folder
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (dump / RunLock.NAME).write_text(f"{socket.gethostname()} {dead.pid}")
+    out = run_train(tiny_args(corpus, dump, 1, 16, 2, "--validation.no-enable"))
+    assert f"Taking over the stale lock {dump / RunLock.NAME} of process {dead.pid}" in out.stdout + out.stderr
+    assert not (dump / RunLock.NAME).exists()  # released at the end
+
+
+def test_one_document_dataset_fails_fast(corpus, tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text(open(corpus["train"]).readline())
+    args = tiny_args(corpus, tmp_path / "run", 2)
+    i = args.index("--validation.dataset_path")
+    del args[i:i + 2]  # the validation split is held out of the training file
+    args[args.index("--training.dataset_path") + 1] = str(one)
+    with pytest.raises(AssertionError, match=r"training.dataset_path=.*one.jsonl.*the train split is empty after "
+                                             r"holding out every data.val_every=100-th document"):
+        run_train(args, timeout=120)
+
+
+def test_validation_on_two_processes_with_uneven_shards(corpus, tmp_path):
+    """5 validation documents (one row each) over 2 ranks: 3 and 2 batches of one row; every rank must run the
+    same number of validation batches (gloo aborted on the mismatch, NCCL hung)."""
+    val = tmp_path / "val5.jsonl"
+    val.write_text("".join(open(corpus["val"]).readlines()[:5]))
+    dump = tmp_path / "run"
+    run_train(tiny_args(corpus, dump, 2, 16, 2, "--validation.dataset_path", str(val), "--validation.steps", "-1",
+                        "--validation.local_batch_size", "1", "--validation.freq", "1", "--checkpoint.no-enable"),
+              nproc=2, timeout=240)
+    assert [r["step"] for r in read_metrics(dump) if "val_loss" in r] == [1, 2]
+
+
+def test_unwritable_checkpoint_folder_fails_at_start(corpus, tmp_path):
+    with pytest.raises(AssertionError, match=r"checkpoint.folder: cannot write checkpoints to '/proc/attnlab-ckpt'"):
+        run_train(tiny_args(corpus, tmp_path / "run", 2, 16, 2, "--checkpoint.folder", "/proc/attnlab-ckpt"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_full_disk_during_a_save_says_so_and_keeps_earlier_checkpoints(corpus, straight, tmp_path):
+    """A file-size limit below one checkpoint shard makes the save's writes fail as on a full disk."""
+    import resource
+
+    dump = _copy_run(straight, tmp_path / "run")
+    size = max(f.stat().st_size for f in (dump / "checkpoint" / "step-6").iterdir())
+    limit = size // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with pytest.raises(AssertionError, match=r"the disk is full \(or a quota / file-size limit was hit\) while saving "
+                                             r".*step-7.*earlier checkpoints are intact"):
+        run_train(tiny_args(corpus, dump, 8, 16, 2, "--checkpoint.interval", "1"), preexec_fn=small_files)
+    assert _steps(dump) == [3, 6]
+    _assert_finite_checkpoint(dump / "checkpoint" / "step-6")
+
+
+def test_keep_latest_k_keeps_exactly_k_and_converter_keeps_the_mask_type(corpus, tmp_path):
+    import json
+
+    dump = tmp_path / "run"
+    run_train(tiny_args(corpus, dump, 5, 16, 2, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
+                        "--validation.no-enable"))
+    assert _steps(dump) == [4, 5]
+    src = dump / "checkpoint" / "step-5"
+    assert json.loads((src / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
+    dst = tmp_path / "converted"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "convert_to_parallax.py"), str(src), str(dst),
+                    "--no-progress"], check=True, cwd=str(REPO), capture_output=True)
+    assert json.loads((dst / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
+
+
+def test_free_space_is_checked_at_start(tmp_path, monkeypatch, caplog):
+    import shutil
+    from types import SimpleNamespace
+
+    import train
+
+    mib = 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10 * mib, total=100 * mib, used=0))
+    with pytest.raises(ValueError, match=r"checkpoint.folder '.*ck': 0.01 GiB free, one checkpoint needs about 0.02"):
+        train.check_free_space(str(tmp_path / "ck"), 20 * mib, 2)
+    train.check_free_space(str(tmp_path / "ck"), 4 * mib, 2)
+    assert "may not hold checkpoint.keep_latest_k=2 checkpoints" in caplog.text

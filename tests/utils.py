@@ -11,7 +11,7 @@ from scripts.tiny_runs import REPO, losses, make_corpus, read_metrics, tiny_args
 __all__ = ["REPO", "losses", "make_corpus", "read_metrics", "run_train", "tiny_args"]
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_train(args: list[str], nproc: int = 1, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
     if nproc == 1:
@@ -19,7 +19,7 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), **popen)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

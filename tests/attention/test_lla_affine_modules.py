@@ -116,7 +116,7 @@ def test_bad_options_raise(name, key):
 
 def test_lla_kernel_key_is_unknown(tmp_path):
     """LLA has one Triton kernel: a TOML that still selects one (``attention.lla.kernel``) fails as an unknown key."""
-    from train import parse_config
+    from config import parse_config
 
     cfg = tmp_path / "lla.toml"
     cfg.write_text((REPO / "configs" / "debug_cpu.toml").read_text() + '\n[attention.lla]\nkernel = "v2"\n')

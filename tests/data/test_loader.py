@@ -109,3 +109,24 @@ def test_folder_glob_and_gz(tmp_path):
     assert builder == "json" and len(files) == 2
     ds, _ = open_text_dataset(str(d / "*.jsonl.gz"), "k", local=True, text_field="text")
     assert len(ds) == 2
+
+
+ROWS = [{"text": "w1 w2 w3 w4"}, {"text": None}, {"text": "w5 w6 w7 w8"}]
+
+
+def _rows():
+    yield from ROWS
+
+
+def test_records_without_text_from_unscanned_sources_are_named_or_skipped(corpus):
+    """Hub data is not scanned at start: a record without a string text stops with the dataset and key named
+    (not a TypeError in the tokenizer), or is skipped with a count; a map-style position stays the index."""
+    from datasets import Dataset, IterableDataset
+
+    tok = build_tokenizer(_Cfg(corpus["tokenizer"]))
+    stream = PackedTextDataset(IterableDataset.from_generator(_rows), "text", "hub/x", tok, 4, 0, 1, infinite=False)
+    with pytest.raises(ValueError, match=r"hub/x: a record's 'text' is NoneType, not a string \(1 such records, "
+                                         r"more than data.max_bad_records=0\)"):
+        list(stream)
+    ds = PackedTextDataset(Dataset.from_list(ROWS), "text", "hub/x", tok, 4, 0, 1, infinite=False, max_bad=1)
+    assert len(list(ds)) == 2 and ds.bad_records == 1 and ds._sample_idx == 3

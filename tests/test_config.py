@@ -1,0 +1,68 @@
+"""config.py: the parser (moved out of the entry point) and the type/range checks of every project key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from config import DEFAULT_CONFIG, check_types, parse_config
+from tests.utils import REPO
+
+
+def _toml(tmp_path, extra: str, replace: tuple[str, str] | None = None) -> str:
+    text = (REPO / "configs" / "debug_cpu.toml").read_text()
+    if replace:
+        assert replace[0] in text
+        text = text.replace(*replace)
+    path = tmp_path / "cfg.toml"
+    path.write_text(text + "\n" + extra)
+    return str(path)
+
+
+@pytest.mark.parametrize("extra,replace,message", [
+    ('[attention.parallax]\nrope_on_rho = "false"\n', None,
+     r"attention.parallax.rope_on_rho='false' \(str\): expected a boolean"),
+    ("", ("steps = 400", "steps = 10.7"), r"training.steps=10.7 \(float\): expected an integer"),
+    ("", ("steps = 400", 'steps = "10"'), r"training.steps='10' \(str\): expected an integer"),
+    ("", ("weight_decay = 0.1", "weight_decay = -1.0"), r"optimizer.weight_decay=-1.0: must be >= 0"),
+    ("", ("lr = 3e-3", "lr = -1e-3"), r"optimizer.lr=-0.001: must be > 0"),
+    ("", ("lr = 3e-3", 'lr = "3e-3"'), r"optimizer.lr='3e-3' \(str\): expected a number"),
+    ("", ("keep_latest_k = 2", "keep_latest_k = 1"), r"checkpoint.keep_latest_k=1: must be 0 or >= 2"),
+    ("", ("enable = true\ninterval = 200", "enable = 1\ninterval = 200"), r"checkpoint.enable=1 \(int\)"),
+    ("", ("decay_type = \"linear\"", "decay_type = \"cosin\""), r"lr_scheduler.decay_type='cosin'.*one of"),
+    ("", ("min_lr_factor = 0.0", "min_lr_factor = 2.0"), r"lr_scheduler.min_lr_factor=2.0: must be in \[0, 1\]"),
+    ('[attention.gdn]\nA_init_range = [1.0]\n', None, r"attention.gdn.A_init_range=\[1.0\].*2 items"),
+    ("", ("[attention]\nimpl = \"auto\"", "[attention]\nimpl = \"auto\"\nparallax = 5"),
+     r"attention.parallax=5: expected a table \[attention.parallax\] of keys"),
+    ("", ('attention = "softmax"', 'attention = "softmax"\nlayer_pattern = "gdn"'),
+     r"model.layer_pattern='gdn' \(str\): expected a list of strings"),
+])
+def test_toml_values_are_type_and_range_checked(tmp_path, extra, replace, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(["--job.config_file", _toml(tmp_path, extra, replace)])
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--optimizer.weight_decay", "-1", r"optimizer.weight_decay=-1.0: must be >= 0"),
+    ("--optimizer.lr", "-1e-3", r"optimizer.lr=-0.001: must be > 0"),
+    ("--training.nonfinite_skips", "-2", r"training.nonfinite_skips=-2: must be >= 0"),
+    ("--data.max_bad_records", "-1", r"data.max_bad_records=-1: must be >= 0"),
+    ("--optimizer.beta2", "1.0", r"optimizer.beta2=1.0: must be in \[0, 1\)"),
+    ("--training.max_norm", "nan", r"training.max_norm=nan: must be > 0"),
+])
+def test_command_line_ranges(flag, value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(["--job.config_file", DEFAULT_CONFIG, flag, value])
+
+
+def test_valid_values_pass_and_ints_are_numbers(tmp_path):
+    cfg = parse_config(["--job.config_file", _toml(tmp_path, '[attention.parallax]\nrope_on_rho = false\n',
+                                                    ("lr = 3e-3", "lr = 1"))])
+    assert cfg.attention.parallax.rope_on_rho is False and cfg.optimizer.lr == 1
+    check_types(cfg)
+
+
+def test_library_code_does_not_import_the_entry_point():
+    code = ("import sys; import models.checkpoint_io as c, models.hf as h; "
+            f"h.args_from_job_config({DEFAULT_CONFIG!r}); assert 'train' not in sys.modules, 'train imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), capture_output=True)
