@@ -1,4 +1,4 @@
-"""softmax → Parallax conversion with W_R = 0 (spec ``parallax.md`` §1): with ρ = RMSNorm(0) = 0 Parallax reduces
+"""softmax → Parallax conversion with W_R = 0 (Parallax paper §5; docs/mechanisms.md): with ρ = RMSNorm(0) = 0 Parallax reduces
 to softmax attention, so the converted model computes exactly the same function. Used by
 scripts/convert_to_parallax.py and scripts/import_hf.py."""
 
