@@ -212,11 +212,13 @@ def check_types(obj, prefix: str = "") -> None:
 
 
 _POS, _NONNEG, _UNIT = "> 0", ">= 0", "in [0, 1]"
+# optimizer.lr may be 0 (a run that must not move the weights, e.g. a save-format round trip), as torch's optimizers
+# allow; a negative lr is rejected here, naming the key, instead of inside torch.
 RANGES: dict[str, str] = {
     "training.steps": _POS, "training.seq_len": _POS, "training.local_batch_size": _POS,
     "training.max_norm": _POS, "training.stop_after_step": _NONNEG, "training.nonfinite_skips": _NONNEG,
     "training.gc_freq": _POS,
-    "optimizer.lr": _POS, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS,
+    "optimizer.lr": _NONNEG, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS,
     "optimizer.beta1": "in [0, 1)", "optimizer.beta2": "in [0, 1)", "optimizer.adam_beta1": "in [0, 1)",
     "optimizer.adam_beta2": "in [0, 1)", "optimizer.adam_eps": _POS, "optimizer.muon_momentum": "in [0, 1)",
     "optimizer.muon_ns_steps": _POS, "optimizer.muon_eps": _POS, "optimizer.muon_min_dim": _NONNEG,

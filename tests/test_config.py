@@ -25,7 +25,7 @@ def _toml(tmp_path, extra: str, replace: tuple[str, str] | None = None) -> str:
     ("", ("steps = 400", "steps = 10.7"), r"training.steps=10.7 \(float\): expected an integer"),
     ("", ("steps = 400", 'steps = "10"'), r"training.steps='10' \(str\): expected an integer"),
     ("", ("weight_decay = 0.1", "weight_decay = -1.0"), r"optimizer.weight_decay=-1.0: must be >= 0"),
-    ("", ("lr = 3e-3", "lr = -1e-3"), r"optimizer.lr=-0.001: must be > 0"),
+    ("", ("lr = 3e-3", "lr = -1e-3"), r"optimizer.lr=-0.001: must be >= 0"),
     ("", ("lr = 3e-3", 'lr = "3e-3"'), r"optimizer.lr='3e-3' \(str\): expected a number"),
     ("", ("keep_latest_k = 2", "keep_latest_k = 1"), r"checkpoint.keep_latest_k=1: must be 0 or >= 2"),
     ("", ("enable = true\ninterval = 200", "enable = 1\ninterval = 200"), r"checkpoint.enable=1 \(int\)"),
@@ -44,7 +44,7 @@ def test_toml_values_are_type_and_range_checked(tmp_path, extra, replace, messag
 
 @pytest.mark.parametrize("flag,value,message", [
     ("--optimizer.weight_decay", "-1", r"optimizer.weight_decay=-1.0: must be >= 0"),
-    ("--optimizer.lr", "-1e-3", r"optimizer.lr=-0.001: must be > 0"),
+    ("--optimizer.lr", "-1e-3", r"optimizer.lr=-0.001: must be >= 0"),
     ("--training.nonfinite_skips", "-2", r"training.nonfinite_skips=-2: must be >= 0"),
     ("--data.max_bad_records", "-1", r"data.max_bad_records=-1: must be >= 0"),
     ("--optimizer.beta2", "1.0", r"optimizer.beta2=1.0: must be in \[0, 1\)"),
