@@ -12,7 +12,9 @@ What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_c
      distributed Muon equals single-device Muon and that gradient accumulation equals data parallelism;
   3. for every a:b in --resume: the a-process run's checkpoint at steps/2, resumed on b processes to --steps,
      compared with the uninterrupted runs (the data loader reshards its position, see data/loader.py).
-Loss curves are read from each run's metrics.jsonl; the table prints max |Δloss| against the 1-process run
+Validation runs at the checkpoint steps and the last step on every process (each rank must run the same
+number of validation batches, or a collective hangs); its losses are not compared, since K ranks read K times
+the held-out batches. Loss curves are read from each run's metrics.jsonl; the table prints max |Δloss| against the 1-process run
 and PASS/FAIL against --tol. Default tolerances: 1e-4 in float32 (CPU: only summation order differs),
 3e-2 with bf16 (GPU: the 1-device run uses autocast over fp32 weights, FSDP bf16 parameters with fp32
 reduction; differences grow over steps, so the tolerance is for ~12 steps).
@@ -40,7 +42,7 @@ from scripts.tiny_runs import REPO, losses, make_corpus, tiny_args
 def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
     out = tiny_args(corpus, dump, steps, args.seq, args.local_batch, "--training.global_batch_size",
                     str(args.global_batch), "--checkpoint.interval", str(max(1, args.steps // 2)),
-                    "--validation.no-enable", "--model.flavor", args.flavor, "--model.attention", args.attention,
+                    "--validation.freq", str(max(1, args.steps // 2)), "--model.flavor", args.flavor, "--model.attention", args.attention,
                     "--model.attn_mask_type", "block_causal", "--optimizer.name", args.optimizer,
                     "--optimizer.lr", str(args.lr), "--checkpoint.keep_latest_k", "0", *extra)
     if args.vocab:
