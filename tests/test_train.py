@@ -113,7 +113,7 @@ def test_plot_ppl_from_two_runs(straight, corpus, tmp_path):
     other = tmp_path / "parallax"
     run_train(tiny_args(corpus, other, 3, 16, 2, "--model.attention", "parallax"))
     png = tmp_path / "ppl.png"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "plot_ppl.py"), str(straight), str(other), "-o", str(png)],
+    subprocess.run([sys.executable, "-m", "scripts.plot_ppl", str(straight), str(other), "-o", str(png)],
                    check=True, cwd=str(REPO))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -303,7 +303,7 @@ def test_keep_latest_k_keeps_exactly_k_and_converter_keeps_the_mask_type(corpus,
     src = dump / "checkpoint" / "step-5"
     assert json.loads((src / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
     dst = tmp_path / "converted"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "convert_to_parallax.py"), str(src), str(dst),
+    subprocess.run([sys.executable, "-m", "scripts.convert_to_parallax", str(src), str(dst),
                     "--no-progress"], check=True, cwd=str(REPO), capture_output=True)
     assert json.loads((dst / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
 
