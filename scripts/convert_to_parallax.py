@@ -26,7 +26,7 @@ import torch
 
 import warnings
 
-from models.convert import convert_state, max_logit_diff, parse_layers
+from models.convert import add_conversion_arguments, convert_from_arguments, max_logit_diff
 from models.hf import CheckpointError, save_dcp_state, save_hf
 
 
@@ -37,15 +37,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap, "src")
     ap.add_argument("dst", help="output folder (same format as SRC); must not exist")
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--layers", help="layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
-    which.add_argument("--top-half", action="store_true", help="convert layers n_layers//2 .. n_layers-1")
-    ap.add_argument("--rho-gate", action="store_true", help="add the per-head sigmoid gate on ρ (weights 0)")
-    ap.add_argument("--gate-bias", type=float, default=0.0, help="initial gate bias (σ(bias) = initial gate)")
-    ap.add_argument("--no-rope-on-rho", action="store_true", help="do not apply RoPE to ρ")
-    ap.add_argument("--rho-norm-init", type=float, default=1.0,
-                    help="gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
-                         "‖ρ‖ = √head_dim · gain once W_R moves)")
+    add_conversion_arguments(ap)
     ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
     ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
     ap.add_argument("--attn-mask-type", choices=["causal", "block_causal"], default="causal",
@@ -63,14 +55,7 @@ def main(argv=None) -> int:
         src = resolve(a.src, a.step)
         fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
                                                 attn_mask_type=a.attn_mask_type)
-        if a.top_half:
-            layers = list(range(args.n_layers // 2, args.n_layers))
-        elif a.layers:
-            layers = parse_layers(a.layers, args.n_layers)
-        else:
-            layers = list(range(args.n_layers))
-        new_args, new_sd = convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
-                                      a.rho_norm_init)
+        layers, new_args, new_sd = convert_from_arguments(args, sd, a, progress)
         diff = max_logit_diff(args, sd, new_args, new_sd)
         if not diff <= a.tol:
             raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g} > {a.tol:g}; "

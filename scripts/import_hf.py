@@ -13,7 +13,7 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
   mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
   from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
 
-With ``--parallax`` the layers become Parallax with W_R = 0 through scripts/convert_to_parallax.py's code
+With ``--parallax`` the layers become Parallax with W_R = 0 through the conversion code of scripts.convert_to_parallax (models/convert.py)
 (same function; checked on a fixed batch, ``--tol``). Before anything is written the config is parsed back and
 must rebuild exactly the imported architecture. Any failure writes nothing.
 """
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     except ImportError:  # Python 3.10
         import tomli as tomllib
 
-    from models.convert import convert_state, max_logit_diff, parse_layers
+    from models.convert import add_conversion_arguments, convert_from_arguments, max_logit_diff
     from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
         save_dcp_state
     from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, new_folder, save_tokenizer
@@ -88,18 +88,13 @@ def main(argv=None) -> int:
                     help="training TOML whose data/optimizer/schedule/parallelism sections the run uses")
     ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
     ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--layers", help="with --parallax: layers to convert, e.g. '14-27' (default: all)")
-    which.add_argument("--top-half", action="store_true", help="with --parallax: layers n_layers//2 .. n_layers-1")
-    ap.add_argument("--rho-gate", action="store_true", help="with --parallax: per-head sigmoid gate on ρ (weights 0)")
-    ap.add_argument("--gate-bias", type=float, default=0.0, help="with --rho-gate: initial gate bias")
-    ap.add_argument("--no-rope-on-rho", action="store_true", help="with --parallax: do not apply RoPE to ρ")
+    add_conversion_arguments(ap, "with --parallax")
     ap.add_argument("--tol", type=float, default=1e-5, help="with --parallax: max |Δlogits| (float32) allowed")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     try:
-        if (a.layers or a.top_half or a.rho_gate or a.no_rope_on_rho) and not a.parallax:
-            raise CheckpointError("--layers/--top-half/--rho-gate/--no-rope-on-rho need --parallax")
+        if (a.layers or a.top_half or a.rho_gate or a.no_rope_on_rho or a.rho_norm_init != 1.0) and not a.parallax:
+            raise CheckpointError("--layers/--top-half/--rho-gate/--no-rope-on-rho/--rho-norm-init need --parallax")
         if out.exists():
             raise CheckpointError(f"{out} already exists; choose a new destination")
         if not out.parent.is_dir():
@@ -111,9 +106,7 @@ def main(argv=None) -> int:
         _, args, sd = load_checkpoint(a.src, progress=True)
         sd = {k: v.float() for k, v in sd.items()}
         if a.parallax:
-            layers = (list(range(args.n_layers // 2, args.n_layers)) if a.top_half
-                      else parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers)))
-            new_args, new_sd = convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias)
+            _, new_args, new_sd = convert_from_arguments(args, sd, a)
             diff = max_logit_diff(args, sd, new_args, new_sd)
             if not diff <= a.tol:
                 raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g}")

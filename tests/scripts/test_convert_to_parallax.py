@@ -148,12 +148,14 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000])
     _fails(capsys, d, match="corrupt or unreadable safetensors", dst=tmp_path / "o5")
     # the logit check: a conversion that changes the function is refused
-    real = conv.convert_state
+    import models.convert
+
+    real = models.convert.convert_state
 
     def broken(*a, **k):
         args, sd = real(*a, **k)
         sd["layers.1.attention.wr.weight"] = torch.full_like(sd["layers.1.attention.wr.weight"], 0.1)
         return args, sd
 
-    monkeypatch.setattr(conv, "convert_state", broken)
+    monkeypatch.setattr(models.convert, "convert_state", broken)
     _fails(capsys, src, match="disagrees with the source", dst=tmp_path / "o6")
