@@ -13,8 +13,8 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
   mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
   from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
 
-With ``--parallax`` the layers become Parallax with W_R = 0 through the conversion code of scripts.convert_to_parallax (models/convert.py)
-(same function; checked on a fixed batch, ``--tol``). Before anything is written the config is parsed back and
+With ``--parallax`` the layers become Parallax with W_R = 0 through ``models/convert.py`` (as in
+``scripts.convert_to_parallax``; same function, checked on a fixed batch, ``--tol``). Before anything is written the config is parsed back and
 must rebuild exactly the imported architecture. Any failure writes nothing.
 """
 
