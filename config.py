@@ -94,6 +94,14 @@ class Checkpoint:
     an error naming the keys."""
 
 
+@dataclass
+class Metrics:
+    wandb_project: str = "attnlab"
+    """wandb project of the run (with ``metrics.enable_wandb``); its files go to ``<job.dump_folder>/wandb/``."""
+    wandb_run_name: str = ""
+    """wandb run name; empty = the name of ``job.dump_folder``."""
+
+
 JobConfig = dataclasses.make_dataclass(
     "JobConfig",
     [("model", Model, field(default_factory=Model)),
@@ -101,6 +109,7 @@ JobConfig = dataclasses.make_dataclass(
      ("data", Data, field(default_factory=Data)),
      ("training", Training, field(default_factory=Training)),
      ("checkpoint", Checkpoint, field(default_factory=Checkpoint)),
+     ("metrics", Metrics, field(default_factory=Metrics)),
      ("optimizer", optim_config.Optimizer, field(default_factory=optim_config.Optimizer)),
      ("lr_scheduler", optim_config.LRScheduler, field(default_factory=optim_config.LRScheduler))],
 )
@@ -129,8 +138,23 @@ def parse_config(argv: list[str]):
     from torchtitan.config import ConfigManager
     from torchtitan.config import JobConfig as TitanJobConfig
 
+    from data.loader import EMBEDDED
+
+    class Manager(ConfigManager):
+        def _validate_config(self) -> None:
+            m = self.config.model
+            if m.hf_assets_path != EMBEDDED or m.tokenizer_path:
+                return super()._validate_config()
+            # "embedded" names the built-in corpus's tokenizer (data.loader), not a folder: torchtitan's
+            # "HF assets path does not exist" warning does not apply
+            m.hf_assets_path = os.curdir
+            try:
+                super()._validate_config()
+            finally:
+                m.hf_assets_path = EMBEDDED
+
     merged = ConfigManager._merge_configs(TitanJobConfig, JobConfig)
-    manager = ConfigManager(config_cls=merged)
+    manager = Manager(config_cls=merged)
     toml_values = manager._maybe_load_toml(argv)
     if toml_values:
         _check_keys(merged, toml_values)

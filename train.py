@@ -36,6 +36,7 @@ import config as project_config
 from config import DEFAULT_CONFIG, parse_config
 from models import register_train_spec
 from models.cpu import install_cpu_shim
+from models.metrics import group_hparams
 
 NO_BAD_STEP = 2**62
 """Sentinel of the non-finite guard's device-side "first bad step" (no non-finite value seen)."""
@@ -219,6 +220,8 @@ class AttnTrainer(Trainer):
         step_fn = self.optimizers.step
 
         def guarded_step(*args, **kwargs):
+            # the lr/wd this step uses, for the log line (the scheduler moves on before torchtitan logs)
+            self.metrics_processor.hparams = group_hparams(self.optimizers)
             bad, self._step_bad = self._step_bad, torch.zeros((), dtype=torch.bool, device=self.device)
             if self.job_config.training.nonfinite_skips == 0:
                 # python scalars enter kernels as arguments: no host-to-device copy, no sync
@@ -323,6 +326,9 @@ class AttnTrainer(Trainer):
                                          "earlier one, or pick one with checkpoint.load_step.")
                 if path is not None and not model_only:
                     self._check_schedule(path)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                self._write_run_files()
+            self.metrics_processor.start(self.step)
             return loaded
 
         def partial_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
@@ -354,6 +360,22 @@ class AttnTrainer(Trainer):
                 self._write_sidecars(path)
 
         cp.load, cp.save, cp.dcp_load = checked_load, checked_save, partial_dcp_load
+
+    def _write_run_files(self) -> None:
+        """``<dump_folder>/config.toml`` and ``tokenizer/`` (``models.run_folder.write_run_files``), so tools
+        rebuild this run without its flags. Written after the checkpoint load passed the architecture checks: a
+        resume with a different architecture fails before the file is touched, so config.toml always describes
+        the model the run folder's newest checkpoints hold (with ``checkpoint.partial_load`` on purpose: the new
+        model)."""
+        from data.embedded import build_embedded
+        from data.loader import EMBEDDED
+        from models.run_folder import write_run_files
+
+        cfg = self.job_config
+        tok = cfg.model.hf_assets_path
+        if tok == EMBEDDED:
+            tok = build_embedded(cfg.data.cache_dir, cfg.data.embedded_vocab_size)
+        write_run_files(cfg.job.dump_folder, cfg, tok)
 
     def _save_error(self, e: BaseException, path: str) -> Exception:
         """A save failure; a full disk (or quota / file-size limit) is named as such."""
@@ -443,11 +465,13 @@ class AttnTrainer(Trainer):
         ckpt = {k for k in keys if not k.startswith(others)}
         model = set(self.checkpointer.states["model"].state_dict())
         missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
-        if not (missing or unexpected):
+        changed = self._changed_architecture(path)
+        if not (missing or unexpected or changed):
             return
         what = (f"checkpoint {path!r} does not match the model built from this config: missing from the checkpoint "
                 f"{missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), not in the model "
-                f"{unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})")
+                f"{unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
+                + (f", architecture fields changed {changed}" if changed else ""))
         if not self.job_config.checkpoint.partial_load:
             raise ValueError(f"{what}. It was written by a different architecture (model.attention, layer_pattern, "
                              "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
@@ -455,6 +479,23 @@ class AttnTrainer(Trainer):
         logger.warning(f"{what}; checkpoint.partial_load = true: loading the common keys, missing ones keep their "
                        "initialisation")
         self._partial_load = True
+
+    _RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
+    """ModelArgs fields a resume may change: they choose kernels and table sizes, not the weights' meaning."""
+
+    def _changed_architecture(self, path: str) -> dict[str, tuple]:
+        """{field: (checkpoint's, this run's)} of the architecture record ``attnlab.json`` next to the
+        checkpoint that differ from the model built; same keys with other values (``attn_mask_type``, mechanism
+        options such as ``rho_norm_init``) would otherwise load silently into a different model."""
+        from models.hf import SIDECAR, args_to_dict
+
+        rec = os.path.join(path, SIDECAR)
+        if not os.path.isfile(rec):
+            return {}
+        with open(rec) as f:
+            old = json.load(f)
+        new = json.loads(json.dumps(args_to_dict(self.model_args)))  # tuples as JSON lists, like the record
+        return {k: (old.get(k), v) for k, v in new.items() if k not in self._RUNTIME_FIELDS and old.get(k) != v}
 
     def _prepare_dataloader_reshard(self, path: str) -> None:
         """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from

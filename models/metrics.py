@@ -1,4 +1,5 @@
-"""Metrics: torchtitan's processor plus perplexity, per-group lr/wd and ``<dump_folder>/metrics.jsonl``."""
+"""Metrics: torchtitan's processor plus perplexity, per-group lr/wd, progress (step/total, elapsed, ETA),
+``<dump_folder>/metrics.jsonl`` and a wandb run named from ``[metrics] wandb_project``/``wandb_run_name``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.components.metrics import LoggerContainer, MetricsProcessor
+from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, WandBLogger, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
 
@@ -42,29 +43,92 @@ def group_hparams(optimizers) -> dict[str, float]:
     return out
 
 
+class ProjectWandBLogger(WandBLogger):
+    """torchtitan's wandb logger with the project, run name and folder from the config: ``metrics.wandb_project``,
+    ``metrics.wandb_run_name`` (empty = the dump folder's name) and ``<dump_folder>/wandb/``. The other
+    ``WANDB_*`` environment variables torchtitan reads (team, id, tags, group, ...) still apply."""
+
+    def __init__(self, job_config, tag: str | None = None):
+        import wandb
+
+        m, dump = job_config.metrics, job_config.job.dump_folder
+        self.wandb, self.tag = wandb, tag
+        os.makedirs(dump, exist_ok=True)
+        env = {k: os.getenv(f"WANDB_{k.upper()}") for k in ("id", "notes", "tags", "group", "job_type")}
+        wandb.init(entity=os.getenv("WANDB_TEAM"), project=m.wandb_project,
+                   name=m.wandb_run_name or os.path.basename(os.path.abspath(dump)), dir=dump,
+                   config=job_config.to_dict(), **env)
+        logger.info(f"wandb: project {m.wandb_project!r}, files under {dump}/wandb")
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class PerplexityMetrics(MetricsProcessor):
-    """torchtitan's metrics plus perplexity, per-group lr/wd, and a JSONL file; one line per log step."""
+    """torchtitan's metrics (the same timing and memory keys) plus perplexity, per-group lr/wd, progress and a
+    JSONL file; one line per log step.
+
+    ``hparams``: the trainer sets it to :func:`group_hparams` just before each optimizer step, so the lr/wd
+    logged are the ones that step used (torchtitan steps the scheduler before logging). ``start(step)``: the
+    step training (re)starts from, for elapsed time and ETA."""
 
     def __init__(self, job_config, parallel_dims, tag=None):
-        super().__init__(job_config, parallel_dims, tag)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        wandb = job_config.metrics.enable_wandb
+        job_config.metrics.enable_wandb = False  # torchtitan's logger would pick "torchtitan" and tb/<ts>/wandb
+        try:
+            super().__init__(job_config, parallel_dims, tag)
+        finally:
+            job_config.metrics.enable_wandb = wandb
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0 or wandb:
             if not isinstance(self.logger, LoggerContainer):
                 self.logger = LoggerContainer()
+        if wandb and (job_config.metrics.save_for_all_ranks or rank == _get_metrics_rank(parallel_dims, job_config)):
+            self.logger.add_logger(ProjectWandBLogger(job_config, tag))
+        if rank == 0:
             self.logger.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
+        self.hparams: dict[str, float] | None = None
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        self._t0, self._step0 = time.perf_counter(), step
+
+    def _progress(self, step: int) -> tuple[int, float, float]:
+        """(the step this process stops at, seconds since ``start``, estimated seconds left)."""
+        t = self.job_config.training
+        end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
+        elapsed = time.perf_counter() - self._t0
+        done = step - self._step0
+        return end, elapsed, elapsed / done * max(end - step, 0) if done > 0 else float("nan")
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         dt = time.perf_counter() - self.time_last_log
         tps = self.ntokens_since_last_log / (dt * self.parallel_dims.non_data_parallel_size)
         mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
         mem = self.device_memory_monitor.get_peak_stats()
+        loading = self.data_loading_times
         ppl = math.exp(min(global_avg_loss, 50.0))
+        end, elapsed, eta = self._progress(step)
+        hparams = self.hparams or group_hparams(self.optimizers)
         metrics = {"loss": global_avg_loss, "ppl": ppl, "max_loss": global_max_loss, "grad_norm": grad_norm,
                    "tps": tps, "tflops": self.num_flops_per_token * tps / 1e12, "mfu": mfu,
-                   "memory_gib": mem.max_reserved_gib, **(extra_metrics or {}), **group_hparams(self.optimizers)}
+                   "memory_gib": mem.max_reserved_gib, "elapsed_s": elapsed, "eta_s": eta,
+                   # torchtitan's own keys (MetricsProcessor.log), so its dashboards read these files too
+                   "time_metrics/end_to_end(s)": dt / self.job_config.metrics.log_freq,
+                   "time_metrics/data_loading(s)": sum(loading) / len(loading) if loading else 0.0,
+                   "time_metrics/data_loading(%)": 100 * sum(loading) / dt,
+                   "memory/max_active(GiB)": mem.max_active_gib, "memory/max_active(%)": mem.max_active_pct,
+                   "memory/max_reserved(GiB)": mem.max_reserved_gib, "memory/max_reserved(%)": mem.max_reserved_pct,
+                   "memory/num_alloc_retries": mem.num_alloc_retries, "memory/num_ooms": mem.num_ooms,
+                   **(extra_metrics or {}), **hparams}
         self.logger.log(metrics, step)
-        lr = next((v for k, v in metrics.items() if k.startswith("lr/")), extra_metrics.get("lr", 0.0))
-        logger.info(f"step {step:5d}  loss {global_avg_loss:7.4f}  ppl {ppl:9.2f}  lr {lr:.2e}  "
-                    f"gnorm {grad_norm:6.3f}  tps {tps:8,.0f}  mfu {mfu:5.2f}%  mem {mem.max_reserved_gib:5.2f}GiB")
+        lr = next((v for k, v in hparams.items() if k.startswith("lr/")), (extra_metrics or {}).get("lr", 0.0))
+        eta_txt = _clock(eta) if math.isfinite(eta) else "?"
+        logger.info(f"step {step:5d}/{end}  loss {global_avg_loss:7.4f}  ppl {ppl:9.2f}  lr {lr:.2e}  "
+                    f"gnorm {grad_norm:6.3f}  tps {tps:8,.0f}  mfu {mfu:5.2f}%  mem {mem.max_reserved_gib:5.2f}GiB  "
+                    f"elapsed {_clock(elapsed)}  eta {eta_txt}")
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()

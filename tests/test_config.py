@@ -66,3 +66,12 @@ def test_library_code_does_not_import_the_entry_point():
     code = ("import sys; import models.checkpoint_io as c, models.hf as h; "
             f"h.args_from_job_config({DEFAULT_CONFIG!r}); assert 'train' not in sys.modules, 'train imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), capture_output=True)
+
+
+def test_no_false_warning_for_the_embedded_tokenizer(caplog):
+    """``model.hf_assets_path = "embedded"`` names the built-in tokenizer, not a missing folder."""
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG])
+    assert cfg.model.hf_assets_path == "embedded"
+    assert "does not exist" not in caplog.text
+    parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.hf_assets_path", "/no/such/folder"])
+    assert "HF assets path /no/such/folder does not exist" in caplog.text  # torchtitan's warning otherwise kept

@@ -17,7 +17,8 @@ def corpus(tmp_path_factory):
 def straight(corpus, tmp_path_factory):
     """6 steps with a checkpoint at step 3."""
     dump = tmp_path_factory.mktemp("straight")
-    run_train(tiny_args(corpus, dump, 6, 16, 2, "--checkpoint.interval", "3"))
+    out = run_train(tiny_args(corpus, dump, 6, 16, 2, "--checkpoint.interval", "3"))
+    (dump / "train.log").write_text(out.stdout + out.stderr)
     return dump
 
 
@@ -25,9 +26,21 @@ def test_loss_falls_and_metrics_logged(straight):
     recs = read_metrics(straight)
     train = [r for r in recs if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
-    for key in ("ppl", "grad_norm", "tps", "mfu", "memory_gib"):
-        assert key in train[0]
-    assert any(k.startswith("lr/") for k in train[0]) and any(k.startswith("wd/") for k in train[0])
+    for key in ("ppl", "grad_norm", "tps", "mfu", "memory_gib", "elapsed_s", "eta_s",
+                # torchtitan's own timing and memory keys
+                "time_metrics/end_to_end(s)", "time_metrics/data_loading(s)", "time_metrics/data_loading(%)",
+                "memory/max_active(GiB)", "memory/max_reserved(GiB)", "memory/num_alloc_retries", "memory/num_ooms"):
+        assert key in train[0], key
+    assert any(k.startswith("wd/") for k in train[0])
+    # the lr logged is the one the step used (torchtitan's "lr" is read before the step; the scheduler moves on
+    # before logging): the last step's is not the next step's 0
+    for r in train:
+        group_lr = [v for k, v in r.items() if k.startswith("lr/")]
+        assert group_lr and group_lr[0] == r["lr"], r
+    assert train[-1]["lr"] > 0
+    log = (straight / "train.log").read_text()
+    assert "step     6/6" in log and "elapsed 0:00:" in log and "eta 0:00:00" in log
+    assert "does not exist" not in log
     val = [r for r in recs if "val_ppl" in r]
     assert val and val[-1]["step"] == 6  # validation at the last step
 
@@ -135,6 +148,7 @@ def _copy_run(straight, dump):
     import shutil
 
     shutil.copytree(straight / "checkpoint", dump / "checkpoint")
+    shutil.copy(straight / "config.toml", dump / "config.toml")
     return dump
 
 
@@ -203,12 +217,17 @@ def test_corrupt_shard_with_nan_bytes_fails_on_resume_naming_the_step(corpus, st
 @pytest.mark.parametrize("extra,message", [
     (["--model.attention", "parallax"], r"missing from the checkpoint \['layers.0.attention.r_norm.weight'"),
     (["--attention.softmax.no-qk-norm"], r"not in the model \['layers.0.attention.k_norm.weight'"),
+    (["--model.attn_mask_type", "causal"], r"architecture fields changed \{'attn_mask_type': \('block_causal', 'causal'\)"),
 ])
 def test_resume_into_a_different_architecture_is_an_error(corpus, straight, tmp_path, extra, message):
+    """Same keys with another meaning (the mask type) are refused too; the run's config.toml keeps describing
+    the checkpoints."""
     dump = _copy_run(straight, tmp_path / "run")
+    before = (dump / "config.toml").read_text()
     with pytest.raises(AssertionError, match=message + r".*checkpoint.partial_load"):
         run_train(tiny_args(corpus, dump, 8, 16, 2, *extra))
     assert _steps(dump) == [3, 6]
+    assert (dump / "config.toml").read_text() == before
 
 
 def test_partial_load_on_purpose_and_lr_jump_warning(corpus, straight, tmp_path):

@@ -197,26 +197,16 @@ def test_softmax_learns_in_context_recall():
     assert r["acc"] > 0.5, r
 
 
-def _with_config_toml(run, corpus, tmp_path):
-    """A copy of ``run`` holding the config.toml and tokenizer/ a run leaves (``write_run_files``), written
-    from the run's own flags."""
+def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, corpus, tmp_path):
+    """Without any training flag a Parallax run is evaluated as Parallax (it was silently built as softmax): the
+    training run itself leaves config.toml and its tokenizer; a copy without them needs the flags."""
     import shutil
 
-    from models.hf import job_config
-    from models.run_folder import write_run_files
-    from tests.utils import tiny_args
-
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    argv = tiny_args(corpus, copy, 3, 16, 2, "--model.attention", "parallax", "--checkpoint.interval", "3")
-    write_run_files(copy, job_config(argv[1], argv[2:]), corpus["tokenizer"])
-    return copy
-
-
-def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, corpus, tmp_path):
-    """Without any training flag a Parallax run is evaluated as Parallax (it was silently built as softmax)."""
-    run = _with_config_toml(parallax_run, corpus, tmp_path)
-    explicit = eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4",
+    run = parallax_run
+    assert (run / "config.toml").is_file() and (run / "tokenizer" / "tokenizer.json").is_file()
+    bare = tmp_path / "bare"
+    shutil.copytree(run / "checkpoint", bare / "checkpoint")
+    explicit = eval_ppl.main([str(bare), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4",
                               "--no-progress", "--", *_flags(corpus, "parallax")])
     res = eval_ppl.main([str(run), "--data", corpus["val"], "--batch-size", "2", "--max-rows", "4", "--no-progress"])
     assert res["attention"] == "parallax" and res["loss"] == explicit["loss"]
