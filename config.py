@@ -48,7 +48,14 @@ def _attention_section() -> type:
     fields = [("impl", str, field(default="auto"))]
     fields += [(name, mech.options, field(default_factory=mech.options)) for name, mech in sorted(REGISTRY.items())]
     cls = dataclasses.make_dataclass("Attention", fields)
-    cls.__doc__ = 'Attention options: ``impl`` ("auto" picks per device) and ``[attention.<mechanism>]`` tables.'
+    # a class made at run time has no source for tyro to read field docstrings from: Google-style attributes
+    cls.__doc__ = """Attention options: ``impl`` and one ``[attention.<mechanism>]`` table per mechanism.
+
+    Attributes:
+        impl: Kernel choice of every mechanism: "auto" picks per device (Triton/fla on GPU, the chunked PyTorch
+            form on CPU); "reference" forces the readable PyTorch oracle; some mechanisms take more (their
+            ``--list-attention`` entry and docs/mechanisms.md name them).
+    """
     return cls
 
 
@@ -133,6 +140,76 @@ def _check_keys(cls, data: dict, prefix: str = "") -> None:
         _check_keys(fields[key].type, value, name)
 
 
+def merge_config_classes(base: type, custom: type) -> type:
+    """torchtitan's ``ConfigManager._merge_configs`` (fields of both; same-named sections merged recursively,
+    ``custom`` wins otherwise) with ``custom`` among the merged class's bases: tyro reads field docstrings from
+    the classes of the MRO, and torchtitan's merged class inherits from ``base`` only, so ``--help`` showed no
+    description for this project's keys."""
+    b_map = {f.name: f for f in dataclasses.fields(base)}
+    c_map = {f.name: f for f in dataclasses.fields(custom)}
+    result = []
+    for name, f in b_map.items():
+        c = c_map.get(name)
+        if c is not None and dataclasses.is_dataclass(f.type) and dataclasses.is_dataclass(c.type):
+            m_type = merge_config_classes(f.type, c.type)
+            result.append((name, m_type, field(default_factory=m_type)))
+        else:
+            result.append((name, (c or f).type, c or f))
+    result += [(name, f.type, f) for name, f in c_map.items() if name not in b_map]
+    bases = (custom,) if issubclass(custom, base) else (custom, base)
+    return dataclasses.make_dataclass(f"Merged{base.__name__}", result, bases=bases)
+
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _bool_field(cls, dotted: str):
+    """The annotation of the (nested) field ``dotted`` ("validation.enable", "attention.parallax.rope_on_rho")
+    of dataclass ``cls`` when it is ``bool`` or ``bool | None``; None otherwise."""
+    tp = cls
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        hints = typing.get_type_hints(tp)
+        names = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(tp)}
+        name = names.get(part.replace("_", "-"))
+        if name is None:
+            return None
+        tp = hints[name]
+    return tp if tp is bool or (set(typing.get_args(tp)) == {bool, type(None)}) else None
+
+
+def bool_values_as_flags(argv: list[str], cls) -> list[str]:
+    """``--section.key true|false|1|0`` (any case; also ``=value``) for a boolean key of ``cls`` becomes tyro's
+    ``--section.key`` / ``--section.no-key`` (``True``/``False`` for ``bool | None`` keys), so every key takes
+    ``--section.key value`` as the README says. Another word after a boolean key is an error naming the key;
+    the bare flag forms pass unchanged."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        flag, eq, value = arg.partition("=")
+        tp = _bool_field(cls, flag[2:]) if flag.startswith("--") and not flag.startswith("---") else None
+        if tp is None:
+            out.append(arg)
+            continue
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("--"):
+                out.append(arg)
+                continue
+            value, i = argv[i], i + 1
+        word = value.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"{flag[2:]}={value!r}: expected a boolean (true/false/1/0, or the bare flag {flag} / "
+                             f"{flag.rsplit('.', 1)[0]}.no-{flag.rsplit('.', 1)[1]})")
+        if tp is bool:
+            section, key = flag.rsplit(".", 1)
+            out.append(flag if word in _TRUE else f"{section}.no-{key}")
+        else:
+            out += [flag, "True" if word in _TRUE else "False"]
+    return out
+
+
 def parse_config(argv: list[str]):
     """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it."""
     from torchtitan.config import ConfigManager
@@ -153,7 +230,8 @@ def parse_config(argv: list[str]):
             finally:
                 m.hf_assets_path = EMBEDDED
 
-    merged = ConfigManager._merge_configs(TitanJobConfig, JobConfig)
+    merged = merge_config_classes(TitanJobConfig, JobConfig)
+    argv = bool_values_as_flags(list(argv), merged)
     manager = Manager(config_cls=merged)
     toml_values = manager._maybe_load_toml(argv)
     if toml_values:

@@ -75,3 +75,38 @@ def test_no_false_warning_for_the_embedded_tokenizer(caplog):
     assert "does not exist" not in caplog.text
     parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.hf_assets_path", "/no/such/folder"])
     assert "HF assets path /no/such/folder does not exist" in caplog.text  # torchtitan's warning otherwise kept
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--validation.enable", "false"], {"validation.enable": False}),
+    (["--validation.enable", "TRUE", "--checkpoint.partial_load=1"], {"validation.enable": True,
+                                                                       "checkpoint.partial_load": True}),
+    (["--attention.parallax.rope_on_rho", "0", "--metrics.enable-tensorboard", "false"],
+     {"attention.parallax.rope_on_rho": False, "metrics.enable_tensorboard": False}),
+    (["--model.tie_embeddings", "false"], {"model.tie_embeddings": False}),  # bool | None
+    (["--validation.no-enable", "--debug.deterministic"], {"validation.enable": False, "debug.deterministic": True}),
+])
+def test_every_bool_key_takes_a_value(args, expect):
+    """The README's "any key as --section.key value" holds for booleans (tyro only knows --key/--no-key)."""
+    import functools
+
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, *args])
+    for key, value in expect.items():
+        assert functools.reduce(getattr, key.split("."), cfg) is value, key
+
+
+def test_bool_key_with_another_word_is_named():
+    with pytest.raises(ValueError, match=r"validation.enable='yes': expected a boolean"):
+        parse_config(["--job.config_file", DEFAULT_CONFIG, "--validation.enable", "yes"])
+
+
+def test_help_documents_the_project_keys():
+    """tyro reads field docstrings from the classes of the merged config's MRO: the project's must be there."""
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=str(REPO), timeout=120).stdout
+    for flag, words in [("--model.attention STR", "Token mixer"), ("--optimizer.muon-momentum", "Muon momentum"),
+                        ("--lr-scheduler.warmup-fraction", "fraction of total steps"),
+                        ("--attention.impl STR", "picks per device"), ("--data.hub-split", "Split to read"),
+                        ("--metrics.wandb-project", "wandb project")]:
+        after = out.split(flag, 1)[1][:400]
+        assert words in " ".join(after.replace("│", " ").split()), flag
