@@ -28,7 +28,21 @@ class Model:
     name: str = "qwen3_attn"
     """Train spec name; this project registers "qwen3_attn"."""
     flavor: str = "debug"
-    """Size: debug | 0.6B | 0.6B-T24 (Transformer†) | 0.6B-P64 (Parallax†) | 0.6B-ffn3712 | 1.7B | 1.7B-T24 | 1.7B-P64 | 1.7B-ffn7424."""
+    """Size (models/args.py, docs/configuration.md): debug (1.6M, CPU) | repl-45M | repl-68M (small-scale
+    replication, 8k vocabulary) | 0.6B | 0.6B-T24 (Transformer†) | 0.6B-P64 (Parallax†) | 0.6B-ffn3712 | 1.7B |
+    1.7B-T24 | 1.7B-P64 | 1.7B-ffn7424 (the paper's Qwen3 sizes); the keys below override its dimensions."""
+    dim: int = 0
+    """Model width (0 = flavor's)."""
+    n_layers: int = 0
+    """Number of layers (0 = flavor's)."""
+    n_heads: int = 0
+    """Query heads (0 = flavor's); a multiple of n_kv_heads."""
+    n_kv_heads: int = 0
+    """Key/value heads (0 = flavor's); divides n_heads."""
+    head_dim: int = 0
+    """Per-head width (0 = flavor's); independent of dim (q: dim → n_heads·head_dim, as Qwen3)."""
+    hidden_dim: int = 0
+    """Feed-forward (SwiGLU) inner width (0 = flavor's)."""
     attention: str = "softmax"
     """Token mixer of every layer (``python train.py --list-attention`` lists them)."""
     layer_pattern: list[str] = field(default_factory=list)
@@ -68,6 +82,9 @@ class Data:
     """Column holding the text in JSONL/parquet/hub datasets."""
     hub_split: str = "train"
     """Split to read from a hub dataset."""
+    hub_subset: str = ""
+    """Subset (config name) of a hub dataset, e.g. "en" for allenai/c4 or "sample-10BT" for
+    HuggingFaceFW/fineweb-edu; empty = the dataset's default."""
     streaming: bool | None = None
     """Stream the dataset (None = stream hub datasets, load local files as Arrow map-style datasets)."""
     val_every: int = 100
@@ -334,7 +351,8 @@ RANGES: dict[str, str] = {
     "checkpoint.interval": _POS, "checkpoint.keep_latest_k": "0 or >= 2", "checkpoint.load_step": ">= -1",
     "metrics.log_freq": _POS, "validation.freq": _POS, "validation.steps": "-1 or > 0",
     "validation.seq_len": _POS, "validation.local_batch_size": _POS,
-    "model.vocab_size": _NONNEG, "model.rope_theta": _NONNEG,
+    "model.vocab_size": _NONNEG, "model.rope_theta": _NONNEG, "model.dim": _NONNEG, "model.n_layers": _NONNEG,
+    "model.n_heads": _NONNEG, "model.n_kv_heads": _NONNEG, "model.head_dim": _NONNEG, "model.hidden_dim": _NONNEG,
 }
 """Range of numeric keys (None = unset passes); anything outside is an error naming the key."""
 
@@ -357,12 +375,12 @@ def check_ranges(job_config) -> None:
 
 def validate_config(job_config) -> None:
     """Fail before training starts, naming the key, the value and what is valid."""
-    from models.args import get_flavor
+    from models.args import get_flavor, override_dims
 
     check_types(job_config)
     check_ranges(job_config)
     m = job_config.model
-    args = get_flavor(m.flavor)
+    args = override_dims(get_flavor(m.flavor), m)
     for key, name in [("model.attention", m.attention)] + [
         (f"model.layer_pattern[{i}]", n) for i, n in enumerate(m.layer_pattern)
     ]:
@@ -370,7 +388,8 @@ def validate_config(job_config) -> None:
     if m.attn_mask_type not in ("causal", "block_causal"):
         raise ValueError(f"model.attn_mask_type={m.attn_mask_type!r}; choose from ['causal', 'block_causal']")
     if args.n_heads % args.n_kv_heads:
-        raise ValueError(f"model.flavor={m.flavor!r}: n_heads={args.n_heads} is not a multiple of n_kv_heads={args.n_kv_heads}")
+        raise ValueError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={args.n_kv_heads} "
+                         f"(flavor {m.flavor!r} with the [model] overrides)")
     f8 = job_config.quantize.linear.float8
     if "quantize.linear.float8" in job_config.model.converters and f8.recipe_name and f8.enable_fsdp_float8_all_gather:
         raise ValueError(f"quantize.linear.float8.recipe_name={f8.recipe_name!r} cannot be combined with "

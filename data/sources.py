@@ -142,9 +142,10 @@ def _good_records(files: list[str], builder: str, text_field: str):
 
 
 def open_text_dataset(spec: str, key: str, *, local: bool, text_field: str, split: str = "train",
-                      streaming: bool | None = None, max_bad: int = 0):
+                      streaming: bool | None = None, max_bad: int = 0, subset: str = ""):
     """A ``datasets`` dataset with a ``text_field`` column. ``local`` selects files (``spec`` a path/glob)
-    versus a hub dataset name (streamed by default). Local text files are scanned first (:func:`scan_files`);
+    versus a hub dataset name (streamed by default; ``subset`` is its config name, e.g. c4's "en", "" = the
+    dataset's default). Local text files are scanned first (:func:`scan_files`);
     when ``max_bad`` malformed records are allowed and some are found, the dataset is built from the good
     records only."""
     if local:
@@ -163,9 +164,10 @@ def open_text_dataset(spec: str, key: str, *, local: bool, text_field: str, spli
             ds = load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kw)
     else:
         try:
-            ds = load_dataset(spec, split=split, streaming=True if streaming is None else streaming)
-        except Exception as e:  # offline, unknown name, gated dataset …
-            raise ValueError(f"{key}={spec!r}: could not open hub dataset ({type(e).__name__}: {e})") from e
+            ds = load_dataset(spec, subset or None, split=split, streaming=True if streaming is None else streaming)
+        except Exception as e:  # offline, unknown name or subset, gated dataset …
+            what = f"{key}={spec!r}" + (f" (data.hub_subset={subset!r})" if subset else "")
+            raise ValueError(f"{what}: could not open hub dataset ({type(e).__name__}: {e})") from e
     columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
     if text_field not in columns:
         raise ValueError(f"{key}={spec!r}: no column {text_field!r} (data.text_field); columns are {columns}")

@@ -38,6 +38,7 @@ class ModelArgs(BaseModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         m, a = job_config.model, job_config.attention
+        override_dims(self, m)
         self.max_seq_len = job_config.training.seq_len
         self.attention = m.attention
         self.layer_pattern = list(m.layer_pattern)
@@ -91,6 +92,19 @@ FLAVORS: dict[str, ModelArgs] = {
     "1.7B-P64": _flavor(**{**_17, "head_dim": 64, "hidden_dim": 8960}),
     "1.7B-ffn7424": _flavor(**{**_17, "hidden_dim": 7424}),
 }
+
+
+DIMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")
+"""Size fields ``[model]`` may override on top of the flavor (0 = the flavor's)."""
+
+
+def override_dims(args: ModelArgs, model_config) -> ModelArgs:
+    """Set every :data:`DIMS` field that ``model_config`` (the ``[model]`` section) gives as non-zero."""
+    for name in DIMS:
+        value = getattr(model_config, name, 0)
+        if value:
+            setattr(args, name, value)
+    return args
 
 
 def get_flavor(name: str) -> ModelArgs:

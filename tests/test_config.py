@@ -110,3 +110,24 @@ def test_help_documents_the_project_keys():
                         ("--metrics.wandb-project", "wandb project")]:
         after = out.split(flag, 1)[1][:400]
         assert words in " ".join(after.replace("│", " ").split()), flag
+
+
+def test_model_dimensions_override_the_flavor():
+    """``[model] dim/n_layers/n_heads/n_kv_heads/head_dim/hidden_dim`` on top of a flavor (0 = the flavor's),
+    reaching the model arguments torchtitan builds from."""
+    from models.args import get_flavor
+
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.dim", "96", "--model.n_layers", "3",
+                        "--model.n_heads", "6", "--model.n_kv_heads", "3", "--model.head_dim", "16",
+                        "--model.hidden_dim", "200"])
+    args = get_flavor(cfg.model.flavor)
+    args.update_from_config(cfg)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim, args.hidden_dim) == (
+        96, 3, 6, 3, 16, 200)
+    args = get_flavor("debug")
+    args.update_from_config(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_layers", "2"]))
+    assert (args.dim, args.n_layers, args.n_heads) == (128, 2, 4)  # the rest stays the flavor's
+    with pytest.raises(ValueError, match=r"model.n_heads=6 is not a multiple of model.n_kv_heads=4"):
+        parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_heads", "6", "--model.n_kv_heads", "4"])
+    with pytest.raises(ValueError, match=r"model.dim=-8: must be >= 0"):
+        parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.dim", "-8"])

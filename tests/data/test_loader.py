@@ -130,3 +130,28 @@ def test_records_without_text_from_unscanned_sources_are_named_or_skipped(corpus
         list(stream)
     ds = PackedTextDataset(Dataset.from_list(ROWS), "text", "hub/x", tok, 4, 0, 1, infinite=False, max_bad=1)
     assert len(list(ds)) == 2 and ds.bad_records == 1 and ds._sample_idx == 3
+
+
+def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
+    """``[data] hub_subset`` names the config of a hub dataset (c4 "en", fineweb-edu "sample-10BT")."""
+    from datasets import Dataset
+
+    import data.sources
+    from config import DEFAULT_CONFIG, parse_config
+    from data.loader import _source
+
+    calls = []
+
+    def fake_load_dataset(*args, **kw):
+        calls.append((args, kw))
+        return Dataset.from_list([{"text": f"doc {i}"} for i in range(4)])
+
+    monkeypatch.setattr(data.sources, "load_dataset", fake_load_dataset)
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--training.dataset", "allenai/c4",
+                        "--data.hub_subset", "en", "--data.hub_split", "validation", "--data.val_every", "0"])
+    ds, field, name = _source(cfg, "train")
+    assert calls == [(("allenai/c4", "en"), {"split": "validation", "streaming": True})]
+    assert field == "text" and len(ds) == 4
+    _source(parse_config(["--job.config_file", DEFAULT_CONFIG, "--training.dataset", "x/y", "--data.val_every",
+                          "0"]), "train")
+    assert calls[-1][0] == ("x/y", None)
