@@ -465,7 +465,7 @@ class AttnTrainer(Trainer):
         ckpt = {k for k in keys if not k.startswith(others)}
         model = set(self.checkpointer.states["model"].state_dict())
         missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
-        changed = self._changed_architecture(path)
+        changed = {} if model_only else self._changed_architecture(path)
         if not (missing or unexpected or changed):
             return
         what = (f"checkpoint {path!r} does not match the model built from this config: missing from the checkpoint "
@@ -485,8 +485,10 @@ class AttnTrainer(Trainer):
 
     def _changed_architecture(self, path: str) -> dict[str, tuple]:
         """{field: (checkpoint's, this run's)} of the architecture record ``attnlab.json`` next to the
-        checkpoint that differ from the model built; same keys with other values (``attn_mask_type``, mechanism
-        options such as ``rho_norm_init``) would otherwise load silently into a different model."""
+        checkpoint that differ from the model built; on a resume, same keys with other values
+        (``attn_mask_type``, mechanism options such as ``rho_norm_init``) would otherwise continue silently as a
+        different model. Not checked for model-only initial loads: a new run may start from weights with
+        another mask or options on purpose (an imported HF model trained with packed documents)."""
         from models.hf import SIDECAR, args_to_dict
 
         rec = os.path.join(path, SIDECAR)

@@ -9,8 +9,8 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
 
 - ``step-0/``: the weights as a model-only DCP checkpoint (+ ``attnlab.json``);
 - ``tokenizer/``: HF_DIR's tokenizer files, when it has a tokenizer.json;
-- ``config.toml``: ``--base`` with ``[model]`` (flavor with the same sizes, vocabulary, RoPE base, tying,
-  mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
+- ``config.toml``: ``--base`` with ``[model]`` (the closest flavor plus dimension overrides, vocabulary, RoPE
+  base, tying, mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
   from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
 
 With ``--parallax`` the layers become Parallax with W_R = 0 through ``models/convert.py`` (as in
@@ -28,20 +28,24 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parents[1]
-SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps")
 
 
-def matching_flavor(args) -> str:
-    """The flavor whose sizes (and RMSNorm eps, which no config key overrides) equal ``args``'s."""
-    from models.args import FLAVORS
+def flavor_and_dims(args) -> tuple[str, dict[str, int]]:
+    """(the flavor closest to ``args``'s sizes, ``[model]`` dimension overrides for the sizes it differs in).
+    The flavor must share ``args``'s RMSNorm eps, which no config key overrides."""
+    from models.args import DIMS, FLAVORS
     from models.hf import CheckpointError
 
-    want = {f: getattr(args, f) for f in SIZE_FIELDS}
-    for name, flavor in FLAVORS.items():
-        if all(getattr(flavor, f) == v for f, v in want.items()):
-            return name
-    raise CheckpointError(f"no model.flavor has this checkpoint's sizes {want}; flavors: "
-                          + "; ".join(f"{n} {({f: getattr(a, f) for f in SIZE_FIELDS})}" for n, a in FLAVORS.items()))
+    same_eps = {n: a for n, a in FLAVORS.items() if a.norm_eps == args.norm_eps}
+    if not same_eps:
+        raise CheckpointError(f"no model.flavor has this checkpoint's RMSNorm eps {args.norm_eps}; flavors: "
+                              + ", ".join(f"{n} {a.norm_eps}" for n, a in FLAVORS.items()))
+
+    def differs(flavor):
+        return {f: getattr(args, f) for f in DIMS if getattr(flavor, f) != getattr(args, f)}
+
+    name = min(same_eps, key=lambda n: len(differs(same_eps[n])))
+    return name, differs(same_eps[name])
 
 
 def _toml_value(v):
@@ -49,12 +53,14 @@ def _toml_value(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | None, dump_folder: str) -> dict:
-    """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``."""
+def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | None, dump_folder: str,
+               dims: dict[str, int] | None = None) -> dict:
+    """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``
+    (``flavor`` plus the ``[model]`` dimension overrides ``dims``)."""
     cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     mechs = args.layer_mechanisms()
     model = cfg.setdefault("model", {})
-    model.update(flavor=flavor, vocab_size=args.vocab_size, rope_theta=args.rope_theta,
+    model.update(flavor=flavor, **(dims or {}), vocab_size=args.vocab_size, rope_theta=args.rope_theta,
                  tie_embeddings=args.enable_weight_tying, attention=mechs[0],
                  layer_pattern=mechs if len(set(mechs)) > 1 else [])
     if tokenizer is not None:
@@ -111,14 +117,14 @@ def main(argv=None) -> int:
             if not diff <= a.tol:
                 raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g}")
             args, sd = new_args, new_sd
-        flavor = matching_flavor(args)
+        flavor, dims = flavor_and_dims(args)
         with new_folder(out) as tmp:
             save_dcp_state(sd, tmp / "step-0", args)
             has_tok = (Path(a.src) / "tokenizer.json").is_file()
             if has_tok:
                 save_tokenizer(a.src, tmp / TOKENIZER_DIR)
             cfg = run_config(base, args, flavor, out / "step-0", out / TOKENIZER_DIR if has_tok else None,
-                             a.dump_folder or str(out / "run"))
+                             a.dump_folder or str(out / "run"), dims)
             (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
             # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
             rebuilt = args_from_job_config(tmp / CONFIG_FILE, ["--checkpoint.initial_load_path", str(tmp / "step-0")]
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
         print(f"import_hf: error: {e}", file=sys.stderr)
         return 2
     mechs = sorted(set(args.layer_mechanisms()))
-    print(f"wrote {out}: flavor {flavor}, {mechs}, step-0 + config.toml{' + tokenizer' if has_tok else ''}")
+    sizes = f" with {dims}" if dims else ""
+    print(f"wrote {out}: flavor {flavor}{sizes}, {mechs}, step-0 + config.toml{' + tokenizer' if has_tok else ''}")
     print(f"train: python train.py --job.config_file {out / CONFIG_FILE}")
     return 0
 

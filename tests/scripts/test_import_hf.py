@@ -49,11 +49,12 @@ def test_import_then_train_starts_from_the_weights(qwen3, tmp_path):
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(build_model(args, sd)(x), hf(x).logits, rtol=1e-5, atol=1e-5)
-    # the run: lr 0, so the checkpoint it saves after one step holds exactly the imported weights
+    # the run: lr 1e-30 (0 is refused), far below float32's resolution of these weights, so the checkpoint it
+    # saves after one step holds exactly the imported weights
     run_train(["--job.config_file", str(out / "config.toml"), "--training.dataset_path", corpus["train"],
                "--validation.no-enable", "--training.seq_len", "16", "--training.local_batch_size", "2",
                "--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
-               "--optimizer.lr", "0", "--optimizer.weight_decay", "0", "--metrics.no-enable-tensorboard"])
+               "--optimizer.lr", "1e-30", "--optimizer.weight_decay", "0", "--metrics.no-enable-tensorboard"])
     _, args1, sd1 = load_checkpoint(out / "run" / "checkpoint" / "step-1", args)
     assert all(torch.equal(sd1[k], sd[k]) for k in sd)
 
@@ -79,3 +80,19 @@ def test_import_as_parallax_same_logits_and_bad_inputs(qwen3, tmp_path, capsys):
     assert import_hf.main([str(root / "corpus"), str(tmp_path / "o3")]) == 2
     assert "not a Hugging Face folder" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_import_sizes_no_flavor_has(tmp_path):
+    """Sizes outside every flavor are written as ``[model]`` dimension overrides (no matching flavor needed);
+    import_hf checks that the written config rebuilds exactly this architecture."""
+    import tomllib
+
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                                   num_attention_heads=6, num_key_value_heads=3, head_dim=16, rms_norm_eps=1e-6,
+                                   max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e4)
+    torch.manual_seed(2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    model = tomllib.loads((tmp_path / "out" / "config.toml").read_text())["model"]
+    assert {k: model[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")} == dict(
+        dim=96, n_layers=3, n_heads=6, n_kv_heads=3, head_dim=16, hidden_dim=200)
