@@ -22,7 +22,8 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 HEADER = """# Configuration reference
 
 A run is configured by one TOML file (`--job.config_file`), overridden key by key on the command line as
-`--section.key value` (precedence: command line > TOML > the defaults below). Bad input fails before training with
+`--section.key value` (precedence: command line > TOML > the defaults below; booleans also as `true`/`false`,
+`1`/`0` or the bare `--section.key` / `--section.no-key`). Bad input fails before training with
 one message naming the key and what is valid (`config.validate_config`). Examples: `configs/debug_cpu.toml` (the
 default of `python train.py`), `configs/paper/` (the paper's runs), `configs/replication/`.
 
@@ -91,7 +92,8 @@ def render() -> str:
     from torchtitan.config.job_config import LRScheduler, Optimizer
 
     parts = [HEADER]
-    for name, cls in (("model", config.Model), ("data", config.Data), ("training", config.Training)):
+    for name, cls in (("model", config.Model), ("data", config.Data), ("training", config.Training),
+                      ("checkpoint", config.Checkpoint), ("metrics", config.Metrics)):
         parts.append(f"## `[{name}]`\n\n{table(cls)}\n")
     inherited = {f.name for f in dataclasses.fields(Optimizer)}
     parts.append("## `[optimizer]`\n\n`name` is `\"muon\"` (Muon on 2-D hidden matrices, an Adam-style fallback for "
