@@ -6,7 +6,8 @@
 
 Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``, which
 parses and validates it). What this subclass adds to torchtitan's ``Trainer``: CPU support (device shim + gloo),
-``training.stop_after_step`` (simulated preemption), perplexity and per-group lr/wd in every log line and in
+``training.stop_after_step`` (simulated preemption), ``<dump_folder>/config.toml`` and ``tokenizer/`` (the run
+describes itself to the tools), perplexity, per-group lr/wd, progress and ETA in every log line and in
 ``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and the safety rules of ``docs/failures.md``: a lock
 on the run folder, a writable checkpoint folder and enough free disk checked at start, a stop on non-finite
 losses that never writes or rotates away a finite checkpoint, resume checks (architecture, finite tensors,
@@ -468,10 +469,11 @@ class AttnTrainer(Trainer):
         changed = {} if model_only else self._changed_architecture(path)
         if not (missing or unexpected or changed):
             return
-        what = (f"checkpoint {path!r} does not match the model built from this config: missing from the checkpoint "
-                f"{missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), not in the model "
-                f"{unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
-                + (f", architecture fields changed {changed}" if changed else ""))
+        parts = [f"missing from the checkpoint {missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), "
+                 f"not in the model {unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
+                 ] if missing or unexpected else []
+        parts += [f"architecture fields changed (checkpoint's, this run's): {changed}"] if changed else []
+        what = f"checkpoint {path!r} does not match the model built from this config: {'; '.join(parts)}"
         if not self.job_config.checkpoint.partial_load:
             raise ValueError(f"{what}. It was written by a different architecture (model.attention, layer_pattern, "
                              "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
@@ -497,7 +499,20 @@ class AttnTrainer(Trainer):
         with open(rec) as f:
             old = json.load(f)
         new = json.loads(json.dumps(args_to_dict(self.model_args)))  # tuples as JSON lists, like the record
-        return {k: (old.get(k), v) for k, v in new.items() if k not in self._RUNTIME_FIELDS and old.get(k) != v}
+
+        def diff(a: dict, b: dict, prefix: str = "") -> dict[str, tuple]:
+            # only fields the record has: a checkpoint from before an option existed resumes with its default
+            out = {}
+            for k, v in a.items():
+                if k in self._RUNTIME_FIELDS or k not in b:
+                    continue
+                if isinstance(v, dict) and isinstance(b[k], dict):
+                    out.update(diff(v, b[k], f"{prefix}{k}."))
+                elif v != b[k]:
+                    out[prefix + k] = (v, b[k])
+            return out
+
+        return diff(old, new)
 
     def _prepare_dataloader_reshard(self, path: str) -> None:
         """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from

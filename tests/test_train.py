@@ -217,7 +217,9 @@ def test_corrupt_shard_with_nan_bytes_fails_on_resume_naming_the_step(corpus, st
 @pytest.mark.parametrize("extra,message", [
     (["--model.attention", "parallax"], r"missing from the checkpoint \['layers.0.attention.r_norm.weight'"),
     (["--attention.softmax.no-qk-norm"], r"not in the model \['layers.0.attention.k_norm.weight'"),
-    (["--model.attn_mask_type", "causal"], r"architecture fields changed \{'attn_mask_type': \('block_causal', 'causal'\)"),
+    (["--model.attn_mask_type", "causal"],
+     r"fields changed \(checkpoint's, this run's\): \{'attn_mask_type': \('block_causal', 'causal'\)\}"),
+    (["--attention.softmax.window_size", "4"], r"\{'attention_options.softmax.window_size': \(0, 4\)\}"),
 ])
 def test_resume_into_a_different_architecture_is_an_error(corpus, straight, tmp_path, extra, message):
     """Same keys with another meaning (the mask type) are refused too; the run's config.toml keeps describing
