@@ -10,8 +10,8 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
 - ``step-0/``: the weights as a model-only DCP checkpoint (+ ``attnlab.json``);
 - ``tokenizer/``: HF_DIR's tokenizer files, when it has a tokenizer.json;
 - ``config.toml``: ``--base`` with ``[model]`` (the closest flavor plus dimension overrides, vocabulary, RoPE
-  base, tying, mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so ``train.py`` starts
-  from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
+  base, tying, mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so
+  ``train.py`` starts from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
 
 With ``--parallax`` the layers become Parallax with W_R = 0 through ``models/convert.py`` (as in
 ``scripts.convert_to_parallax``; same function, checked on a fixed batch, ``--tol``). Before anything is written the config is parsed back and
