@@ -11,8 +11,6 @@ Prints fwd+bwd ms (median) and peak memory (CUDA only) per (mechanism, save list
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 

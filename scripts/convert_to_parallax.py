@@ -22,10 +22,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
-import warnings
-
 from models.convert import add_conversion_arguments, convert_from_arguments, max_logit_diff
 from models.hf import CheckpointError, save_dcp_state, save_hf
 

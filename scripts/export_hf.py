@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-import torch
-
 from models.hf import CheckpointError, build_model, has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, \
     tokenizer_folder
 from models.run_folder import add_checkpoint_arguments, resolve

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-import torch
-
 from models.decode import generate
 from models.hf import CheckpointError, build_model, load_tool_checkpoint, tokenizer_folder
 from models.run_folder import add_checkpoint_arguments, resolve

@@ -3,7 +3,6 @@ numbers checked against our model's own log-likelihoods."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import attention
 from models.args import ModelArgs
 from models.hf import build_model, save_dcp_state
 from models.run_folder import save_tokenizer
-from tests.utils import REPO, make_corpus
+from tests.utils import make_corpus
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")

@@ -2,14 +2,13 @@
 with W_R = 0), with equal logits."""
 
 import os
-import sys
 import warnings
 
 import pytest
 import torch
 
 from models.hf import build_model, load_checkpoint
-from tests.utils import REPO, make_corpus, run_train
+from tests.utils import make_corpus, run_train
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tomli_w")

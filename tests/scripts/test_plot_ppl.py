@@ -2,11 +2,8 @@
 
 import json
 import math
-import sys
 
 import pytest
-
-from tests.utils import REPO
 
 from scripts import plot_ppl
 
