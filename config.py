@@ -16,6 +16,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 import attention
@@ -253,7 +254,11 @@ def parse_config(argv: list[str]):
     toml_values = manager._maybe_load_toml(argv)
     if toml_values:
         _check_keys(merged, toml_values)
-    cfg = manager.parse_args(argv)
+    with warnings.catch_warnings():
+        # TOML has no tuples: a tuple-typed key (e.g. attention.gdn.A_init_range) reads back from a run's
+        # config.toml as a list, which tyro warns about; check_types validates its length and item types instead
+        warnings.filterwarnings("ignore", message=r"The field .* is annotated with type `tuple", category=UserWarning)
+        cfg = manager.parse_args(argv)
     cfg.model.name = cfg.model.name or "qwen3_attn"
     if isinstance(cfg.model.converters, list):  # `--model.converters ""` turns float8 off
         cfg.model.converters = [c for c in cfg.model.converters if c]
