@@ -8,7 +8,7 @@ import sys
 
 from scripts.tiny_runs import REPO, losses, make_corpus, read_metrics, tiny_args
 
-__all__ = ["REPO", "losses", "make_corpus", "read_metrics", "run_train", "tiny_args"]
+__all__ = ["REPO", "losses", "make_corpus", "random_qwen3", "read_metrics", "run_train", "tiny_args"]
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
@@ -23,3 +23,21 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300, **popen) -> s
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def random_qwen3(folder, seed: int, jitter: float = 0.0, **sizes):
+    """A transformers ``Qwen3ForCausalLM`` of ``sizes`` (Qwen3Config keywords), random from ``seed`` and with
+    ``jitter`` × N(0, 1) added to every weight (so norms and zero-initialised tensors are not at their init),
+    saved by transformers into ``folder``; returns the model in eval mode."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, max_position_embeddings=64, **sizes)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if jitter:
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(jitter * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    return hf

@@ -9,6 +9,7 @@ import torch
 import attention
 from models.args import ModelArgs
 from models.hf import args_to_dict, build_model, load_checkpoint, save_hf, to_hf
+from tests.utils import random_qwen3
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")
@@ -50,15 +51,9 @@ def test_softmax_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
 
 def test_import_of_transformers_saved_qwen3(tmp_path):
     """A folder written by transformers itself (its names, its config) imports with equal logits."""
-    cfg = transformers.Qwen3Config(vocab_size=71, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path / "q")
+    hf = random_qwen3(tmp_path / "q", seed=1, jitter=0.05, vocab_size=71, hidden_size=48, intermediate_size=80,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                      tie_word_embeddings=False)
     fmt, args, sd = load_checkpoint(tmp_path / "q")
     assert fmt == "hf" and (args.n_heads, args.n_kv_heads, args.head_dim, args.enable_weight_tying) == (6, 2, 8, False)
     x = torch.randint(0, 71, (2, 9))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.hf import build_model, load_checkpoint
-from tests.utils import make_corpus, run_train
+from tests.utils import make_corpus, random_qwen3, run_train
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tomli_w")
@@ -22,15 +22,9 @@ def qwen3(tmp_path_factory):
     """A random Qwen3 with the debug flavor's sizes, saved by transformers with the test tokenizer."""
     root = tmp_path_factory.mktemp("qwen3")
     corpus = make_corpus(root / "corpus")
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-                                   max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e4)
-    torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    hf.save_pretrained(root / "hf")
+    hf = random_qwen3(root / "hf", seed=1, jitter=0.05, vocab_size=64, hidden_size=128, intermediate_size=384,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      tie_word_embeddings=True, rope_theta=1e4)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (root / "hf" / name).write_bytes((root / "corpus" / name).read_bytes())
     return root, corpus, hf
@@ -85,11 +79,8 @@ def test_import_sizes_no_flavor_has(tmp_path):
     import_hf checks that the written config rebuilds exactly this architecture."""
     import tomllib
 
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-                                   num_attention_heads=6, num_key_value_heads=3, head_dim=16, rms_norm_eps=1e-6,
-                                   max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e4)
-    torch.manual_seed(2)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    random_qwen3(tmp_path / "hf", seed=2, vocab_size=64, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                 num_attention_heads=6, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True, rope_theta=1e4)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
     model = tomllib.loads((tmp_path / "out" / "config.toml").read_text())["model"]
     assert {k: model[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")} == dict(
