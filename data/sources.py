@@ -134,7 +134,9 @@ def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: 
     return bad
 
 
-def _good_records(files: list[str], builder: str, text_field: str):
+def _good_records(files: list[str], builder: str, text_field: str, stamps=()):
+    """The records of ``files`` that pass the scan. ``stamps`` (each file's size and mtime) only enters
+    ``datasets``' cache key, which hashes the arguments and would otherwise serve an edited file's old records."""
     for path in files:
         for _, text, reason in _records(path, builder, text_field):
             if reason is None:
@@ -157,8 +159,9 @@ def open_text_dataset(spec: str, key: str, *, local: bool, text_field: str, spli
             from datasets import Dataset, IterableDataset
 
             cls = IterableDataset if streaming else Dataset
+            stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
             ds = cls.from_generator(_good_records, gen_kwargs={"files": files, "builder": builder,
-                                                               "text_field": text_field})
+                                                               "text_field": text_field, "stamps": stamps})
         else:
             kw = {"sample_by": "document"} if builder == "text" else {}
             ds = load_dataset(builder, data_files=files, split="train", streaming=bool(streaming), **kw)

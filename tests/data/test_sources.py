@@ -39,6 +39,16 @@ def test_malformed_record_stops_before_training_or_is_skipped_with_a_count(tmp_p
     assert "skipping 1 malformed records (data.max_bad_records=1)" in caplog.text
 
 
+def test_skipping_reads_the_file_as_it_is_now_not_a_cached_earlier_version(tmp_path):
+    """The good records of a file with skipped ones are rebuilt when the file changes in place (datasets caches a
+    generator's output under a hash of its arguments, and the path alone stays the same)."""
+    path = tmp_path / "edited.jsonl"
+    path.write_text(GOOD[0] + "{\n")
+    assert len(_open(path, max_bad=1)[0]) == 1
+    path.write_text(GOOD[0] + GOOD[1] + "{\n")
+    assert list(_open(path, max_bad=1)[0]["text"]) == [json.loads(g)["text"] for g in GOOD[:2]]
+
+
 def test_too_many_malformed_records_counts_them(tmp_path):
     path = tmp_path / "two.jsonl"
     path.write_text(GOOD[0] + "{\n" + "{\n" + GOOD[1])
