@@ -37,6 +37,7 @@ import config as project_config
 from config import DEFAULT_CONFIG, parse_config
 from models import register_train_spec
 from models.cpu import install_cpu_shim
+from optim.muon import local_shard
 from models.metrics import group_hparams
 
 NO_BAD_STEP = 2**62
@@ -102,16 +103,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def check_writable(folder: str, key: str) -> None:
-    """Fail at start when ``folder`` (or, while it does not exist yet, its nearest existing parent) cannot be
-    written, instead of at the first save after hours of training. Nothing is created inside a missing
-    ``folder``: torchtitan reads ``checkpoint.initial_load_path`` only while the checkpoint folder is absent."""
+def _existing_dir(folder: str) -> str:
+    """``folder``, or while it does not exist its nearest existing parent (where a file stands in the way: that
+    path, so the write probe fails on it)."""
     probe_dir = folder
     while not os.path.isdir(probe_dir):
         parent = os.path.dirname(probe_dir.rstrip(os.sep)) or "."
         if parent == probe_dir or (os.path.exists(probe_dir) and not os.path.isdir(probe_dir)):
             break
         probe_dir = parent
+    return probe_dir
+
+
+def check_writable(folder: str, key: str) -> None:
+    """Fail at start when ``folder`` (or, while it does not exist yet, its nearest existing parent) cannot be
+    written, instead of at the first save after hours of training. Nothing is created inside a missing
+    ``folder``: torchtitan reads ``checkpoint.initial_load_path`` only while the checkpoint folder is absent."""
+    probe_dir = _existing_dir(folder)
     probe = os.path.join(probe_dir, f".attnlab-write-probe-{os.getpid()}")
     try:
         with open(probe, "w") as f:
@@ -126,10 +134,7 @@ def check_free_space(folder: str, need: int, keep: int) -> None:
     """Log free disk space at ``folder`` against the estimated size ``need`` of one checkpoint; fail when not
     even one fits, warn when ``keep`` of them (``checkpoint.keep_latest_k``, 0 = all) plus one being written
     might not."""
-    probe = folder
-    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe) or "."
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(_existing_dir(folder)).free
     gib = 2**30
     logger.info(f"Checkpoints in {folder}: about {need / gib:.3f} GiB each, {free / gib:.2f} GiB free")
     if free < need:
@@ -140,13 +145,9 @@ def check_free_space(folder: str, need: int, keep: int) -> None:
                        f"checkpoint.keep_latest_k={keep} checkpoints of about {need / gib:.2f} GiB plus one in flight")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def nonfinite_names(named: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors (local shards) holding a NaN or an infinity (one host sync)."""
-    named = {k: _local(t) for k, t in named.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()}
+    named = {k: local_shard(t) for k, t in named.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()}
     if not named:
         return []
     flags = [torch.isfinite(t).all() for t in named.values()]
@@ -228,7 +229,7 @@ class AttnTrainer(Trainer):
                 # python scalars enter kernels as arguments: no host-to-device copy, no sync
                 self._bad_step = torch.where(bad, self._bad_step.clamp(max=self.step), self._bad_step)
                 return step_fn(*args, **kwargs)
-            grads = [_local(p.grad) for m in self.model_parts for p in m.parameters() if p.grad is not None]
+            grads = [local_shard(p.grad) for m in self.model_parts for p in m.parameters() if p.grad is not None]
             if grads:
                 bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
             if not self._world_reduce(bad.to(torch.int32), dist.ReduceOp.MAX).item():
@@ -281,8 +282,8 @@ class AttnTrainer(Trainer):
     def _nonfinite_state(self) -> list[str]:
         """Non-finite weights and optimizer-state tensors of this rank; [""] when only another rank has some."""
         named = {k: v for m in self.model_parts for k, v in m.state_dict().items()}
+        names = {id(p): n for m in self.model_parts for n, p in m.named_parameters()}
         for i, opt in enumerate(getattr(self.optimizers, "optimizers", [])):
-            names = {id(p): n for m in self.model_parts for n, p in m.named_parameters()}
             for p, st in opt.state.items():
                 named.update({f"optimizer{i}.{names.get(id(p), '?')}.{k}": v for k, v in st.items()
                               if torch.is_tensor(v) and v.dim() > 0})
