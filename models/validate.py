@@ -25,9 +25,10 @@ class RankAlignedLoader:
         self.loader, self.group, self.device = loader, group, device
 
     def all_have(self, has: bool) -> bool:
+        if self.group is None:  # one rank: nothing to agree on, no sync
+            return has
         flag = torch.tensor(int(has), device=self.device)
-        if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
     def __iter__(self):
