@@ -55,8 +55,6 @@ def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=
                                    layer_pattern=new_mechs if len(set(new_mechs)) > 1 else [],
                                    attention_options={**{k: v for k, v in args.attention_options.items()
                                                          if k in set(new_mechs)}, "parallax": popts})
-    if "softmax" not in new_mechs:
-        new_args.attention_options.pop("softmax", None)
     out = dict(sd)
     HD, dim = args.n_heads * args.head_dim, args.dim
     for i in progress_bar(layers, "convert", progress):
