@@ -54,7 +54,9 @@ class ProjectWandBLogger(WandBLogger):
         m, dump = job_config.metrics, job_config.job.dump_folder
         self.wandb, self.tag = wandb, tag
         os.makedirs(dump, exist_ok=True)
-        env = {k: os.getenv(f"WANDB_{k.upper()}") for k in ("id", "notes", "tags", "group", "job_type")}
+        env = {k: os.getenv(f"WANDB_{v}") for k, v in (("id", "RUN_ID"), ("notes", "RUN_NOTES"), ("tags", "RUN_TAGS"),
+               ("group", "RUN_GROUP"), ("job_type", "RUN_JOB_TYPE"), ("resume_from", "RESUME_FROM"),
+               ("fork_from", "FORK_FROM"))}  # torchtitan's WandBLogger names
         wandb.init(entity=os.getenv("WANDB_TEAM"), project=m.wandb_project,
                    name=m.wandb_run_name or os.path.basename(os.path.abspath(dump)), dir=dump,
                    config=job_config.to_dict(), **env)
