@@ -94,6 +94,15 @@ def add_conversion_arguments(ap, when: str = "") -> None:
                          "‖ρ‖ = √head_dim · gain once W_R moves)")
 
 
+CONVERSION_OPTIONS = ("layers", "top_half", "rho_gate", "gate_bias", "no_rope_on_rho", "rho_norm_init")
+"""The argparse destinations :func:`add_conversion_arguments` adds."""
+
+
+def conversion_options_given(ap, a) -> list[str]:
+    """The conversion options of ``a`` set away from their defaults in parser ``ap``, as flags."""
+    return ["--" + d.replace("_", "-") for d in CONVERSION_OPTIONS if getattr(a, d) != ap.get_default(d)]
+
+
 def convert_from_arguments(args, sd, a, progress: bool = False):
     """(converted layer indices, new ModelArgs, new state dict): :func:`convert_state` with the layers and options
     parsed by :func:`add_conversion_arguments`."""

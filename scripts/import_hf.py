@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     except ImportError:  # Python 3.10
         import tomli as tomllib
 
-    from models.convert import add_conversion_arguments, convert_from_arguments, max_logit_diff
+    from models.convert import add_conversion_arguments, conversion_options_given, convert_from_arguments, \
+        max_logit_diff
     from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
         save_dcp_state
     from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, new_folder, save_tokenizer
@@ -99,8 +100,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     try:
-        if (a.layers or a.top_half or a.rho_gate or a.no_rope_on_rho or a.rho_norm_init != 1.0) and not a.parallax:
-            raise CheckpointError("--layers/--top-half/--rho-gate/--no-rope-on-rho/--rho-norm-init need --parallax")
+        given = conversion_options_given(ap, a)
+        if given and not a.parallax:
+            raise CheckpointError(f"{', '.join(given)}: conversion options need --parallax")
         if out.exists():
             raise CheckpointError(f"{out} already exists; choose a new destination")
         if not out.parent.is_dir():
