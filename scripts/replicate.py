@@ -185,9 +185,12 @@ def chunk_stop(current: int, steps: int, chunk: int, seconds: float | None, fixe
 
 def resumable_step(run_dir: str) -> int:
     """Highest ``step-N`` with DCP metadata under ``<run_dir>/checkpoint`` (0 if none)."""
-    found = [int(d.rsplit("-", 1)[1]) for d in glob.glob(os.path.join(run_dir, "checkpoint", "step-*"))
-             if d.rsplit("-", 1)[1].isdigit() and os.path.isfile(os.path.join(d, ".metadata"))]
-    return max(found, default=0)
+    from models.checkpoint_io import checkpoint_step, resolve_step_dir
+
+    try:
+        return checkpoint_step(resolve_step_dir(run_dir)) or 0
+    except FileNotFoundError:
+        return 0
 
 
 def truncate_metrics(run_dir: str, step: int) -> None:
