@@ -17,8 +17,8 @@ Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` �
 The table's "busy %" is that step's GPU-busy time (union of kernel intervals) over the row's median step time (from
 tok/s): the traced step itself runs slower (the profiler adds host work per op), so its own busy share, "traced %",
 understates the untraced steps. ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
-longest GPU-idle gaps with the host ops inside them. Per-step tok/s varies by ±20 % at B2, so medians want ~20
-steps (the default 30 gives steps 7–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this
+longest GPU-idle gaps with the host ops inside them. Per-step tok/s alternates (about 57k and 45k at B2 on
+an H100, benchmarks/README.md), so medians want ~20 steps (the defaults give steps 9–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this
 script (before/after rows of one change in one call).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
