@@ -77,10 +77,7 @@ def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | Non
 def main(argv=None) -> int:
     import tomli_w
 
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
+    import tomli as tomllib  # a dependency on every Python (tomllib is 3.11+)
 
     from models.convert import add_conversion_arguments, conversion_options_given, convert_from_arguments, \
         max_logit_diff

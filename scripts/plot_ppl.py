@@ -59,10 +59,7 @@ def tokens_per_step(run_dir: str, override: int = 0) -> int:
     """Tokens of one optimizer step: ``override``, else ``global_batch_size × seq_len`` of the run's config.toml."""
     if override:
         return override
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
+    import tomli as tomllib  # a dependency on every Python (tomllib is 3.11+)
 
     path = os.path.join(run_dir, "config.toml")
     if not os.path.isfile(path):

@@ -77,7 +77,7 @@ def test_import_as_parallax_same_logits_and_bad_inputs(qwen3, tmp_path, capsys):
 def test_import_sizes_no_flavor_has(tmp_path):
     """Sizes outside every flavor are written as ``[model]`` dimension overrides (no matching flavor needed);
     import_hf checks that the written config rebuilds exactly this architecture."""
-    import tomllib
+    import tomli as tomllib
 
     random_qwen3(tmp_path / "hf", seed=2, vocab_size=64, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
                  num_attention_heads=6, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True, rope_theta=1e4)
