@@ -10,9 +10,9 @@ with markers, in the same colour per run.
 Smoothing (``--smooth β``) is an exponential moving average of the *loss*, debiased as in Adam
 (``m_t = β m_{t-1} + (1-β) loss_t``, plotted ``exp(m_t / (1 - β^t))``): averaging perplexities would let a few
 high-loss steps dominate (ppl is convex in the loss), and the undebiased average starts at 0. ``--x tokens``
-plots against tokens seen: a record's ``tokens`` field when the trainer wrote one, else step × the tokens per
-step of the run's ``config.toml`` (``training.global_batch_size`` × ``training.seq_len``), or
-``--tokens-per-step``. ``--skip N`` leaves out steps ≤ N (the first steps' perplexity dwarfs the rest).
+plots against tokens seen: step × the tokens per step, from the records' ``n_tokens_seen`` (torchtitan's count,
+summed over ranks) when they have it, else the run's ``config.toml`` (``training.global_batch_size`` ×
+``training.seq_len``) or ``--tokens-per-step``. ``--skip N`` leaves out steps ≤ N (the first steps' perplexity dwarfs the rest).
 """
 
 from __future__ import annotations
@@ -99,13 +99,14 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (run, label) in enumerate(zip(args.runs, labels)):
         train, val = load(run)
-        need_config = args.x == "tokens" and not all("tokens" in r for r in train.values())
-        per_step = tokens_per_step(run, args.tokens_per_step) if need_config else 0
+        # tokens per step: from torchtitan's cumulative n_tokens_seen (global over ranks) when the records have
+        # it, else from the run's config.toml / --tokens-per-step
+        seen = [(s, r["n_tokens_seen"]) for s, r in sorted(train.items()) if r.get("n_tokens_seen")]
+        per_step = (1 if args.x == "step" else seen[-1][1] / seen[-1][0] if seen
+                    else tokens_per_step(run, args.tokens_per_step))
 
         def x_of(step: int) -> float:
-            if args.x == "step":
-                return step
-            return train[step]["tokens"] if step in train and "tokens" in train[step] else step * per_step
+            return step * per_step
 
         color = f"C{i}"
         steps = [s for s in sorted(train) if s > args.skip]
