@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 import attention
 from models.args import ModelArgs
@@ -482,23 +482,20 @@ def tokenizer_folder(ckpt, cfg=None) -> Path | None:
 
 # ----------------------------------------------------------------------------- torchtitan's adapter path
 
-class AttnLabStateDictAdapter(BaseStateDictAdapter):
-    """torchtitan ``BaseStateDictAdapter`` of the project's model (``TrainSpec.state_dict_adapter``): what
+class AttnLabStateDictAdapter(StateDictAdapter):
+    """torchtitan ``StateDictAdapter`` of the project's model (``TrainSpec.state_dict_adapter``): what
     ``--checkpoint.last_save_in_hf`` and ``--checkpoint.initial_load_in_hf`` use, for every mechanism, with the
     key maps of :func:`to_hf` / :func:`from_hf`.
 
-    ``fqn_to_index_mapping`` (which shard each HF tensor goes to) is read from ``hf_assets_path``'s
-    ``model.safetensors.index.json`` when it has one, else None (one consolidated file)."""
+    ``fqn_to_index_mapping`` (which shard each HF tensor goes to) is torchtitan's parse of ``hf_assets_path``'s
+    ``model.safetensors.index.json``; without one (a single file, or ``hf_assets_path = "embedded"``) it is None
+    and torchtitan's missing-index warning, which would appear on every such run, is not given."""
 
     def __init__(self, model_args: ModelArgs, hf_assets_path: str | None):
-        self.model_args = model_args
         path = hf_assets_path if hf_assets_path and Path(hf_assets_path).is_dir() else None
-        self.hf_assets_path = path
-        index = Path(path) / "model.safetensors.index.json" if path else None
-        self.fqn_to_index_mapping = None
-        if index is not None and index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.fqn_to_index_mapping = {k: int(re.search(r"\d+", v).group(0)) for k, v in weight_map.items()}
+        has_index = path is not None and (Path(path) / "model.safetensors.index.json").is_file()
+        super().__init__(model_args, path if has_index else None)
+        self.model_args, self.hf_assets_path = model_args, path
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return to_hf(state_dict, self.model_args)
@@ -507,8 +504,6 @@ class AttnLabStateDictAdapter(BaseStateDictAdapter):
         return from_hf(hf_state_dict, self.model_args)
 
     def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-        if from_quantized:
+        if from_quantized:  # torchtitan only warns; the weights would then load wrong
             raise CheckpointError("checkpoint.initial_load_in_hf_quantized: quantized HF checkpoints are not supported")
-        return HuggingFaceStorageReader(path)
+        return super().get_hf_storage_reader(path)
