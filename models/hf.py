@@ -442,15 +442,11 @@ def job_config(config_file, overrides: list[str] | None = None):
     return parse_config(["--job.config_file", str(config_file), *(overrides or [])])
 
 
-def args_from_job_config(config_file, overrides: list[str] | None = None, cfg=None) -> ModelArgs:
-    """ModelArgs of a training TOML (+ ``--section.key value`` overrides), or of the parsed ``cfg``, as the
-    trainer builds them."""
-    from models.args import get_flavor
+def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
+    """ModelArgs of a training TOML (+ ``--section.key value`` overrides), as the trainer builds them."""
+    from models.checkpoint_io import model_args_from_config
 
-    cfg = cfg or job_config(config_file, overrides)
-    args = get_flavor(cfg.model.flavor)
-    args.update_from_config(cfg)
-    return args
+    return model_args_from_config(job_config(config_file, overrides))
 
 
 def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, **infer_kw):
@@ -460,8 +456,9 @@ def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, **infer
     own record (HF config.json / DCP attnlab.json), the tensor shapes (``infer_kw``, softmax/Parallax only)."""
     config_file = config_file or ckpt.config
     cfg = job_config(config_file) if config_file else None
-    fmt, args, sd = load_checkpoint(ckpt.path, args_from_job_config(None, cfg=cfg) if cfg else None, progress,
-                                    **infer_kw)
+    from models.checkpoint_io import model_args_from_config
+
+    fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
     return fmt, args, sd, cfg
 
 

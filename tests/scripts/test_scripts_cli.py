@@ -160,7 +160,8 @@ def test_write_run_files_round_trips_the_configuration(tmp_path):
     """config.toml written from a parsed JobConfig parses back to the same configuration (every section)."""
     import dataclasses
 
-    from models.hf import args_from_job_config, args_to_dict, job_config
+    from models.checkpoint_io import model_args_from_config
+    from models.hf import args_to_dict, job_config
     from models.run_folder import CONFIG_FILE, resolve, write_run_files
     from tests.utils import make_corpus, tiny_args
 
@@ -174,7 +175,7 @@ def test_write_run_files_round_trips_the_configuration(tmp_path):
     a, b = dataclasses.asdict(cfg), dataclasses.asdict(back)
     a["job"].pop("config_file"), b["job"].pop("config_file")
     assert same(a) == same(b)
-    arch = lambda c: same(args_to_dict(args_from_job_config(None, cfg=c)))  # noqa: E731
+    arch = lambda c: same(args_to_dict(model_args_from_config(c)))  # noqa: E731
     assert arch(back) == arch(cfg)
     (tmp_path / "run" / "checkpoint" / "step-5").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint" / "step-5" / ".metadata").touch()
