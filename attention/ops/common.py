@@ -46,10 +46,7 @@ def position_in_doc(cu_seqlens: torch.Tensor | None, B: int, T: int, device: tor
     """[B, T] int64 index of each token inside its document; without documents ``arange(T)`` per row."""
     if cu_seqlens is None:
         return torch.arange(T, device=device).expand(B, T)
-    seq = torch.arange(B * T, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = document_ids(cu, B, T).flatten()
-    return (seq - cu[doc]).view(B, T)
+    return torch.arange(T, device=device) - doc_bounds(cu_seqlens, B, T, device)[0].long()
 
 
 def doc_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:

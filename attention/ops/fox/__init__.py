@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from attention.ops.common import check_impl, fla_importable, log_once
+from attention.ops.common import check_impl, document_ids, fla_importable, log_once
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.fox.chunk import chunk_forgetting_attn
 from attention.ops.fox.naive import doc_cumsum, naive_forgetting_attn
@@ -55,8 +55,6 @@ def flex_forgetting_attn(q, k, v, g, scale=None, cu_seqlens=None):
     B, T, HQ, D = q.shape
     c = doc_cumsum(g.float(), cu_seqlens).transpose(1, 2).contiguous()  # [B, HQ, T]
     if cu_seqlens is not None:
-        from attention.ops.common import document_ids
-
         doc = document_ids(cu_seqlens, B, T)
 
         def mask_mod(b, h, qi, ki):

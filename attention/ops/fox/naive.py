@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from attention.ops.common import document_ids
+
 
 def doc_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Inclusive cumulative log gate, restarted at every document. g: [B, T, H] -> c: [B, T, H]."""
@@ -50,8 +52,6 @@ def naive_forgetting_attn(
     s = scale * qf @ kf.transpose(-1, -2) + c[..., :, None] - c[..., None, :]  # [B, HQ, T, T]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if cu_seqlens is not None:
-        from attention.ops.common import document_ids
-
         doc = document_ids(cu_seqlens, B, T)  # [B, T]
         mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
