@@ -101,29 +101,39 @@ def _text_of(rec, text_field: str) -> tuple[str | None, str | None]:
     return rec[text_field], None
 
 
+_SCANNED: dict[tuple, int] = {}
+"""Successful scans by (files, their size and mtime, builder, text_field, max_bad): the training and the held-out
+split of one local dataset open the same files, which are then read once."""
+
+
+def file_stamps(files: list[str]) -> list[tuple[int, int]]:
+    """(size, mtime in ns) of each file: what tells an edited file from the one scanned or cached before."""
+    return [(st.st_size, st.st_mtime_ns) for st in map(os.stat, files)]
+
+
 def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: str, max_bad: int) -> int:
     """Read every record of local text files once, before training: a malformed record (broken JSON, bad
     UTF-8, not an object, no string ``text_field``) or an unreadable file is found here, not mid-training.
     Returns the number of malformed records (<= ``max_bad``, to be skipped); more stops with one message naming
     the file, the line and the keys to change. Costs one pass over the files at start (parquet is not scanned)."""
+    memo = (tuple(files), tuple(file_stamps(files)), builder, text_field, max_bad)
+    if memo in _SCANNED:
+        return _SCANNED[memo]
     bad, good, first = 0, 0, None
     for path in files:
-        records = _records(path, builder, text_field)
-        while True:
-            try:
-                line, _, reason = next(records)
-            except StopIteration:
-                break
-            except UnreadableFile as e:
-                raise ValueError(f"{key}={spec!r}: {e}") from e
-            if reason is None:
-                good += 1
-                continue
-            bad, first = bad + 1, first or f"{path} line {line}: {reason}"
-            if bad > max_bad:
-                more = f" ({bad} malformed records so far, more than data.max_bad_records={max_bad})" if max_bad else ""
-                raise ValueError(f"{key}={spec!r}: {path} line {line}: {reason}{more}. Fix the file, or set "
-                                 "data.max_bad_records to skip malformed records with a count")
+        try:
+            for line, _, reason in _records(path, builder, text_field):
+                if reason is None:
+                    good += 1
+                    continue
+                bad, first = bad + 1, first or f"{path} line {line}: {reason}"
+                if bad > max_bad:
+                    more = (f" ({bad} malformed records so far, more than data.max_bad_records={max_bad})"
+                            if max_bad else "")
+                    raise ValueError(f"{key}={spec!r}: {path} line {line}: {reason}{more}. Fix the file, or set "
+                                     "data.max_bad_records to skip malformed records with a count")
+        except UnreadableFile as e:
+            raise ValueError(f"{key}={spec!r}: {e}") from e
     if not good:
         raise ValueError(f"{key}={spec!r}: no records in {files[:5]}; the dataset is empty")
     if bad:
@@ -131,6 +141,7 @@ def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: 
 
         logger.warning(f"{key}={spec!r}: skipping {bad} malformed records (data.max_bad_records={max_bad}); "
                        f"the first: {first}")
+    _SCANNED[memo] = bad
     return bad
 
 
@@ -159,7 +170,7 @@ def open_text_dataset(spec: str, key: str, *, local: bool, text_field: str, spli
             from datasets import Dataset, IterableDataset
 
             cls = IterableDataset if streaming else Dataset
-            stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+            stamps = file_stamps(files)
             ds = cls.from_generator(_good_records, gen_kwargs={"files": files, "builder": builder,
                                                                "text_field": text_field, "stamps": stamps})
         else:
