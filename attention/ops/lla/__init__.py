@@ -103,7 +103,7 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
         from attention.ops.lla.kernels import lla_bwd_triton
 
         dq, dk, dv, dlam = lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          lam.to(torch.float32).contiguous(), ds, de, out, o, do.contiguous(), rho,
+                                          lam.to(torch.float32).contiguous(), ds, de, out, o, do, rho,
                                           delta, m, om, scale, cg_iters, jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
