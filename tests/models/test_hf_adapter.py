@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import attention
-from models.args import ModelArgs
 from models.hf import AttnLabStateDictAdapter, args_from_job_config, build_model, load_checkpoint, save_hf
+from tests.models.test_hf import _args, _model
 from tests.utils import make_corpus, run_train, tiny_args
 
 pytest.importorskip("safetensors")
@@ -17,10 +17,7 @@ def test_adapter_round_trip_every_mechanism(mech):
     from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
     pattern = ["softmax", mech] if mech != "softmax" else ["softmax"]
-    args = ModelArgs(dim=64, n_layers=len(pattern), n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-                     vocab_size=67, max_seq_len=64, enable_weight_tying=False, attention=pattern[0],
-                     layer_pattern=pattern if len(pattern) > 1 else [],
-                     attention_options={m: attention.get_mechanism(m).options() for m in set(pattern)})
+    args = _args(pattern, tied=False)
     sd = build_model(args).state_dict()
     adapter = AttnLabStateDictAdapter(args, None)
     assert isinstance(adapter, BaseStateDictAdapter)
@@ -37,11 +34,7 @@ def test_trainer_loads_and_saves_hf_through_the_adapter(tmp_path):
     flags = tiny_args(corpus, tmp_path / "run", 1, 16, 2, "--model.layer_pattern", "parallax,softmax,gla,parallax",
                       "--attention.parallax.rho_gate")
     args = args_from_job_config(flags[1], flags[2:])
-    torch.manual_seed(0)
-    model = build_model(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = _model(args)
     save_hf(model.state_dict(), args, tmp_path / "hf")
     run_train(flags + ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
                        "--checkpoint.initial_load_model_only", "--checkpoint.last_save_in_hf",
