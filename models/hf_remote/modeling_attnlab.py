@@ -159,11 +159,12 @@ class AttnLabModel(AttnLabPreTrainedModel):
         # a padded query sees itself only, so its (unused) row stays finite
         base = (visible[None] & key_ok[:, None, :]) | torch.eye(T, dtype=torch.bool, device=input_ids.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        dist = positions[:, :, None] - positions[:, None, :]
+        windows = {layer.self_attn.window for layer in self.layers}
+        masks = {w: (base & (dist < w) if w else base)[:, None] for w in windows}  # one per distinct window
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            w = layer.self_attn.window
-            mask = base & ((positions[:, :, None] - positions[:, None, :]) < w) if w else base
-            h = layer(h, cos, sin, mask[:, None])
+            h = layer(h, cos, sin, masks[layer.self_attn.window])
         return self.norm(h)
 
 
