@@ -2,18 +2,21 @@
 
     python -m scripts.replicate --corpus DIR --out DIR [--budget-s 520] [--runs all]
         [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
-    python -m scripts.replicate --corpus DIR --out DIR --suite dose|horizon|context [--seeds 0,1] [--runs ARMS]
-        [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3]
+    python -m scripts.replicate --corpus DIR --out DIR --suite dose|horizon|adamw|context [--seeds 0,1] [--runs ARMS]
+        [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3] [--gpus N]
 
 Suites (issue 40: the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
 arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/`` with the tokenizer shared in
-``<out>/tokenizer`` (see :func:`suite_arms`):
+``<out>/tokenizer`` (see :func:`suite_arms`); ``--gpus N`` trains N runs at once, one per GPU:
 
 - ``dose`` (160 steps, Muon): softmax; Parallax at each ``--gains`` starting ρ-norm gain
   (``attention.parallax.rho_norm_init``); Parallax at ``--best-gain`` with the ρ-norm lr at 1× optimizer.lr
   (``optimizer.lr_mult_patterns``) instead of the norm group's 0.015×;
 - ``horizon`` (1,600 steps, validation every 200): softmax and Parallax at gain 1 and at ``--best-gain`` under
   Muon; softmax and Parallax (gain 1) under AdamW at each of ``--adamw-lrs``;
+- ``adamw`` (400 steps, validation every 100): the AdamW lr sweep alone, softmax and Parallax (gain 1) at each
+  ``--adamw-lrs``, shorter than the horizon so that the sweep is affordable; the horizon's AdamW pair then runs at
+  the lr it picks (``--suite horizon --adamw-lrs LR``);
 - ``context`` (160 steps, sequence 4096, batch 16: the same tokens per step as 64 × 1024): softmax, Parallax at
   gain 1 and at ``--best-gain``, each with ``causal`` and ``block_causal`` masks.
 
@@ -62,14 +65,17 @@ tokens), hence 1e-3.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import math
 import os
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +100,7 @@ SUITES = {  # suite -> steps, validation.freq and checkpoint.interval (0 = none:
     "dose": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=None, batch=None),
     "horizon": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
     "context": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=4096, batch=16),
+    "adamw": dict(steps=400, val_freq=100, ckpt_every=0, seq_len=None, batch=None),
 }
 RHO_NORM_LR_1X = ["--optimizer.lr_mult_patterns", "\\.r_norm\\.=1"]  # ρ-norm gain at 1× optimizer.lr
 
@@ -108,8 +115,9 @@ def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list
     if suite == "dose":
         return {"softmax_muon": softmax, **{f"parallax_g{g:g}_muon": _gain(g) for g in gains},
                 f"parallax_g{best_gain:g}_rnormlr1_muon": [*_gain(best_gain), *RHO_NORM_LR_1X]}
-    if suite == "horizon":
-        arms = {"softmax_muon": softmax, "parallax_g1_muon": _gain(1.0), f"parallax_g{best_gain:g}_muon": _gain(best_gain)}
+    if suite in ("horizon", "adamw"):
+        arms = {} if suite == "adamw" else {"softmax_muon": softmax, "parallax_g1_muon": _gain(1.0),
+                                            f"parallax_g{best_gain:g}_muon": _gain(best_gain)}
         for lr in adamw_lrs:
             adamw = [*ADAMW_NO_LR, "--optimizer.lr", f"{lr:g}"]
             arms[f"softmax_adamw_lr{lr:g}"] = [*softmax, *adamw]
@@ -222,11 +230,13 @@ def _env() -> dict:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _run(cmd: list[str], log: str, timeout: float, append: bool = False) -> tuple[bool, float]:
+def _run(cmd: list[str], log: str, timeout: float, append: bool = False, gpu: str | None = None) -> tuple[bool, float]:
+    """Run ``cmd`` with its output in ``log``; ``gpu``: the one device it sees (``CUDA_VISIBLE_DEVICES``)."""
     t0 = time.time()
+    env = _env() if gpu is None else {**_env(), "CUDA_VISIBLE_DEVICES": gpu}
     with open(log, "a" if append else "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 timeout=max(1.0, timeout)).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\n[replicate] killed after {timeout:.0f} s\n")
@@ -274,7 +284,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--gains", default="1,0.3,0.1", help="--suite dose: starting ρ-norm gains of the Parallax arms")
     ap.add_argument("--best-gain", type=float, default=0.1,
                     help="--suite: the gain of the 'best gain' arms (set it from the dose suite's result)")
-    ap.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3", help="--suite horizon: the AdamW lr sweep")
+    ap.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3", help="--suite horizon/adamw: the AdamW lrs")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="--suite: train this many runs at once, each on its own GPU (the first N visible ones)")
     ap.add_argument("--chunk-steps", type=int, default=0,
                     help="--suite: at most this many steps per train.py launch (0 = as many as fit the budget)")
     ap.add_argument("--ckpt-every", type=int, default=None,
@@ -317,6 +329,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in valid]
     if bad:
         ap.error(f"--runs: unknown {bad}; choose from {valid}")
+    if args.gpus < 1 or (args.gpus > 1 and not args.suite):
+        ap.error(f"--gpus {args.gpus}: 1, or with --suite any number up to the visible GPUs")
     return args
 
 
@@ -339,6 +353,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     import torch
 
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPUs are visible")
     compile_on = args.compile == "on" or (args.compile == "auto" and torch.cuda.is_available())
     budget = args.budget_s
     left = (lambda: budget - (time.time() - t0)) if budget > 0 else (lambda: float(args.timeout))  # noqa: E731
@@ -507,9 +523,17 @@ def _read_analysis(row: dict, dump: str) -> bool:
     return True
 
 
+def visible_gpus(n: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value of each of ``n`` parallel runs: the first ``n`` devices this process sees
+    (entries of its own ``CUDA_VISIBLE_DEVICES`` when that is set)."""
+    seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return (seen or [str(i) for i in range(n)])[:n]
+
+
 def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict):
-    """Train ``args.suite``'s arms × seeds in ``out`` (module docstring), resuming unfinished runs in chunks; ``left``:
-    seconds left in this call (None = no budget). Returns (rows, background analyses, paths to delete at the end)."""
+    """Train ``args.suite``'s arms × seeds in ``out`` (module docstring), resuming unfinished runs in chunks, up to
+    ``args.gpus`` runs at once (each on its own GPU, in arm order); ``left``: seconds left in this call (None = no
+    budget). Returns (rows, background analyses, paths to delete at the end)."""
     spec = SUITES[args.suite]
     arms = suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs)
     chosen = list(arms) if args.runs == "all" else args.runs.split(",")
@@ -518,66 +542,75 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
     # periodic full checkpoints: a launch killed at the end of a call loses at most ckpt_every steps
     ckpt_every = str(args.ckpt_every if args.ckpt_every is not None else spec["ckpt_every"] or 100000)
     est: dict[str, tuple[float, float]] = {}  # mechanism -> (fixed s per launch, training tokens/s), measured here
-    results, background, cleanup = [], [], []
     summary = os.path.join(out, "summary.json")  # earlier calls' rows (other seeds or arms) stay in the table
     earlier = {r["run"]: r for r in (json.load(open(summary))["runs"] if os.path.isfile(summary) else [])}
+    jobs = [(arm, seed) for arm in chosen for seed in args.seeds]
+    finished: dict[str, dict] = {}  # run name -> row, in finishing order
+    background, cleanup = [], []
+    lock = threading.Lock()  # finished, background, cleanup, summary.json
+    free_gpus: queue.Queue = queue.Queue()
+    for gpu in (visible_gpus(args.gpus) if args.gpus > 1 else [None]):
+        free_gpus.put(gpu)
 
     def table_rows() -> list[dict]:
-        return list({**earlier, **{r["run"]: r for r in results}}.values())
+        return list({**earlier, **finished}.values())
 
-    log.update(seeds=args.seeds, steps=steps, arms={a: arms[a] for a in chosen})
-    for arm in chosen:
-        for seed in args.seeds:
-            name, mech = f"{arm}_s{seed}", mechanism(arm)
-            dump = os.path.join(out, name)
-            flags = [*common, *arms[arm], "--debug.seed", str(seed), "--job.dump_folder", dump,
-                     "--training.steps", str(steps), "--metrics.log_freq", str(max(1, steps // 25)),
-                     "--validation.freq", val_freq, "--checkpoint.interval", ckpt_every]
-            row = {"run": name, "arm": arm, "seed": seed, "steps": steps, "tokens": steps * k, "seconds": 0.0}
-            args_file = os.path.join(dump, "train_args.json")
-            same = not args.fresh and os.path.isfile(args_file) and json.load(open(args_file)) == flags
-            done = read_metrics(dump) if same else {}
-            if done.get("step") == steps and done.get("val_loss") is not None:
-                row.update(**done, ok=True, cached=True, seconds=earlier.get(name, {}).get("seconds", 0.0))
-            else:
-                current = resumable_step(dump) if same else 0
-                if current:
-                    truncate_metrics(dump, current)
-                else:
-                    shutil.rmtree(dump, ignore_errors=True)
-                    os.makedirs(dump)
-                    with open(args_file, "w") as f:
-                        json.dump(flags, f)
-                row["resumed_from"] = current
-                while current < steps:
-                    # this mechanism's launch cost and speed, else another's at half the speed (Parallax is slower)
-                    fixed, tps = est.get(mech) or next(((f, t / 2) for f, t in est.values()), (0.0, 0.0))
-                    seconds = left() - args.margin_s if left is not None and tps else None
-                    stop = chunk_stop(current, steps, args.chunk_steps, seconds, fixed, tps, k)
-                    if stop <= current or (left is not None and left() <= args.margin_s):
-                        row.update(ok=False, paused=current, error=f"paused at step {current}/{steps} (no time "
-                                   "left); the same command resumes it")
-                        break
-                    chunk = ["--training.stop_after_step", str(stop)] if stop < steps else []
-                    timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
-                    ok, secs = _run([sys.executable, "-m", "scripts.replicate", "--train-one", *flags, *chunk],
-                                    os.path.join(dump, "train.log"), timeout, append=True)
-                    row["seconds"] = round(row["seconds"] + secs, 1)
-                    m = read_metrics(dump)
-                    if not ok and left is not None and left() <= args.margin_s + 10:  # killed at the budget's end
-                        current = resumable_step(dump)
-                        row.update(ok=False, paused=current, error=f"paused at step {current}/{steps} (stopped at "
-                                   "the budget's end); the same command resumes it")
-                        break
-                    if not ok:
-                        row.update(ok=False, error="see train.log: " + _tail(os.path.join(dump, "train.log"), 200)
-                                   .replace("\n", " | "))
-                        break
-                    if m.get("tps"):
-                        est[mech] = (max(0.0, secs - (stop - current) * k / m["tps"]) + 3.0, m["tps"])
-                    current = stop
-                else:
-                    row.update(ok=True, **read_metrics(dump))
+    def train(arm: str, seed: int, gpu: str | None) -> dict:
+        """One run to its last step (or paused at the budget's end); the row of the table."""
+        name, mech = f"{arm}_s{seed}", mechanism(arm)
+        dump = os.path.join(out, name)
+        flags = [*common, *arms[arm], "--debug.seed", str(seed), "--job.dump_folder", dump,
+                 "--training.steps", str(steps), "--metrics.log_freq", str(max(1, steps // 25)),
+                 "--validation.freq", val_freq, "--checkpoint.interval", ckpt_every]
+        row = {"run": name, "arm": arm, "seed": seed, "steps": steps, "tokens": steps * k, "seconds": 0.0}
+        args_file = os.path.join(dump, "train_args.json")
+        same = not args.fresh and os.path.isfile(args_file) and json.load(open(args_file)) == flags
+        done = read_metrics(dump) if same else {}
+        if done.get("step") == steps and done.get("val_loss") is not None:
+            return {**row, **done, "ok": True, "cached": True, "seconds": earlier.get(name, {}).get("seconds", 0.0)}
+        current = resumable_step(dump) if same else 0
+        if current:
+            truncate_metrics(dump, current)
+        else:
+            shutil.rmtree(dump, ignore_errors=True)
+            os.makedirs(dump)
+            with open(args_file, "w") as f:
+                json.dump(flags, f)
+        row["resumed_from"] = current
+        while current < steps:
+            # this mechanism's launch cost and speed, else another's at half the speed (Parallax is slower)
+            fixed, tps = est.get(mech) or next(((f, t / 2) for f, t in list(est.values())), (0.0, 0.0))
+            seconds = left() - args.margin_s if left is not None and tps else None
+            stop = chunk_stop(current, steps, args.chunk_steps, seconds, fixed, tps, k)
+            if stop <= current or (left is not None and left() <= args.margin_s):
+                return {**row, "ok": False, "paused": current,
+                        "error": f"paused at step {current}/{steps} (no time left); the same command resumes it"}
+            chunk = ["--training.stop_after_step", str(stop)] if stop < steps else []
+            timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
+            ok, secs = _run([sys.executable, "-m", "scripts.replicate", "--train-one", *flags, *chunk],
+                            os.path.join(dump, "train.log"), timeout, append=True, gpu=gpu)
+            row["seconds"] = round(row["seconds"] + secs, 1)
+            m = read_metrics(dump)
+            if not ok and left is not None and left() <= args.margin_s + 10:  # killed at the budget's end
+                current = resumable_step(dump)
+                return {**row, "ok": False, "paused": current, "error": f"paused at step {current}/{steps} "
+                        "(stopped at the budget's end); the same command resumes it"}
+            if not ok:
+                return {**row, "ok": False,
+                        "error": "see train.log: " + _tail(os.path.join(dump, "train.log"), 200).replace("\n", " | ")}
+            if m.get("tps"):
+                est[mech] = (max(0.0, secs - (stop - current) * k / m["tps"]) + 3.0, m["tps"])
+            current = stop
+        return {**row, "ok": True, **read_metrics(dump)}
+
+    def job(arm: str, seed: int) -> dict:
+        gpu = free_gpus.get()
+        try:
+            row = train(arm, seed, gpu)
+        finally:
+            free_gpus.put(gpu)
+        dump = os.path.join(out, row["run"])
+        with lock:
             if row["ok"] and not args.no_analyze:
                 if row.get("cached") and _read_analysis(row, dump):
                     pass
@@ -586,8 +619,15 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             if row["ok"] and not args.keep_checkpoints:
                 cleanup.append(os.path.join(dump, "checkpoint"))
             print(json.dumps(row), flush=True)
-            results.append(row)
+            finished[row["run"]] = row
             write_summary(out, table_rows(), log)
+        return row
+
+    log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arms={a: arms[a] for a in chosen})
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.gpus) as pool:
+        rows = list(pool.map(lambda j: job(*j), jobs))
+    finished.clear()  # this call's rows in arm order, not finishing order
+    finished.update({r["run"]: r for r in rows})
     return table_rows(), background, cleanup
 
 

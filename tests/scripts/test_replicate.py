@@ -144,6 +144,10 @@ def test_suite_arms_flags():
     flags = horizon["parallax_g1_adamw_lr0.002"]
     assert flags[flags.index("--optimizer.name") + 1] == "adamw" and flags.count("--optimizer.lr") == 1
     assert flags[flags.index("--optimizer.lr") + 1] == "0.002"
+    sweep = R.suite_arms("adamw", [], 0.3, [5e-4, 1e-3])
+    assert list(sweep) == ["softmax_adamw_lr0.0005", "parallax_g1_adamw_lr0.0005", "softmax_adamw_lr0.001",
+                           "parallax_g1_adamw_lr0.001"]
+    assert sweep["parallax_g1_adamw_lr0.001"] == horizon["parallax_g1_adamw_lr0.001"]
     context = R.suite_arms("context", [], 0.1, [])
     assert len(context) == 6 and context["parallax_g0.1_muon_causal"][-2:] == ["--model.attn_mask_type", "causal"]
     assert context["softmax_muon_block_causal"][-1] == "block_causal"
@@ -215,3 +219,43 @@ def test_dose_suite_chunks_resume_and_records_gain_cpu(tmp_path):
     again = R.main(argv)
     assert all(r.get("cached") for r in again) and again[1]["rho_gain"] == rows[1]["rho_gain"]
     assert [r["seconds"] for r in again] == [r["seconds"] for r in rows]
+
+
+def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
+    """--gpus 2: two runs train at once, each child sees one device (CUDA_VISIBLE_DEVICES), every run lands in
+    summary.json and the table keeps arm order, whatever order the runs finish in."""
+    import threading
+    import time
+
+    _tiny_corpus(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    active, peak, seen, lock = [0], [0], {}, threading.Lock()
+
+    def fake_run(cmd, log, timeout, append=False, gpu=None):
+        if "--train-one" not in cmd:  # plot_ppl
+            return True, 0.0
+        dump = cmd[cmd.index("--job.dump_folder") + 1]
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            seen[os.path.basename(dump)] = gpu
+        time.sleep(0.3 if "softmax" in dump else 0.05)  # the first arm finishes last
+        with open(os.path.join(dump, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 4, "loss": 5.0, "tps": 100.0}) + "\n")
+            f.write(json.dumps({"step": 4, "val_loss": 5.1, "val_ppl": math.exp(5.1)}) + "\n")
+        with lock:
+            active[0] -= 1
+        return True, 0.1
+
+    monkeypatch.setattr(R, "_run", fake_run)
+    runs = "softmax_muon,parallax_g1_muon,parallax_g0.1_muon"
+    rows = R.main(["--corpus", str(tmp_path), "--out", str(tmp_path / "out"), "--flavor", "debug", "--steps", "4",
+                   "--vocab", "300", "--tokenizer-docs", "40", "--suite", "dose", "--runs", runs, "--seeds", "0",
+                   "--gpus", "2", "--no-analyze", "--compile", "off"])
+    assert peak[0] == 2
+    assert [r["run"] for r in rows] == [f"{a}_s0" for a in runs.split(",")] and all(r["ok"] for r in rows)
+    assert set(seen.values()) == {"5", "7"} and len(seen) == 3
+    summary = json.load(open(tmp_path / "out" / "dose" / "summary.json"))
+    assert [r["run"] for r in summary["runs"]] == [r["run"] for r in rows] and summary["gpus"] == 2
+    with pytest.raises(SystemExit):
+        R.parse_args(["--corpus", "x", "--gpus", "2"])  # only a suite runs several at once
