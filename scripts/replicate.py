@@ -222,7 +222,14 @@ def read_metrics(run_dir: str) -> dict:
     tps = [r["tps"] for r in train if r["step"] > 1 and "tps" in r]
     return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
             "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
+            "val_step": val[-1]["step"] if val else None,
             "tps": statistics.median(tps) if tps else None}
+
+
+def finished_at(metrics: dict, steps: int) -> bool:
+    """Whether the run of ``metrics`` (:func:`read_metrics`) reached ``steps``: every run validates at its last step,
+    while its last logged training step can be earlier (log steps are multiples of ``metrics.log_freq``)."""
+    return metrics.get("val_step") == steps and metrics.get("val_loss") is not None
 
 
 def _env() -> dict:
@@ -272,8 +279,9 @@ def _tail(path: str, n: int = 400) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", required=True,
-                    help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used)")
+    ap.add_argument("--corpus", default="",
+                    help="folder with val.jsonl.gz and train-*.jsonl.gz (all train shards there are used); "
+                         "required unless --report")
     ap.add_argument("--out", default=os.path.join(REPO, "runs", "replication"),
                     help="folder of the runs, plots and summary")
     ap.add_argument("--runs", default="all",
@@ -313,6 +321,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-analyze", action="store_true", help="skip analyze.py on the finished runs")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep <run>/checkpoint (large) after the analyses")
     ap.add_argument("--fresh", action="store_true", help="retrain runs that already finished in --out")
+    ap.add_argument("--report", action="store_true",
+                    help="--suite: rebuild <out>/<suite>'s table, summary and plots from its run folders; no training")
     ap.add_argument("extra", nargs="*", help="more train.py flags for every run (after --)")
     args = ap.parse_args(argv)
     try:
@@ -329,6 +339,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in valid]
     if bad:
         ap.error(f"--runs: unknown {bad}; choose from {valid}")
+    if args.report and not args.suite:
+        ap.error("--report needs --suite")
+    if not args.corpus and not args.report:
+        ap.error("--corpus is required (a folder with val.jsonl.gz and train-*.jsonl.gz)")
     if args.gpus < 1 or (args.gpus > 1 and not args.suite):
         ap.error(f"--gpus {args.gpus}: 1, or with --suite any number up to the visible GPUs")
     return args
@@ -361,6 +375,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     log = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "compile": compile_on,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
+    if args.report:
+        suite_out = os.path.join(out, args.suite)
+        log.update({k: v for k, v in (json.load(open(os.path.join(suite_out, "summary.json")))
+                                      if os.path.isfile(os.path.join(suite_out, "summary.json")) else {}).items()
+                    if k != "runs"}, report=log["started"])
+        return finish(suite_out, report_rows(suite_out), [], [], log, left, t0)
     train_files = sorted(glob.glob(os.path.join(args.corpus, "train-*.jsonl.gz")))
     val_file = os.path.join(args.corpus, "val.jsonl.gz")
     if not train_files or not os.path.isfile(val_file):
@@ -388,7 +408,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.makedirs(suite_out, exist_ok=True)
         log["suite"] = args.suite
         results, background, cleanup = run_suite(args, suite_out, common, val_file, left if budget > 0 else None, log)
-        return finish(suite_out, results, background, cleanup, log, left, t0)
+        return finish(suite_out, results, background, cleanup, log, left, t0, merge=True)
 
     # ---- calibration: fixed cost per run and training tokens/s per mechanism (warms the compile cache)
     fixed: dict[str, float] = {}
@@ -460,7 +480,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             done = read_metrics(dump)
             stale = name == "converted" and any(r["run"] == "softmax_muon" and not r.get("cached") for r in results)
             need_ckpt = name == "softmax_muon" and "converted" in names
-            if (not args.fresh and not stale and done.get("step") == n_steps and done.get("val_loss") is not None
+            if (not args.fresh and not stale and finished_at(done, n_steps)
                     and (not need_ckpt or os.path.isdir(os.path.join(dump, "checkpoint")))):
                 row.update(**done, ok=True, seconds=0.0, cached=True)  # finished earlier: reuse
                 ok = True
@@ -542,18 +562,13 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
     # periodic full checkpoints: a launch killed at the end of a call loses at most ckpt_every steps
     ckpt_every = str(args.ckpt_every if args.ckpt_every is not None else spec["ckpt_every"] or 100000)
     est: dict[str, tuple[float, float]] = {}  # mechanism -> (fixed s per launch, training tokens/s), measured here
-    summary = os.path.join(out, "summary.json")  # earlier calls' rows (other seeds or arms) stay in the table
-    earlier = {r["run"]: r for r in (json.load(open(summary))["runs"] if os.path.isfile(summary) else [])}
+    earlier = {r["run"]: r for r in summary_rows(out)}  # earlier calls' rows (other seeds or arms) stay in the table
     jobs = [(arm, seed) for arm in chosen for seed in args.seeds]
-    finished: dict[str, dict] = {}  # run name -> row, in finishing order
     background, cleanup = [], []
-    lock = threading.Lock()  # finished, background, cleanup, summary.json
+    lock = threading.Lock()  # background, cleanup, summary.json
     free_gpus: queue.Queue = queue.Queue()
     for gpu in (visible_gpus(args.gpus) if args.gpus > 1 else [None]):
         free_gpus.put(gpu)
-
-    def table_rows() -> list[dict]:
-        return list({**earlier, **finished}.values())
 
     def train(arm: str, seed: int, gpu: str | None) -> dict:
         """One run to its last step (or paused at the budget's end); the row of the table."""
@@ -566,7 +581,7 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
         args_file = os.path.join(dump, "train_args.json")
         same = not args.fresh and os.path.isfile(args_file) and json.load(open(args_file)) == flags
         done = read_metrics(dump) if same else {}
-        if done.get("step") == steps and done.get("val_loss") is not None:
+        if finished_at(done, steps):
             return {**row, **done, "ok": True, "cached": True, "seconds": earlier.get(name, {}).get("seconds", 0.0)}
         current = resumable_step(dump) if same else 0
         if current:
@@ -619,45 +634,90 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             if row["ok"] and not args.keep_checkpoints:
                 cleanup.append(os.path.join(dump, "checkpoint"))
             print(json.dumps(row), flush=True)
-            finished[row["run"]] = row
-            write_summary(out, table_rows(), log)
+            write_summary(out, [row], log, merge=True)
         return row
 
     log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arms={a: arms[a] for a in chosen})
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.gpus) as pool:
-        rows = list(pool.map(lambda j: job(*j), jobs))
-    finished.clear()  # this call's rows in arm order, not finishing order
-    finished.update({r["run"]: r for r in rows})
-    return table_rows(), background, cleanup
+        rows = list(pool.map(lambda j: job(*j), jobs))  # in arm order, not finishing order
+    return rows, background, cleanup
 
 
-def finish(out: str, results: list[dict], background, cleanup: list[str], log: dict, left, t0: float) -> list[dict]:
-    """Wait for the analyses, delete ``cleanup``, plot, write summary.json and table.txt, print the table."""
+def finish(out: str, results: list[dict], background, cleanup: list[str], log: dict, left, t0: float,
+           merge: bool = False) -> list[dict]:
+    """Wait for the analyses, delete ``cleanup``, plot, write summary.json and table.txt, print the table.
+    ``merge``: keep the rows that other calls or processes wrote to summary.json (:func:`write_summary`). Returns
+    the table's rows."""
     for row, dump, proc in background:
         if not (_wait(proc, max(5.0, left() - 10)) and _read_analysis(row, dump)):
             row["analysis_error"] = _tail(os.path.join(dump, "analyze.log"), 200)
     for path in cleanup:
         shutil.rmtree(path, ignore_errors=True)
-    ran = [os.path.join(out, r["run"]) for r in results if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
+    rows = write_summary(out, results, log, merge)
+    ran = [os.path.join(out, r["run"]) for r in rows if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
     if ran:
         _run([sys.executable, "-m", "scripts.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png")],
              os.path.join(out, "plot_ppl.log"), 120)
     try:
-        plot_diagnostics(out, [r["run"] for r in results])
+        plot_diagnostics(out, [r["run"] for r in rows])
     except Exception as e:  # plotting must not lose the table
         log["diagnostics_plot_error"] = f"{type(e).__name__}: {e}"
     log["total_s"] = round(time.time() - t0, 1)
-    write_summary(out, results, log)
-    table = format_table(results, log)
+    rows = write_summary(out, rows, log, merge)
+    table = format_table(rows, log)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(table + "\n")
     print(table, flush=True)
-    return results
+    return rows
 
 
-def write_summary(out: str, rows: list[dict], log: dict) -> None:
-    with open(os.path.join(out, "summary.json"), "w") as f:
+def summary_rows(out: str) -> list[dict]:
+    """The rows of ``<out>/summary.json`` ([] if there is none)."""
+    path = os.path.join(out, "summary.json")
+    return json.load(open(path))["runs"] if os.path.isfile(path) else []
+
+
+def write_summary(out: str, rows: list[dict], log: dict, merge: bool = False) -> list[dict]:
+    """Write ``<out>/summary.json`` (atomically) and return its rows. ``merge``: ``rows`` replace the file's rows of
+    the same run and the others stay, so suite processes that share ``out`` (one per GPU, or later calls) never
+    drop each other's rows."""
+    if merge:  # the file's other rows first, then ``rows`` in their order
+        names = {r["run"] for r in rows}
+        rows = [r for r in summary_rows(out) if r["run"] not in names] + rows
+    path = os.path.join(out, "summary.json")
+    with open(path + ".tmp", "w") as f:
         json.dump({"runs": rows, **log}, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    return rows
+
+
+def report_rows(out: str) -> list[dict]:
+    """The table of a suite folder rebuilt from its run folders (``train_args.json``, ``metrics.jsonl``,
+    ``analysis/``), without training: rows in summary.json's order, then the other runs by name."""
+    old = {r["run"]: r for r in summary_rows(out)}
+    dumps = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(out, "*", "train_args.json")))
+    order = {name: i for i, name in enumerate(old)}
+    dumps.sort(key=lambda d: (order.get(os.path.basename(d), len(order)), os.path.basename(d)))
+    rows = []
+    for dump in dumps:
+        name, flags = os.path.basename(dump), json.load(open(os.path.join(dump, "train_args.json")))
+
+        def flag(key: str) -> int:  # the last occurrence wins, as in train.py
+            return int(flags[len(flags) - flags[::-1].index(key)])
+
+        steps = flag("--training.steps")
+        arm, _, seed = name.rpartition("_s")
+        m = read_metrics(dump)
+        row = {"run": name, "arm": arm, "seed": int(seed), "steps": steps,
+               "tokens": steps * flag("--training.local_batch_size") * flag("--training.seq_len"),
+               "seconds": old.get(name, {}).get("seconds"), **m}
+        row["ok"] = finished_at(m, steps)
+        if not row["ok"]:
+            row.update(paused=m.get("step") or 0, error=f"stopped near step {m.get('step') or 0}/{steps}; "
+                       "the suite's command resumes it")
+        _read_analysis(row, dump)
+        rows.append(row)
+    return rows
 
 
 def plot_diagnostics(out: str, names: list[str]) -> str | None:
@@ -714,9 +774,9 @@ def format_table(rows: list[dict], log: dict | None = None) -> str:
         lines.append(f"{r['run']:<{w}}{r['steps']:>6}{r['tokens']:>12,}{fmt(r.get('val_ppl'), '9.2f')}"
                      f"{fmt(r.get('val_loss'), '9.4f')}{fmt(r.get('cor'), '7.3f')}{fmt(r.get('cpa'), '7.3f')}"
                      f"{fmt(r.get('probe_norm'), '7.2f')}{fmt(r.get('rho_gain'), '7.3f')}"
-                     f"{fmt(r.get('srank_wr'), '8.2f')}{r.get('seconds', 0):>7.0f}  {status}")
+                     f"{fmt(r.get('srank_wr'), '8.2f')}{fmt(r.get('seconds'), '7.0f')}  {status}")
     if log:
-        lines.append(f"tokens/step {log.get('tokens_per_step'):,}; val tokens {log.get('val_tokens')}; "
+        lines.append(f"tokens/step {log.get('tokens_per_step') or 0:,}; val tokens {log.get('val_tokens')}; "
                      f"compile {log.get('compile')}; {log.get('device')}; total {log.get('total_s')} s; "
                      f"calibration {log.get('calibration', '-')}")
     return "\n".join(lines)

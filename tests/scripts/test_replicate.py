@@ -259,3 +259,23 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     assert [r["run"] for r in summary["runs"]] == [r["run"] for r in rows] and summary["gpus"] == 2
     with pytest.raises(SystemExit):
         R.parse_args(["--corpus", "x", "--gpus", "2"])  # only a suite runs several at once
+
+    # the table is rebuilt from the run folders alone, in the summary's order, without training
+    runs_before = [r["run"] for r in summary["runs"]]
+    summary["runs"] = summary["runs"][:1]  # as if a second process had overwritten the summary
+    json.dump(summary, open(tmp_path / "out" / "dose" / "summary.json", "w"))
+    seen.clear()
+    report = R.main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
+    assert not seen and [r["run"] for r in report][0] == runs_before[0]
+    assert sorted(r["run"] for r in report) == sorted(runs_before)
+    assert all(r["ok"] and r["steps"] == 4 and r["val_ppl"] == pytest.approx(math.exp(5.1)) for r in report)
+    assert "parallax_g0.1_muon_s0" in (tmp_path / "out" / "dose" / "table.txt").read_text()
+
+
+def test_write_summary_merges_rows_of_other_processes(tmp_path):
+    R.write_summary(str(tmp_path), [{"run": "a", "v": 1}, {"run": "b", "v": 1}], {"x": 1}, merge=True)
+    R.write_summary(str(tmp_path), [{"run": "c", "v": 2}], {"x": 2}, merge=True)  # another process, another run
+    rows = R.write_summary(str(tmp_path), [{"run": "a", "v": 3}], {"x": 3}, merge=True)
+    assert [(r["run"], r["v"]) for r in rows] == [("b", 1), ("c", 2), ("a", 3)]
+    assert R.summary_rows(str(tmp_path)) == rows and json.load(open(tmp_path / "summary.json"))["x"] == 3
+    assert R.write_summary(str(tmp_path), [{"run": "z"}], {}) == [{"run": "z"}]  # no merge: the rows given
