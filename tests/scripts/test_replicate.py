@@ -45,8 +45,11 @@ def test_read_metrics_median_tps_skips_step_one(tmp_path):
             {"step": 15, "val_loss": 6.9, "val_ppl": math.exp(6.9)}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     m = R.read_metrics(str(tmp_path))
-    assert m == {"val_loss": 6.9, "val_ppl": math.exp(6.9), "train_loss": 6.5, "step": 15, "tps": 200.0}
+    assert m == {"val_loss": 6.9, "val_ppl": math.exp(6.9), "train_loss": 6.5, "step": 15, "val_step": 15,
+                 "tps": 200.0}
     assert R.read_metrics(str(tmp_path / "missing")) == {}
+    # finished = validated at the last step, although the last logged training step can be earlier
+    assert R.finished_at(m, 15) and not R.finished_at(m, 16) and not R.finished_at({"step": 15}, 15)
 
 
 def test_parse_args_rejects_unknown_runs():
