@@ -131,3 +131,21 @@ def test_cuda_decode_kernel_matches_full_forward(mech, dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     for i, step in enumerate(res.step_logits):
         torch.testing.assert_close(step, full[:, i], rtol=tol, atol=tol)
+
+
+def test_decode_builds_the_rope_table_once(monkeypatch):
+    """Decoding gathers from the model's RoPE table: one table for the whole generation, none per step or layer
+    (a per-step table grows with the position), and the tokens equal the full forward's."""
+    import attention.base
+    import models.model
+
+    model = _tiny("parallax")
+    prompt = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref, _ = _full_greedy(model, prompt, 4)
+    model._rope_tables.clear()
+    built = []
+    real = models.model.precompute_rope_cache
+    monkeypatch.setattr(models.model, "precompute_rope_cache", lambda *a: built.append(a) or real(*a))
+    monkeypatch.setattr(attention.base, "precompute_rope_cache", lambda *a: pytest.fail("RoPE table built per step"))
+    res = generate(model, prompt, 4, greedy=True)
+    assert torch.equal(res.tokens, ref) and len(built) == 1
