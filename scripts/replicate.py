@@ -681,13 +681,17 @@ def write_summary(out: str, rows: list[dict], log: dict, merge: bool = False) ->
     """Write ``<out>/summary.json`` (atomically) and return its rows. ``merge``: ``rows`` replace the file's rows of
     the same run and the others stay, so suite processes that share ``out`` (one per GPU, or later calls) never
     drop each other's rows."""
-    if merge:  # the file's other rows first, then ``rows`` in their order
-        names = {r["run"] for r in rows}
-        rows = [r for r in summary_rows(out) if r["run"] not in names] + rows
+    import fcntl
+
     path = os.path.join(out, "summary.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"runs": rows, **log}, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    with open(path + ".lock", "w") as lock:  # read-merge-write as one step across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if merge:  # the file's other rows first, then ``rows`` in their order
+            names = {r["run"] for r in rows}
+            rows = [r for r in summary_rows(out) if r["run"] not in names] + rows
+        with open(path + ".tmp", "w") as f:
+            json.dump({"runs": rows, **log}, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
     return rows
 
 
