@@ -155,6 +155,34 @@ def nonfinite_names(named: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, good in zip(named, ok.cpu().tolist()) if not good]
 
 
+RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
+"""Architecture-record fields (dotted paths into ``models.hf.args_to_dict``) a resume may change: they choose
+kernels and table sizes, not the weights' meaning."""
+
+INIT_ONLY_FIELDS = ("attention_options.parallax.wr_init", "attention_options.parallax.rho_norm_init",
+                    "attention_options.parallax.rho_gate_bias")
+"""Architecture-record fields a resume may change because they only set initial weights (W_R, ρ's RMSNorm gain,
+the ρ gate's bias): a resume loads those weights from the checkpoint, so their initialisation is never used. A
+run started under one default of these options resumes under another."""
+
+
+def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """{dotted field: (old, new)} where the architecture records ``old`` (the checkpoint's ``attnlab.json``) and
+    ``new`` (the model built) differ, nested dicts compared key by key. Only keys present in both count: a
+    checkpoint recorded before an option existed resumes with that option's default. :data:`RUNTIME_FIELDS` and
+    :data:`INIT_ONLY_FIELDS` never count."""
+    out = {}
+    for k, v in old.items():
+        path = prefix + k
+        if path in RUNTIME_FIELDS or path in INIT_ONLY_FIELDS or k not in new:
+            continue
+        if isinstance(v, dict) and isinstance(new[k], dict):
+            out.update(architecture_changes(v, new[k], path + "."))
+        elif v != new[k]:
+            out[path] = (v, new[k])
+    return out
+
+
 class AttnTrainer(Trainer):
     """torchtitan's Trainer plus RNG state, the run lock, resume checks, checkpoint save guards and the
     non-finite guard.
@@ -483,15 +511,12 @@ class AttnTrainer(Trainer):
                        "initialisation")
         self._partial_load = True
 
-    _RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
-    """ModelArgs fields a resume may change: they choose kernels and table sizes, not the weights' meaning."""
-
     def _changed_architecture(self, path: str) -> dict[str, tuple]:
         """{field: (checkpoint's, this run's)} of the architecture record ``attnlab.json`` next to the
-        checkpoint that differ from the model built; on a resume, same keys with other values
-        (``attn_mask_type``, mechanism options such as ``rho_norm_init``) would otherwise continue silently as a
-        different model. Not checked for model-only initial loads: a new run may start from weights with
-        another mask or options on purpose (an imported HF model trained with packed documents)."""
+        checkpoint that differ from the model built (:func:`architecture_changes`); on a resume, same keys with
+        other values (``attn_mask_type``, mechanism options such as ``window_size``) would otherwise continue
+        silently as a different model. Not checked for model-only initial loads: a new run may start from weights
+        with another mask or options on purpose (an imported HF model trained with packed documents)."""
         from models.hf import SIDECAR, args_to_dict
 
         rec = os.path.join(path, SIDECAR)
@@ -500,20 +525,7 @@ class AttnTrainer(Trainer):
         with open(rec) as f:
             old = json.load(f)
         new = json.loads(json.dumps(args_to_dict(self.model_args)))  # tuples as JSON lists, like the record
-
-        def diff(a: dict, b: dict, prefix: str = "") -> dict[str, tuple]:
-            # only fields the record has: a checkpoint from before an option existed resumes with its default
-            out = {}
-            for k, v in a.items():
-                if k in self._RUNTIME_FIELDS or k not in b:
-                    continue
-                if isinstance(v, dict) and isinstance(b[k], dict):
-                    out.update(diff(v, b[k], f"{prefix}{k}."))
-                elif v != b[k]:
-                    out[prefix + k] = (v, b[k])
-            return out
-
-        return diff(old, new)
+        return architecture_changes(old, new)
 
     def _prepare_dataloader_reshard(self, path: str) -> None:
         """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from

@@ -341,3 +341,35 @@ def test_free_space_is_checked_at_start(tmp_path, monkeypatch, caplog):
         train.check_free_space(str(tmp_path / "ck"), 20 * mib, 2)
     train.check_free_space(str(tmp_path / "ck"), 4 * mib, 2)
     assert "may not hold checkpoint.keep_latest_k=2 checkpoints" in caplog.text
+
+
+def test_architecture_changes_ignore_init_only_options():
+    """The resume guard's comparison of two architecture records (``attnlab.json``): options that only set initial
+    weights (W_R, ρ's RMSNorm gain, the gate's bias) and runtime fields may differ; the mask type and mechanism
+    options that change the function may not; a key the checkpoint's record lacks is ignored."""
+    import dataclasses
+    import json
+
+    from attention.parallax import ParallaxOptions
+    from models.args import ModelArgs
+    from models.hf import args_to_dict
+    from train import INIT_ONLY_FIELDS, architecture_changes
+
+    def record(mask="block_causal", **opts):
+        args = ModelArgs(attention="parallax", attn_mask_type=mask,
+                         attention_options={"parallax": dataclasses.replace(ParallaxOptions(rho_gate=True), **opts)})
+        return json.loads(json.dumps(args_to_dict(args)))  # as the trainer writes and reads it
+
+    old = record(rho_norm_init=1.0, wr_init="zero", rho_gate_bias=2.0)
+    assert {f.rsplit(".", 1)[1] for f in INIT_ONLY_FIELDS} == {"wr_init", "rho_norm_init", "rho_gate_bias"}
+    assert architecture_changes(old, record()) == {}
+    assert architecture_changes(old, {**record(), "max_seq_len": 8192, "attn_impl": "reference"}) == {}
+    assert architecture_changes(record(), record(window_size=4)) == {"attention_options.parallax.window_size": (0, 4)}
+    assert architecture_changes(record(), record(mask="causal")) == {"attn_mask_type": ("block_causal", "causal")}
+    # an init-only field changed together with a real one: only the real one is reported
+    assert architecture_changes(old, record(rope_on_rho=False)) == {
+        "attention_options.parallax.rope_on_rho": (True, False)}
+    # a record written before an option existed resumes with the option's current value
+    older = record()
+    del older["attention_options"]["parallax"]["window_size"], older["attn_mask_type"]
+    assert architecture_changes(older, record(window_size=4, mask="causal")) == {}
