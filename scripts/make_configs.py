@@ -19,12 +19,17 @@ from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
+PAPER_RHO_NORM_INIT = ("rho_norm_init = 1.0  "
+                       "# the paper's recipe as written (RMSNorm's default gain); framework default 0.1\n")
+"""ρ's RMSNorm gain, set in every Parallax config: the paper does not state it, so its recipe as written is
+RMSNorm's default 1, while ``attention.parallax.rho_norm_init`` defaults to 0.1 (docs/mechanisms.md)."""
+
 MODELS = {  # suffix -> (flavor suffix, attention, [attention.*] table)
     "softmax": ("", "softmax", ""),
     "softmax_t24": ("-T24", "softmax", ""),
-    "parallax": ("", "parallax", "[attention.parallax]\nrope_on_rho = true\n"),
-    "parallax_norope": ("", "parallax", "[attention.parallax]\nrope_on_rho = false\n"),
-    "parallax_p64": ("-P64", "parallax", "[attention.parallax]\nrope_on_rho = true\n"),
+    "parallax": ("", "parallax", "[attention.parallax]\nrope_on_rho = true\n" + PAPER_RHO_NORM_INIT),
+    "parallax_norope": ("", "parallax", "[attention.parallax]\nrope_on_rho = false\n" + PAPER_RHO_NORM_INIT),
+    "parallax_p64": ("-P64", "parallax", "[attention.parallax]\nrope_on_rho = true\n" + PAPER_RHO_NORM_INIT),
 }
 OPTIMS = {  # suffix -> ([optimizer], [lr_scheduler])
     "": ('name = "muon"\nlr = 5e-3\nweight_decay = 0.1\nmuon_momentum = 0.95\nmuon_ns_steps = 5\n'

@@ -53,3 +53,12 @@ def test_paper_values():
     cos = parse_config(["--job.config_file", str(PAPER / "qwen3_1.7b_softmax_adamw_cosine.toml")])
     assert (cos.optimizer.name, cos.optimizer.lr, cos.lr_scheduler.warmup_fraction) == ("AdamW", 3e-4, 0.01)
     assert cos.training.global_batch_size == 1920
+
+
+@pytest.mark.parametrize("path", sorted(PAPER.glob("*.toml")), ids=lambda p: p.stem)
+def test_paper_parallax_configs_use_the_papers_gain(path):
+    """Every paper config that builds Parallax layers sets ρ's RMSNorm gain to the paper's 1.0 (its recipe as
+    written), not the framework default."""
+    cfg = parse_config(["--job.config_file", str(path)])
+    if "parallax" in [cfg.model.attention, *cfg.model.layer_pattern]:
+        assert cfg.attention.parallax.rho_norm_init == 1.0
