@@ -10,6 +10,7 @@ import math
 import torch
 
 import attention
+from attention.parallax import ParallaxOptions
 from models.hf import CheckpointError, build_model, progress_bar
 
 
@@ -28,8 +29,13 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     return sorted(out)
 
 
+DEFAULT_RHO_NORM_INIT = ParallaxOptions().rho_norm_init
+"""The conversion's gain of ρ's RMSNorm unless told otherwise: the module default, so a converted model's ρ starts as
+strong as that of a Parallax model trained from scratch."""
+
+
 def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False,
-                  rho_norm_init=1.0):
+                  rho_norm_init=DEFAULT_RHO_NORM_INIT):
     """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0 and ρ's RMSNorm gain
     ``rho_norm_init`` (any gain keeps ρ = 0, so the function is unchanged; the gain sets how strong ρ is once
     W_R moves: ‖ρ‖ = √head_dim · gain as soon as W_R x ≠ 0). Every converted layer must be softmax attention;
@@ -89,9 +95,10 @@ def add_conversion_arguments(ap, when: str = "") -> None:
     ap.add_argument("--rho-gate", action="store_true", help=f"{w}add the per-head sigmoid gate on ρ (weights 0)")
     ap.add_argument("--gate-bias", type=float, default=0.0, help=f"{w}initial gate bias (σ(bias) = initial gate)")
     ap.add_argument("--no-rope-on-rho", action="store_true", help=f"{w}do not apply RoPE to ρ")
-    ap.add_argument("--rho-norm-init", type=float, default=1.0,
+    ap.add_argument("--rho-norm-init", type=float, default=DEFAULT_RHO_NORM_INIT,
                     help=f"{w}gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
-                         "‖ρ‖ = √head_dim · gain once W_R moves)")
+                         "‖ρ‖ = √head_dim · gain once W_R moves; default: the module default, "
+                         f"{DEFAULT_RHO_NORM_INIT:g}; 1 is the Parallax paper's recipe as written)")
 
 
 CONVERSION_OPTIONS = ("layers", "top_half", "rho_gate", "gate_bias", "no_rope_on_rho", "rho_norm_init")

@@ -4,10 +4,12 @@
                                           [--rho-gate --gate-bias B] [--no-rope-on-rho]
 
 SRC is a run folder (latest step, or ``--step N``), a DCP step folder (``<dump>/checkpoint/step-N``) or a
-Hugging Face Qwen3 safetensors folder; DST is written in the same format. Each converted layer gets ``wr = 0`` (so ρ = RMSNorm(0) = 0 and Parallax
-reduces to softmax attention, Parallax paper §5), ``r_norm`` weights ``--rho-norm-init`` (1) and, with ``--rho-gate``, a gate
-with zero weights and bias ``--gate-bias``. Before anything is written both models run on a fixed batch in
-float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes nothing.
+Hugging Face Qwen3 safetensors folder; DST is written in the same format. Each converted layer gets ``wr = 0`` (so
+ρ = RMSNorm(0) = 0 and Parallax reduces to softmax attention, Parallax paper §5), ``r_norm`` weights
+``--rho-norm-init`` (default: the module's, ``attention.parallax.rho_norm_init``; 1 is the paper's recipe as written)
+and, with ``--rho-gate``, a gate with zero weights and bias ``--gate-bias``. Before anything is written both
+models run on a fixed batch in float32; DST is written only if max |Δlogits| ≤ ``--tol`` (1e-5). Any failure writes
+nothing.
 
 A DCP folder records no architecture: it is read from the run's ``config.toml``, else the folder's
 ``attnlab.json`` (the trainer writes one into every step folder, mask type included), else inferred from tensor

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention.parallax import ParallaxOptions
 from models.hf import build_model, load_checkpoint, load_dcp_state
 from scripts import convert_to_parallax as conv
 from scripts import export_hf
@@ -51,9 +52,11 @@ def test_convert_same_loss_then_finetune(trained):
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a_px, sd_px = load_checkpoint(dst)
     assert set(a_px.layer_mechanisms()) == {"parallax"} and a_px.vocab_size == 64
+    gain = ParallaxOptions().rho_norm_init  # the conversion's default gain is the module's
+    assert a_px.attention_options["parallax"].rho_norm_init == gain
     for i in range(a_px.n_layers):
         assert torch.count_nonzero(sd_px[f"layers.{i}.attention.wr.weight"]) == 0
-        assert torch.equal(sd_px[f"layers.{i}.attention.r_norm.weight"], torch.ones(32))
+        assert torch.equal(sd_px[f"layers.{i}.attention.r_norm.weight"], torch.full((32,), gain))
     tokens = _batch(corpus)
     # the same kernel on both sides: bit-identical (ρ = RMSNorm(0) = 0 makes Parallax's weights p·(1 + 0 − 0) = p)
     assert torch.equal(_loss(a_sm, sd_sm, tokens, "reference"), _loss(a_px, sd_px, tokens, "reference"))
@@ -80,14 +83,14 @@ def test_top_half_with_gate_and_hf_source(trained):
     tokens = _batch(corpus)
     dst = root / "top"
     assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho",
-                    "--rho-norm-init", "0.1") == 0
+                    "--rho-norm-init", "1") == 0
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a, sd = load_checkpoint(dst)
     assert a.layer_mechanisms() == ["softmax", "softmax", "parallax", "parallax"]
     o = a.attention_options["parallax"]
-    assert (o.rho_gate, o.rho_gate_bias, o.rope_on_rho, o.rho_norm_init) == (True, 1.5, False, 0.1)
+    assert (o.rho_gate, o.rho_gate_bias, o.rope_on_rho, o.rho_norm_init) == (True, 1.5, False, 1.0)
     assert torch.equal(sd["layers.3.attention.r_gate.bias"], torch.full((4,), 1.5))
-    assert torch.equal(sd["layers.2.attention.r_norm.weight"], torch.full((32,), 0.1))  # the gain; ρ is still 0
+    assert torch.equal(sd["layers.2.attention.r_norm.weight"], torch.ones(32))  # the gain; ρ is still 0
     assert "layers.1.attention.wr.weight" not in sd
     assert torch.equal(_loss(a_sm, sd_sm, tokens, "reference"), _loss(a, sd, tokens, "reference"))
 
