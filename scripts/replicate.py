@@ -26,7 +26,7 @@ in the time left, and a run that does not finish is paused with a resumable chec
 it from ``<run>/checkpoint`` (and skips finished runs) until the table has every run. ``<out>/<suite>/table.txt``
 and ``summary.json`` keep the rows of earlier calls (other seeds or arms) beside this call's.
 
-Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``):
+Runs (each ``steps`` × batch × seq tokens, equal for all but ``converted``; Parallax with the paper's ρ-norm gain 1):
 
 | run               | mixer    | optimizer / schedule                                     |
 |-------------------|----------|----------------------------------------------------------|
@@ -83,13 +83,15 @@ BASE = os.path.join(REPO, "configs", "replication", "repl_base.toml")
 
 ADAMW_NO_LR = ["--optimizer.name", "adamw", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95", "--optimizer.eps", "1e-8"]
 ADAMW = [*ADAMW_NO_LR, "--optimizer.lr", "1e-3"]
+PAPER_GAIN = "1"  # the replication runs' ρ-norm gain: the paper's recipe as written (the framework default is 0.1)
+PARALLAX = ["--model.attention", "parallax", "--attention.parallax.rho_norm_init", PAPER_GAIN]
 RUNS: dict[str, list[str]] = {  # in run order: converted needs softmax_muon; gdn_muon takes what time is left
     "softmax_muon": ["--model.attention", "softmax"],
-    "parallax_muon": ["--model.attention", "parallax"],
+    "parallax_muon": PARALLAX,
     "softmax_adamw": ["--model.attention", "softmax", *ADAMW],
-    "parallax_adamw": ["--model.attention", "parallax", *ADAMW],
-    "parallax_muon_wd2": ["--model.attention", "parallax", "--lr_scheduler.wd_anneal_gamma", "2.0"],
-    "converted": ["--model.attention", "parallax", "--optimizer.lr_warmup_patterns", "\\.wr\\.",
+    "parallax_adamw": [*PARALLAX, *ADAMW],
+    "parallax_muon_wd2": [*PARALLAX, "--lr_scheduler.wd_anneal_gamma", "2.0"],
+    "converted": [*PARALLAX, "--optimizer.lr_warmup_patterns", "\\.wr\\.",
                   "--optimizer.lr_warmup_steps", "10"],
     "gdn_muon": ["--model.attention", "gdn"],
 }
@@ -507,7 +509,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 src = str(resolve_step_dir(dump))
                 convert_job = _spawn([sys.executable, "-m", "scripts.convert_to_parallax", src,
                                       conv_dir, "--rope-theta", str(fl.rope_theta), "--norm-eps", str(fl.norm_eps),
-                                      "--no-progress"], os.path.join(out, "convert.log"))
+                                      "--rho-norm-init", PAPER_GAIN, "--no-progress"], os.path.join(out, "convert.log"))
             except FileNotFoundError as e:
                 with open(os.path.join(out, "convert.log"), "w") as f:
                     f.write(str(e))

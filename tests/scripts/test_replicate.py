@@ -37,6 +37,10 @@ def test_mechanism_of_each_run():
         "softmax_muon": "softmax", "parallax_muon": "parallax", "softmax_adamw": "softmax",
         "parallax_adamw": "parallax", "parallax_muon_wd2": "parallax", "converted": "parallax", "gdn_muon": "gdn"}
     assert list(R.RUNS).index("softmax_muon") < list(R.RUNS).index("converted") < list(R.RUNS).index("gdn_muon")
+    # the replication keeps the paper's ρ-norm gain whatever the framework default
+    for name, flags in R.RUNS.items():
+        gain = flags[flags.index("--attention.parallax.rho_norm_init") + 1] if R.mechanism(name) == "parallax" else None
+        assert gain == ("1" if R.mechanism(name) == "parallax" else None), name
 
 
 def test_read_metrics_median_tps_skips_step_one(tmp_path):
