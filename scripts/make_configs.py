@@ -55,7 +55,7 @@ name = "qwen3_attn"
 flavor = "{flavor}"
 attention = "{attention}"
 attn_mask_type = "block_causal"
-hf_assets_path = "./assets/hf/Qwen3-0.6B"  # Qwen3 tokenizer: torchtitan's scripts/download_hf_assets.py
+hf_assets_path = "./assets/hf/Qwen3-0.6B"  # Qwen3 tokenizer: python -m scripts.fetch_tokenizer
 converters = ["quantize.linear.float8"]
 
 [attention]
