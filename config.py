@@ -400,6 +400,13 @@ def validate_config(job_config) -> None:
         raise ValueError(f"quantize.linear.float8.recipe_name={f8.recipe_name!r} cannot be combined with "
                          "enable_fsdp_float8_all_gather=true in torchtitan 0.2.2; unset recipe_name for tensorwise "
                          "scaling with float8 all-gather")
+    for section in ("training", "validation"):
+        workers = getattr(job_config, section).dataloader.num_workers
+        if workers > 1:
+            raise ValueError(
+                f"{section}.dataloader.num_workers={workers}: must be 0 or 1. The packed dataset is one stateful "
+                "stream per data-parallel rank, so each further worker would read every document again (repeated "
+                "batches); 1 tokenizes in a worker process, off the training loop")
     p = job_config.parallelism
     for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(p, key) != 1:

@@ -191,13 +191,22 @@ class ReshardableDataloader(ParallelAwareDataloader):
 
         self.check_reshardable(old)
         ds = self.dataset
-        done = [pickle.loads(state_dict[f"dp_rank_{r}"])["dataset_state"]["sample_idx"] for r in range(old)]
+        done = [dataset_state(pickle.loads(state_dict[f"dp_rank_{r}"]))["sample_idx"] for r in range(old)]
         n_global = min(n * old + r for r, n in enumerate(done))
         W, r = self.dp_world_size, self.dp_rank
         ds._sample_idx = max(0, math.ceil((n_global - r) / W))
         ds._token_buffer = []
         logger.warning(f"Data loader resharded from {old} to {W} ranks: resuming at global document {n_global} "
                        f"(rank {r} skips {ds._sample_idx} of its documents; leftover partial rows dropped)")
+
+
+def dataset_state(loader_state: dict) -> dict:
+    """The packed dataset's state (``sample_idx``, ``token_buffer``) inside one rank's ``StatefulDataLoader`` state:
+    at its top level without worker processes, in the worker's snapshot with ``num_workers = 1`` (the snapshot
+    of the last batch delivered, so prefetched batches are not counted)."""
+    if "dataset_state" in loader_state:
+        return loader_state["dataset_state"]
+    return loader_state["_snapshot"]["_worker_snapshots"]["worker_0"]["dataset_state"]
 
 
 def _flavor_vocab(job_config) -> int:

@@ -49,6 +49,9 @@ def test_toml_values_are_type_and_range_checked(tmp_path, extra, replace, messag
     ("--data.max_bad_records", "-1", r"data.max_bad_records=-1: must be >= 0"),
     ("--optimizer.beta2", "1.0", r"optimizer.beta2=1.0: must be in \[0, 1\)"),
     ("--training.max_norm", "nan", r"training.max_norm=nan: must be > 0"),
+    ("--training.dataloader.num_workers", "2", r"training.dataloader.num_workers=2: must be 0 or 1\. .*read every "
+     r"document again"),
+    ("--validation.dataloader.num_workers", "3", r"validation.dataloader.num_workers=3: must be 0 or 1"),
 ])
 def test_command_line_ranges(flag, value, message):
     with pytest.raises(ValueError, match=message):

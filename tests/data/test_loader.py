@@ -155,3 +155,31 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
     _source(parse_config(["--job.config_file", DEFAULT_CONFIG, "--training.dataset", "x/y", "--data.val_every",
                           "0"]), "train")
     assert calls[-1][0] == ("x/y", None)
+
+
+def test_one_worker_reads_what_no_worker_reads_and_its_state_reshards(corpus):
+    """``num_workers = 1`` (tokenization in a worker process) gives the batches and the dataset state of the
+    in-process loader, and the cross-world-size reshard reads that state from the worker's snapshot (more workers
+    would each read every document: refused by the config check)."""
+    import pickle
+
+    from data.loader import ReshardableDataloader, dataset_state
+
+    def loader(workers, rank=0, world=1):
+        ds, _ = _dataset(corpus, seq_len=10, rank=rank, world=world)
+        return ReshardableDataloader(ds, dp_rank=rank, dp_world_size=world, batch_size=2, num_workers=workers)
+
+    batches, states = {}, {}
+    for workers in (0, 1):
+        dl = loader(workers)
+        it = iter(dl)
+        batches[workers] = [next(it)[0]["input"] for _ in range(3)]
+        states[workers] = dl.state_dict()
+        del it
+    assert all(torch.equal(a, b) for a, b in zip(batches[0], batches[1]))
+    one, none = (dataset_state(pickle.loads(states[w]["dp_rank_0"])) for w in (1, 0))
+    assert one["sample_idx"] == none["sample_idx"] > 0 and one["token_buffer"] == none["token_buffer"]
+    for rank in (0, 1):  # the one-rank, one-worker checkpoint resumed on two ranks
+        new = loader(1, rank, 2)
+        new.load_state_dict({**states[1], "world_size": 1})
+        assert new.dataset._sample_idx == -(-(none["sample_idx"] - rank) // 2)
