@@ -317,7 +317,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--val-tokens", type=int, default=0,
                     help="validation tokens, rounded down to full batches (0 = the whole val file)")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto = on CUDA)")
-    ap.add_argument("--workers", type=int, default=1, help="data-loader worker processes (tokenization)")
+    ap.add_argument("--workers", type=int, default=1, choices=(0, 1),
+                    help="data-loader worker processes (tokenization off the training loop; more would repeat data)")
     ap.add_argument("--cache-dir", default="/tmp/repl_compile_cache", help="shared inductor/Triton cache")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run at most")
     ap.add_argument("--no-analyze", action="store_true", help="skip analyze.py on the finished runs")
