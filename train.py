@@ -159,11 +159,12 @@ RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
 """Architecture-record fields (dotted paths into ``models.hf.args_to_dict``) a resume may change: they choose
 kernels and table sizes, not the weights' meaning."""
 
-INIT_ONLY_FIELDS = ("attention_options.parallax.wr_init", "attention_options.parallax.rho_norm_init",
-                    "attention_options.parallax.rho_gate_bias")
-"""Architecture-record fields a resume may change because they only set initial weights (W_R, ρ's RMSNorm gain,
-the ρ gate's bias): a resume loads those weights from the checkpoint, so their initialisation is never used. A
-run started under one default of these options resumes under another."""
+INIT_ONLY_FIELDS = tuple(f"attention_options.{name}.{option}" for name, mech in attention.REGISTRY.items()
+                         for option in getattr(mech.options, "INIT_ONLY", ()))
+"""Architecture-record fields a resume may change because they only set initial weights: each registered
+mechanism's options dataclass names them in ``INIT_ONLY`` (Parallax: W_R, ρ's RMSNorm gain, the ρ gate's bias).
+A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
+one default of these options resumes under another."""
 
 
 def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
