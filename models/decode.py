@@ -48,9 +48,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, state: DecodeState)
         raise ValueError(f"decode cache holds {state.max_len} tokens; {state.pos} used, {T} more requested")
     positions = torch.arange(state.pos, state.pos + T, device=tokens.device).expand(B, T)
     ctx = AttentionContext(positions=positions, rope_theta=model.model_args.rope_theta, max_position=state.pos + T)
-    # the model's RoPE table (built once per length and device), not one of state.pos + T rows per step
-    length = max(model.model_args.max_seq_len, state.max_len)
-    ctx.use_rope_table(model.rope_table(model.model_args.head_dim, length, tokens.device))
+    model.fill_rope(ctx, state.max_len, tokens.device)  # the cached table, not one of pos + T rows per step
     h = model.tok_embeddings(tokens)
     for layer, cache in zip(model.layers.values(), state.caches):
         ctx.cache = cache

@@ -88,10 +88,15 @@ class Transformer(ModelProtocol):
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
-        # positions restart in every row (< T): one table of max(max_seq_len, T) rows serves every batch
-        length = max(self.model_args.max_seq_len, tokens.shape[1])
-        ctx.use_rope_table(self.rope_table(self.model_args.head_dim, length, tokens.device))
+        # positions restart in every row (< T)
+        self.fill_rope(ctx, tokens.shape[1], tokens.device)
         return ctx
+
+    def fill_rope(self, ctx: AttentionContext, length: int, device: torch.device) -> None:
+        """Give ``ctx`` the cos/sin of its positions (all < ``length``) from the cached table of
+        max(max_seq_len, length) rows, so one table serves every batch and every decode step."""
+        length = max(self.model_args.max_seq_len, length)
+        ctx.use_rope_table(self.rope_table(self.model_args.head_dim, length, device))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 ctx: AttentionContext | None = None) -> torch.Tensor:
