@@ -380,9 +380,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if args.report:
         suite_out = os.path.join(out, args.suite)
-        log.update({k: v for k, v in (json.load(open(os.path.join(suite_out, "summary.json")))
-                                      if os.path.isfile(os.path.join(suite_out, "summary.json")) else {}).items()
-                    if k != "runs"}, report=log["started"])
+        path = os.path.join(suite_out, "summary.json")
+        recorded = json.load(open(path)) if os.path.isfile(path) else {}  # the runs' device, args, tokens per step
+        log.update({k: v for k, v in recorded.items() if k != "runs"}, report=log["started"])
         return finish(suite_out, report_rows(suite_out), [], [], log, left, t0)
     train_files = sorted(glob.glob(os.path.join(args.corpus, "train-*.jsonl.gz")))
     val_file = os.path.join(args.corpus, "val.jsonl.gz")
