@@ -11,7 +11,8 @@ subprocess with --timeout, --steps steps, --local-batch sequences per process (g
 no accumulation), sequence length --seq, checkpoints and validation off, everything else from the TOML
 (float8, compile, activation checkpointing, the optimizer). --flavor overrides the model size (e.g. debug on a
 CPU); --device cpu also turns off float8 and compile, which need CUDA. Arguments after "--" go to every run.
-Prints a table config x (ok/FAILED, seconds, final loss, tokens/s per device) and exits 1 if any failed.
+Prints a table config x (ok/FAILED, seconds, seconds from launch to the first logged step, final loss, tokens/s
+per device) and exits 1 if any failed.
 ``--data`` is a file/folder/glob of JSONL with a "text" field; ``--tokenizer`` a folder with tokenizer.json
 (the same arguments as scripts/bench_train.py).
 """
@@ -83,7 +84,9 @@ def run_one(args, cfg: Path, out: Path, devices: str = "") -> dict:
     if (dump / "metrics.jsonl").exists():
         recs = [r for r in map(json.loads, open(dump / "metrics.jsonl")) if "loss" in r]
     ok = rc == 0 and bool(recs) and recs[-1]["step"] == args.steps
-    res = {"ok": ok, "s": secs, "loss": recs[-1]["loss"] if recs else float("nan"),
+    # launch to the first logged step (step 1 done: compile, autotuning and the step itself), the cold-start cost
+    res = {"ok": ok, "s": secs, "first_s": recs[0]["time"] - t0 if recs else float("nan"),
+           "loss": recs[-1]["loss"] if recs else float("nan"),
            "tps": statistics.median(r["tps"] for r in recs[len(recs) // 2:]) if recs else 0.0,
            "why": "" if ok else ("timeout" if rc == -1 else _last_error(text))}
     return res
@@ -161,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.join()
         results = {p.stem: results[p.stem] for p in todo}
-    print(f"\n{'config':44s} {'result':>6s} {'s':>6s} {'loss':>8s} {'tok/s/dev':>10s}")
+    print(f"\n{'config':44s} {'result':>6s} {'s':>6s} {'1st step s':>10s} {'loss':>8s} {'tok/s/dev':>10s}")
     for name, r in results.items():
-        print(f"{name:44s} {'ok' if r['ok'] else 'FAILED':>6s} {r['s']:6.0f} {r['loss']:8.3f} {r['tps']:10,.0f}")
+        print(f"{name:44s} {'ok' if r['ok'] else 'FAILED':>6s} {r['s']:6.0f} {r['first_s']:10.0f} {r['loss']:8.3f} "
+              f"{r['tps']:10,.0f}")
     bad = [n for n, r in results.items() if not r["ok"]]
     print(f"{len(results) - len(bad)}/{len(results)} ok" + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
