@@ -20,6 +20,10 @@ and independent of the batch size.
   fla-core 0.6.0 leaves out 8 warps (``NUM_WARPS = [2, 4] if IS_NVIDIA_HOPPER``): KDA's fused backward kernel
   ``chunk_kda_bwd_kernel_wy_dqkg_fused`` ran much faster at 8 warps at the training shapes, with equal outputs;
   the autotuner still chooses, now among both lists.
+- At the first launch of a key, :class:`FastLaunch` puts the shipped autotune pick for it, if there is one
+  (:mod:`attention.ops.autotune_picks`: the config the autotuner chose at that key on this GPU, Triton and
+  fla-core), into the autotuner's cache: the autotuner then compiles only that config and times nothing. Without a
+  pick it searches, and ``ATTNLAB_RECORD_PICKS`` records its choice.
 - :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
   (:mod:`attention.ops.delta_rule.kda_intra`) and the softmax/Parallax kernels
   (:mod:`attention.ops.parallax.kernels.ops`) launch through it too.
@@ -33,6 +37,9 @@ from __future__ import annotations
 
 import inspect
 import sys
+
+from attention.ops import autotune_picks
+from attention.ops.autotune_picks import autotune_key
 
 _INSTALLED = False
 
@@ -62,6 +69,7 @@ class FastLaunch:
                 (self.inner if self.autotuner is not None else self.outer).append(obj.values)
             obj = obj.fn
         self.jit = obj
+        self.name = f"{obj.fn.__module__}.{obj.fn.__qualname__}"  # the kernel's name in the shipped autotune picks
         self.arg_names = list(kernel.arg_names)
         self.configs: dict[tuple, object] = {}
 
@@ -72,8 +80,8 @@ class FastLaunch:
         return lambda *args, **kwargs: self.run(*args, grid=grid, **kwargs)
 
     def run(self, *args, grid, first_launch=None, **kwargs):
-        """``first_launch``: called before the autotuner runs at a new key (``attention.ops.parallax.kernels.ops``
-        compiles the candidates there, in parallel)."""
+        """``first_launch``: called before the autotuner searches a new key (``attention.ops.parallax.kernels.ops``
+        compiles the candidates there, in parallel); not called where a shipped pick stands in for the search."""
         kw = dict(zip(self.arg_names, args))
         kw.update(kwargs)
         for values in self.outer:
@@ -85,9 +93,12 @@ class FastLaunch:
                    tuple(str(v.dtype) for v in kw.values() if hasattr(v, "dtype")))
             cfg = self.configs.get(key)
             if cfg is None or cfg.pre_hook is not None:  # first launch at this key: the normal path (autotunes)
-                if cfg is None and first_launch is not None:
+                searched = cfg is None and not self._seed(at, args, kw)
+                if searched and first_launch is not None:
                     first_launch()
                 out = self.kernel[grid](*args, **kwargs)
+                if searched and len(at.configs) > 1:
+                    autotune_picks.record(self.name, autotune_key(at, kw), at.best_config)
                 self.configs[key] = at.best_config
                 return out
             kw.update(cfg.all_kwargs())
@@ -95,6 +106,24 @@ class FastLaunch:
             for name, fn in values.items():
                 kw[name] = fn(kw)
         return self.jit[grid](**kw)
+
+    def _seed(self, at, args, kw) -> bool:
+        """Put the shipped pick for this launch's key (:mod:`attention.ops.autotune_picks`) into the autotuner's
+        cache, where Triton's ``Autotuner.run`` finds it and does not search. Returns whether the cache now holds
+        the key (that pick, or an earlier choice): False where the autotuner will search. ``kw``: the launch's
+        arguments by name, with the values of the heuristics outside the autotuner."""
+        if len(at.configs) < 2:  # a single config is not searched (nor looked up in the cache)
+            return False
+        key = autotune_key(at, kw)
+        prune = None
+        if at.early_config_prune is not None:  # called as Autotuner.prune_configs calls it
+            nargs = dict(zip(at.arg_names, args))
+            rest = {k: v for k, v in kw.items() if k not in nargs}
+            prune = lambda configs: at.early_config_prune(configs, nargs, **rest)  # noqa: E731
+        cfg = at.cache.get(key) or autotune_picks.pick(self.name, key, at.configs, prune)
+        if cfg is not None:
+            at.cache[key] = cfg
+        return cfg is not None
 
 
 def install() -> bool:
