@@ -13,15 +13,14 @@ one of the kernel's own candidates, so the run computes what an autotuned run th
   Triton's version and, for fla-core's kernels (``fla.*``), fla-core's version are the entry's, and its config is
   in the kernel's list (and kept by the kernel's ``early_config_prune``); otherwise the autotuner searches as before.
 - ``ATTNLAB_PICKS=0``: the shipped picks are not used (a benchmark that autotunes afresh).
-- ``ATTNLAB_RECORD_PICKS=PATH``: every key the autotuner searched in this process (kernel, key, chosen config) is
-  merged into PATH at exit; an entry of the same gpu, triton, fla, kernel and key is replaced.
+- ``ATTNLAB_RECORD_PICKS=PATH``: every key the autotuner searches (kernel, key, chosen config) is merged into PATH
+  as soon as it is chosen; an entry of the same gpu, triton, fla, kernel and key is replaced.
 - ``python -m attention.ops.autotune_picks merge RECORDED [INTO]``: merges a recorded file into INTO (default: the
   shipped file) the same way.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
@@ -34,7 +33,6 @@ ABOUT = ("Triton autotune picks: per kernel and autotune key, the config the aut
 _FIELDS = ("gpu", "triton", "fla", "kernel")
 _SCALARS = (bool, int, float, str, type(None))
 _picks: dict | None = None  # (kernel, key) -> [entry, ...], read from PATH at the first lookup
-_recorded: dict[str, list[dict]] = {}  # $ATTNLAB_RECORD_PICKS -> entries recorded in this process, not yet written
 
 
 def autotune_key(autotuner, kw: dict) -> tuple:
@@ -103,25 +101,15 @@ def pick(kernel: str, key: tuple, configs: list, prune=None):
 
 
 def record(kernel: str, key: tuple, config) -> None:
-    """Remember the autotuner's choice ``config`` for ``kernel`` at ``key``, to be merged into
-    ``$ATTNLAB_RECORD_PICKS`` at exit (a no-op without it, without a GPU, or where the key or the config's values are
-    not JSON scalars)."""
+    """Merge the autotuner's choice ``config`` for ``kernel`` at ``key`` into ``$ATTNLAB_RECORD_PICKS`` at once, so
+    that a run killed later (a timeout during a cold autotune) keeps every key it searched (a no-op without the
+    variable, without a GPU, or where the key or the config's values are not JSON scalars)."""
     path = os.environ.get("ATTNLAB_RECORD_PICKS")
     if not path or not all(isinstance(v, _SCALARS) for v in (*key, *config.kwargs.values())):
         return
     entry = {**_context(kernel), "key": list(key), "config": _config_dict(config)}
-    if entry["gpu"] is None:
-        return
-    if not _recorded:
-        atexit.unregister(flush)  # registered once, however often recording restarts after a flush
-        atexit.register(flush)
-    _recorded.setdefault(path, []).append(entry)
-
-
-def flush() -> None:
-    """Merge the recorded entries into their files (:func:`merge`) and forget them; runs at exit."""
-    while _recorded:
-        merge(*_recorded.popitem())
+    if entry["gpu"] is not None:
+        merge(path, [entry])
 
 
 def merge(path, entries: list[dict]) -> None:
