@@ -36,6 +36,7 @@ import attention
 import config as project_config
 from config import DEFAULT_CONFIG, parse_config
 from models import register_train_spec
+from models.args import ModelArgs
 from models.cpu import install_cpu_shim
 from optim.muon import local_shard
 from models.metrics import group_hparams
@@ -159,10 +160,12 @@ RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
 """Architecture-record fields (dotted paths into ``models.hf.args_to_dict``) a resume may change: they choose
 kernels and table sizes, not the weights' meaning."""
 
-INIT_ONLY_FIELDS = tuple(f"attention_options.{name}.{option}" for name, mech in attention.REGISTRY.items()
-                         for option in getattr(mech.options, "INIT_ONLY", ()))
-"""Architecture-record fields a resume may change because they only set initial weights: each registered
-mechanism's options dataclass names them in ``INIT_ONLY`` (Parallax: W_R, ρ's RMSNorm gain, the ρ gate's bias).
+INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
+                                               for name, mech in attention.REGISTRY.items()
+                                               for option in getattr(mech.options, "INIT_ONLY", ()))
+"""Architecture-record fields a resume may change because they only set initial weights: ``ModelArgs.INIT_ONLY``
+(the depth-scaled init std) and each registered mechanism's options dataclass's ``INIT_ONLY`` (Parallax: W_R, ρ's
+RMSNorm gain, the ρ gate's bias; FoX: the forget gate's bias).
 A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
 one default of these options resumes under another."""
 

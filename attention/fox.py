@@ -11,6 +11,7 @@ Decoding uses a KV cache plus the cumulative log gate per query head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,10 @@ from attention.registry import register_attention
 
 @dataclass
 class FoxOptions:
+    INIT_ONLY: ClassVar[tuple[str, ...]] = ("forget_bias_init",)
+    """Options that only set initial weights (the forget gate's bias): a resume loads them, so it may change them
+    (train.INIT_ONLY_FIELDS)."""
+
     qk_norm: bool = False
     """RMSNorm on q and k per head (FoX Pro)."""
     output_gate: bool = False

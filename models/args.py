@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -13,6 +13,10 @@ from torchtitan.protocols.train_spec import BaseModelArgs
 
 @dataclass
 class ModelArgs(BaseModelArgs):
+    INIT_ONLY: ClassVar[tuple[str, ...]] = ("depth_init",)
+    """Fields that only set initial weights (the per-layer init std): a resume loads the weights, so it may change
+    them (train.INIT_ONLY_FIELDS)."""
+
     dim: int = 1024
     n_layers: int = 28
     n_heads: int = 16

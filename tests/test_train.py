@@ -361,7 +361,9 @@ def test_architecture_changes_ignore_init_only_options():
         return json.loads(json.dumps(args_to_dict(args)))  # as the trainer writes and reads it
 
     old = record(rho_norm_init=1.0, wr_init="zero", rho_gate_bias=2.0)
-    assert {f.rsplit(".", 1)[1] for f in INIT_ONLY_FIELDS} == {"wr_init", "rho_norm_init", "rho_gate_bias"}
+    assert set(INIT_ONLY_FIELDS) == {"depth_init", "attention_options.fox.forget_bias_init",
+                                     *(f"attention_options.parallax.{o}" for o in ParallaxOptions.INIT_ONLY)}
+    assert architecture_changes({**old, "depth_init": True}, {**record(), "depth_init": False}) == {}
     assert architecture_changes(old, record()) == {}
     assert architecture_changes(old, {**record(), "max_seq_len": 8192, "attn_impl": "reference"}) == {}
     assert architecture_changes(record(), record(window_size=4)) == {"attention_options.parallax.window_size": (0, 4)}
