@@ -93,12 +93,13 @@ class FastLaunch:
                    tuple(str(v.dtype) for v in kw.values() if hasattr(v, "dtype")))
             cfg = self.configs.get(key)
             if cfg is None or cfg.pre_hook is not None:  # first launch at this key: the normal path (autotunes)
-                searched = cfg is None and not self._seed(at, args, kw)
+                tkey = autotune_key(at, kw) if cfg is None else None  # Triton's own cache key
+                searched = tkey is not None and not self._seed(at, tkey, args, kw)
                 if searched and first_launch is not None:
                     first_launch()
                 out = self.kernel[grid](*args, **kwargs)
                 if searched and len(at.configs) > 1:
-                    autotune_picks.record(self.name, autotune_key(at, kw), at.best_config)
+                    autotune_picks.record(self.name, tkey, at.best_config)
                 self.configs[key] = at.best_config
                 return out
             kw.update(cfg.all_kwargs())
@@ -107,14 +108,14 @@ class FastLaunch:
                 kw[name] = fn(kw)
         return self.jit[grid](**kw)
 
-    def _seed(self, at, args, kw) -> bool:
+    def _seed(self, at, key: tuple, args, kw) -> bool:
         """Put the shipped pick for this launch's key (:mod:`attention.ops.autotune_picks`) into the autotuner's
         cache, where Triton's ``Autotuner.run`` finds it and does not search. Returns whether the cache now holds
-        the key (that pick, or an earlier choice): False where the autotuner will search. ``kw``: the launch's
-        arguments by name, with the values of the heuristics outside the autotuner."""
+        the key (that pick, or an earlier choice): False where the autotuner will search. ``key``: Triton's cache
+        key (:func:`autotune_key`); ``kw``: the launch's arguments by name, with the values of the heuristics
+        outside the autotuner."""
         if len(at.configs) < 2:  # a single config is not searched (nor looked up in the cache)
             return False
-        key = autotune_key(at, kw)
         prune = None
         if at.early_config_prune is not None:  # called as Autotuner.prune_configs calls it
             nargs = dict(zip(at.arg_names, args))
