@@ -13,13 +13,15 @@ Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs)
 ``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
 prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
 
-Every row (stock too) traces one step (torchtitan's profiler, step ``--steps`` − 1; ``--no-profile`` skips it).
-The table's "busy %" is that step's GPU-busy time (union of kernel intervals) over the row's median step time (from
-tok/s): the traced step itself runs slower (the profiler adds host work per op), so its own busy share, "traced %",
-understates the untraced steps. ``trace_summary`` prints the step's GPU time by kernel class, the top kernels and the
-longest GPU-idle gaps with the host ops inside them. Per-step tok/s alternates (about 57k and 45k at B2 on
-an H100, benchmarks/README.md), so medians want ~20 steps (the defaults give steps 9–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this
-script (before/after rows of one change in one call).
+Every row (stock too) traces ``--trace-steps`` steps (torchtitan's profiler, ending at step ``--steps`` − 1;
+``--no-profile`` skips it). The table's "busy %" is the traced steps' GPU-busy time per step (union of kernel
+intervals) over the row's median step time (from tok/s): a traced step itself runs slower (the profiler adds host
+work per op), so its own busy share, "traced %", understates the untraced steps. ``trace_summary`` prints the GPU
+time by kernel class, the top kernels, the longest GPU-idle gaps with the host ops inside them, and which host ops
+overlap the GPU's idle time in all (several traced steps show what one step's gaps cannot: stalls that come every
+other step). Per-step tok/s alternates (about 57k and 45k at B2 on an H100, benchmarks/README.md), so medians
+want ~20 steps (the defaults give steps 9–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs
+with this script (before/after rows of one change in one call).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
@@ -27,6 +29,7 @@ script (before/after rows of one change in one call).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -112,17 +115,26 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     run(cmd + profiling(args), out / f"{dump.name}.log", repo)
     path = dump / "metrics.jsonl"
     records = [json.loads(x) for x in open(path)] if path.exists() else []
-    if args.profile:  # the profiler's warm-up and active steps (the last 4 before the last) run slower
-        records = [r for r in records if r["step"] < args.steps - 4]
+    if args.profile:  # the profiler's warm-up and active steps run slower
+        records = [r for r in records if r["step"] < first_profiled(args)]
     return summarize(records, args.warmup) | profiled(args, dump)
 
 
+PROFILER_WARMUP = 3  # torchtitan's default profiler warm-up steps, which run slower too
+
+
 def profiling(args) -> list[str]:
-    """torchtitan's profiler: one active step just before the last (3 profiler warm-up steps before it)."""
+    """torchtitan's profiler: ``--trace-steps`` active steps ending just before the last, after its warm-up."""
     if not args.profile:
         return []
     return ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 1),
-            "--profiling.save_traces_folder", "traces"]
+            "--profiling.profiler_active", str(args.trace_steps),
+            "--profiling.profiler_warmup", str(PROFILER_WARMUP), "--profiling.save_traces_folder", "traces"]
+
+
+def first_profiled(args) -> int:
+    """The first step the profiler slows (its warm-up); steps from here on are left out of the medians."""
+    return args.steps - 1 - args.trace_steps - PROFILER_WARMUP + 1
 
 
 def profiled(args, dump: Path) -> dict:
@@ -131,7 +143,7 @@ def profiled(args, dump: Path) -> dict:
     if not args.profile or not traces:
         return {}
     text, busy = trace_summary(traces[-1], with_busy=True)
-    print(f"--- {dump.name}: one step's GPU kernels ({traces[-1]})\n{text}", flush=True)
+    print(f"--- {dump.name}: {args.trace_steps} traced step(s), GPU kernels ({traces[-1]})\n{text}", flush=True)
     return busy
 
 
@@ -170,13 +182,16 @@ def trace_summary(path: Path, top: int = 12, with_busy: bool = False):
     return (text, busy) if with_busy else text
 
 
-def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> tuple[list[str], dict]:
-    """Step wall time (the ProfilerStep span), GPU-busy time (union of kernel intervals), the ``gaps`` longest
-    idle stretches and the longest host ops (cpu_op / cuda_runtime / python) overlapping each; and
-    ``{"busy_ms": busy, "wall_ms": wall}``."""
+def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6, top: int = 12) -> tuple[list[str], dict]:
+    """Wall time of the traced steps (ProfilerStep spans), GPU-busy time (union of kernel intervals), the ``gaps``
+    longest idle stretches with the longest host ops (cpu_op / cuda_runtime / python) overlapping each, and the
+    ``top`` host ops (cpu ops, record_function ranges, runtime calls; by name) by how much of all idle time they
+    overlap: a nested op counts within its parent as well, so the list reads from the outside in. Returns the lines
+    and ``{"busy_ms": busy, "wall_ms": wall}`` per traced step."""
     steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
     if not steps or not kernels:
         return [], {}
+    n = len(steps)
     t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
     busy, idle, cur_s, cur_e = 0.0, [], None, None
@@ -192,13 +207,40 @@ def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6) -> tuple
     host = [e for e in trace if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function") and "dur" in e]
     syncs = sum(e["dur"] for e in host if "Synchronize" in e["name"] or e["name"] in ("aten::item",
                                                                                        "aten::_local_scalar_dense"))
-    lines = [f"  step wall {(t1 - t0) / 1e3:.1f} ms (ProfilerStep), GPU busy {busy / 1e3:.1f} ms "
-             f"({100 * busy / max(t1 - t0, 1):.0f} %), host in syncs/item {syncs / 1e3:.1f} ms", "  longest GPU idle gaps:"]
+    per = f" per step over {n} steps" if n > 1 else ""
+    lines = [f"  step wall {(t1 - t0) / 1e3 / n:.1f} ms (ProfilerStep), GPU busy {busy / 1e3 / n:.1f} ms "
+             f"({100 * busy / max(t1 - t0, 1):.0f} %), host in syncs/item {syncs / 1e3 / n:.1f} ms{per}",
+             "  longest GPU idle gaps:"]
     for dur, a, b in sorted(idle, reverse=True)[:gaps]:
         inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
         lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
                      + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
-    return lines, {"busy_ms": busy / 1e3, "wall_ms": (t1 - t0) / 1e3}
+    lines += idle_by_host_op(trace, sorted((a, b) for _, a, b in idle), n, top)
+    return lines, {"busy_ms": busy / 1e3 / n, "wall_ms": (t1 - t0) / 1e3 / n}
+
+
+def idle_by_host_op(trace: list[dict], idle: list[tuple[float, float]], n: int, top: int) -> list[str]:
+    """The ``top`` host op names by the GPU-idle time (``idle``: sorted (start, end) µs) their calls overlap,
+    in ms per step over ``n`` steps; ProfilerStep spans left out (they hold everything)."""
+    cats = ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
+    starts = [a for a, _ in idle]
+    total = sum(b - a for a, b in idle)
+    by_name: dict[str, float] = {}
+    for e in trace:
+        if e.get("cat") not in cats or "dur" not in e or e["name"].startswith("ProfilerStep#"):
+            continue
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        ov = 0.0
+        while i < len(idle) and idle[i][0] < hi:
+            ov += max(0.0, min(hi, idle[i][1]) - max(lo, idle[i][0]))
+            i += 1
+        if ov > 0:
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + ov
+    lines = [f"  host ops during GPU idle ({total / 1e3 / n:.1f} ms per step; ms per step each op's calls overlap):"]
+    ranked = sorted(by_name.items(), key=lambda x: -x[1])[:top]
+    lines += [f"  {ms / 1e3 / n:8.2f} ms  {name[:100]}" for name, ms in ranked]
+    return lines
 
 
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
@@ -217,7 +259,7 @@ def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
                 "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
     text = run(cmd + profiling(args), out / f"{dump.name}.log", Path(args.repo))
     rows = [(int(s), float(m), float(t.replace(",", "")), float(u)) for s, m, t, u in LINE.findall(text)]
-    rows = [r for r in rows if r[0] > args.warmup and not (args.profile and r[0] >= args.steps - 4)]
+    rows = [r for r in rows if r[0] > args.warmup and not (args.profile and r[0] >= first_profiled(args))]
     if not rows:
         return {}
     return {"tps": statistics.median(r[2] for r in rows), "mfu": statistics.median(r[3] for r in rows),
@@ -246,12 +288,18 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")
     ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                    help="trace one step of every row: the busy %% column and a kernel/idle summary per row")
+                    help="trace steps of every row: the busy %% column and a kernel/idle summary per row")
+    ap.add_argument("--trace-steps", type=int, default=1, help="steps the profiler traces (with --profile)")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args()
     args.repo = str(Path(args.repo).resolve())
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
+    if args.trace_steps < 1:
+        ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
+    if args.profile and first_profiled(args) <= args.warmup + 1:
+        ap.error(f"--steps {args.steps} leaves no untraced step after --warmup {args.warmup} and the profiler's "
+                 f"{PROFILER_WARMUP} warm-up + {args.trace_steps} traced steps; raise --steps")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
     results, scaled = {}, {}

@@ -7,6 +7,12 @@ import json
 from scripts.bench_train import trace_summary
 
 
+def _after(text: str, header: str) -> list[str]:
+    """The stripped lines of ``text`` after the line that starts with ``header``."""
+    lines = [x.strip() for x in text.splitlines()]
+    return lines[next(i for i, x in enumerate(lines) if x.startswith(header)) + 1:]
+
+
 def test_trace_summary(tmp_path):
     events = [
         {"name": "ProfilerStep#11", "cat": "user_annotation", "ts": 0, "dur": 10_000},
@@ -24,5 +30,30 @@ def test_trace_summary(tmp_path):
     # busy = [0.1, 4.0] ∪ [7.0, 7.2] = 4.1 ms of a 10 ms step; the longest gap [4.0, 7.0] holds aten::item
     assert "step wall 10.0 ms (ProfilerStep), GPU busy 4.1 ms (41 %)" in text
     assert "3.00 ms at +4.0 ms: aten::mm 100.0ms; aten::item 2.5ms" in text
+    # all idle time by host op: aten::mm spans the whole gap, aten::item 2.5 ms of it
+    assert "host ops during GPU idle (3.0 ms per step" in text
+    assert _after(text, "host ops during GPU idle") == ["3.00 ms  aten::mm", "2.50 ms  aten::item"]
     text_again, busy = trace_summary(path, with_busy=True)
     assert text_again == text and busy == {"busy_ms": 4.1, "wall_ms": 10.0}  # the table's busy % column
+
+
+def test_trace_summary_several_steps(tmp_path):
+    """Two traced steps: wall, busy and idle are per step; the idle between them counts, and so do ops in it."""
+    events = [
+        {"name": "ProfilerStep#8", "cat": "user_annotation", "ts": 0, "dur": 5_000},
+        {"name": "ProfilerStep#9", "cat": "user_annotation", "ts": 5_000, "dur": 5_000},
+        {"name": "gemm_a", "cat": "kernel", "ts": 0, "dur": 4_000},
+        {"name": "gemm_b", "cat": "kernel", "ts": 8_000, "dur": 2_000},
+        {"name": "Optimizer.step#AdamW.step", "cat": "user_annotation", "ts": 3_500, "dur": 1_500},
+        {"name": "aten::_foreach_norm", "cat": "cpu_op", "ts": 3_600, "dur": 1_000},
+        {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 7_990, "dur": 20},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text, busy = trace_summary(path, with_busy=True)
+    assert busy == {"busy_ms": 3.0, "wall_ms": 5.0}
+    assert "step wall 5.0 ms (ProfilerStep), GPU busy 3.0 ms (60 %), host in syncs/item 0.0 ms per step over 2" in text
+    # the one gap [4.0, 8.0] ms (2.0 ms per step): the optimizer range overlaps 1.0 ms, the norm 0.6, the launch 0.01
+    assert "host ops during GPU idle (2.0 ms per step" in text
+    assert _after(text, "host ops during GPU idle") == [
+        "0.50 ms  Optimizer.step#AdamW.step", "0.30 ms  aten::_foreach_norm", "0.01 ms  cudaLaunchKernel"]
