@@ -33,6 +33,7 @@ import bisect
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
            "--job.config_file", str(paper_config(repo, config)), *common(args, dump, fp8, nproc), *extra]
     if args.optimizer == "adamw":
         cmd += ADAMW
+    cmd += shlex.split(args.train_args)
     if not fp8:
         cmd += ["--model.converters", ""]
     run(cmd + profiling(args), out / f"{dump.name}.log", repo)
@@ -188,7 +190,8 @@ def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6, top: int
     ``top`` host ops (cpu ops, record_function ranges, runtime calls; by name) by how much of all idle time they
     overlap: a nested op counts within its parent as well, so the list reads from the outside in. Returns the lines
     and ``{"busy_ms": busy, "wall_ms": wall}`` per traced step."""
-    steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
+    steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e
+             and e.get("cat") != "gpu_user_annotation"]  # the host spans; the GPU's copies of them run later
     if not steps or not kernels:
         return [], {}
     n = len(steps)
@@ -290,6 +293,8 @@ def main() -> None:
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="trace steps of every row: the busy %% column and a kernel/idle summary per row")
     ap.add_argument("--trace-steps", type=int, default=1, help="steps the profiler traces (with --profile)")
+    ap.add_argument("--train-args", default="",
+                    help="more train.py arguments for our rows, e.g. '--training.dataloader.num_workers 1'")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args()
     args.repo = str(Path(args.repo).resolve())

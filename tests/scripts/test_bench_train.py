@@ -42,6 +42,7 @@ def test_trace_summary_several_steps(tmp_path):
     events = [
         {"name": "ProfilerStep#8", "cat": "user_annotation", "ts": 0, "dur": 5_000},
         {"name": "ProfilerStep#9", "cat": "user_annotation", "ts": 5_000, "dur": 5_000},
+        {"name": "ProfilerStep#9", "cat": "gpu_user_annotation", "ts": 6_000, "dur": 5_000},  # not a third step
         {"name": "gemm_a", "cat": "kernel", "ts": 0, "dur": 4_000},
         {"name": "gemm_b", "cat": "kernel", "ts": 8_000, "dur": 2_000},
         {"name": "Optimizer.step#AdamW.step", "cat": "user_annotation", "ts": 3_500, "dur": 1_500},
