@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.ops.common import position_in_doc
+from attention.ops.short_conv import short_conv
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -136,26 +136,10 @@ class ShortConvolution(nn.Module):
         """x: [B, T, C]; state: [B, C, K-1] previous inputs (decode) or None (zeros).
 
         Returns (y [B, T, C], new_state [B, C, K-1] = the last K-1 inputs, state included).
-        ``cu_seqlens`` (fla varlen over B*T) and ``state`` are mutually exclusive.
+        ``cu_seqlens`` (fla varlen over B*T) and ``state`` are mutually exclusive. CUDA tensors without a state
+        run the Triton kernels (:mod:`attention.ops.short_conv`); CPU, float64 and decode run the reference.
         """
-        B, T, C = x.shape
-        W = self.kernel_size
-        if state is not None and cu_seqlens is not None:
-            raise ValueError("ShortConvolution: packed documents (cu_seqlens) cannot be combined with a decode state")
-        prev = x.new_zeros(B, W - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
-        xp = torch.cat([prev, x], dim=1)  # [B, W-1+T, C]
-        w = self.weight.to(x.dtype)
-        pos = position_in_doc(cu_seqlens, B, T, x.device) if cu_seqlens is not None else None
-        y = xp[:, W - 1:] * w[:, W - 1]
-        for lag in range(1, W):
-            term = xp[:, W - 1 - lag: W - 1 - lag + T] * w[:, W - 1 - lag]
-            if pos is not None:  # a lag reaching before the document start reads zeros
-                term = term * (pos >= lag).unsqueeze(-1).to(x.dtype)
-            y = y + term
-        if self.activation is not None:
-            y = F.silu(y)
-        new_state = xp[:, -(W - 1):].transpose(1, 2).contiguous() if W > 1 else x.new_zeros(B, C, 0)
-        return y, new_state
+        return short_conv(x, self.weight, cu_seqlens, state, self.activation is not None)
 
     def init_state(self, batch_size: int, device, dtype) -> torch.Tensor:
         return torch.zeros(batch_size, self.channels, self.kernel_size - 1, device=device, dtype=dtype)

@@ -1,0 +1,83 @@
+"""The short convolution fwd+bwd: the compiled PyTorch reference (as the model ran it before the kernels) against
+the Triton kernel pair (``attnlab::short_conv_fwd`` / ``_bwd``).
+
+    python -m scripts.bench_short_conv [--batch 2 --seq 4096 --channels 2048 --kernel 4 --docs 8] [--sweep]
+    python -m scripts.bench_short_conv --device cpu --quick      # smoke: tiny shape, Triton interpreter
+
+Inputs bf16 (float32 on the CPU), weight [C, K], SiLU on, ``cu_seqlens`` of ``--docs`` random documents over the
+flattened B*T tokens. Prints the median ms of fwd+bwd of each and the ratio; ``--sweep`` also times each forward and
+backward tile of the autotune lists alone (CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _cu_seqlens(total: int, docs: int, device, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[: docs - 1] + 1
+    return torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([total])]).to(device, torch.int32)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (timing) or cpu (smoke)")
+    p.add_argument("--quick", action="store_true", help="tiny shape, few iterations (with --device cpu)")
+    p.add_argument("--batch", type=int, default=2, help="batch rows B")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per row T")
+    p.add_argument("--channels", type=int, default=2048, help="channels C")
+    p.add_argument("--kernel", type=int, default=4, help="kernel size K")
+    p.add_argument("--docs", type=int, default=8, help="packed documents over the B*T tokens")
+    p.add_argument("--iters", type=int, default=50, help="timed iterations (median)")
+    p.add_argument("--sweep", action="store_true", help="also time every forward and backward tile alone (CUDA)")
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")  # the interpreter cannot time candidates
+    if a.quick:
+        a.batch, a.seq, a.channels, a.docs, a.iters = 1, 37, 20, 3, 2
+
+    import torch
+
+    from attention.ops.short_conv import naive_short_conv
+    from attention.ops.short_conv.triton_conv import BWD_SPEC, FWD_SPEC, conv_bwd, conv_fwd, short_conv_fwd
+    from scripts.bench_common import median_ms, timeit
+
+    dev = a.device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    B, T, C, K = a.batch, a.seq, a.channels, a.kernel
+    cu = _cu_seqlens(B * T, a.docs, dev)
+    x = torch.randn(B, T, C, device=dev, dtype=dtype, requires_grad=True)
+    w = ((torch.rand(C, K, device=dev) - 0.5) / K**0.5).to(dtype).requires_grad_(True)
+    dy = torch.randn(B, T, C, device=dev, dtype=dtype)
+    ref = torch.compile(lambda x, w: naive_short_conv(x, w, cu, None, True)[0]) if dev == "cuda" else \
+        (lambda x, w: naive_short_conv(x, w, cu, None, True)[0])
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(x, w), (x, w), dy)
+
+    def time_ms(fn):
+        return median_ms(fn, rep=a.iters, warmup=5) if dev == "cuda" else timeit(fn, a.iters, 1, dev)
+
+    kern = lambda x, w: short_conv_fwd(x, w, cu, True)  # noqa: E731
+    y_r, *g_r = [t.float() for t in (ref(x, w), *step(ref)())]
+    y_k, *g_k = [t.float() for t in (kern(x, w), *step(kern)())]
+    err = max(((k - r).norm() / r.norm()).item() for k, r in zip([y_k, *g_k], [y_r, *g_r]))
+    t_ref, t_kern = time_ms(step(ref)), time_ms(step(kern))
+    print(f"B={B} T={T} C={C} K={K} docs={a.docs} {str(dtype).split('.')[-1]} on {dev}: fwd+bwd "
+          f"reference{" (compiled)" if dev == "cuda" else ""} {t_ref:.3f} ms, kernel {t_kern:.3f} ms, ratio {t_ref / t_kern:.2f}x "
+          f"(max relative difference {err:.1e})")
+    if a.sweep and dev == "cuda":
+        xd = x.detach()
+        for cfg in FWD_SPEC:
+            print(f"  fwd tile {cfg}: {median_ms(lambda: conv_fwd(xd, w.detach(), cu, True, config=cfg)):.3f} ms")
+        for cfg in BWD_SPEC:
+            print(f"  bwd tile {cfg}: {median_ms(lambda: conv_bwd(dy, xd, w.detach(), cu, True, config=cfg)):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
