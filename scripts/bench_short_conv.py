@@ -68,8 +68,9 @@ def main(argv=None) -> None:
     y_k, *g_k = [t.float() for t in (kern(x, w), *step(kern)())]
     err = max(((k - r).norm() / r.norm()).item() for k, r in zip([y_k, *g_k], [y_r, *g_r]))
     t_ref, t_kern = time_ms(step(ref)), time_ms(step(kern))
+    label = " (compiled)" if dev == "cuda" else ""
     print(f"B={B} T={T} C={C} K={K} docs={a.docs} {str(dtype).split('.')[-1]} on {dev}: fwd+bwd "
-          f"reference{" (compiled)" if dev == "cuda" else ""} {t_ref:.3f} ms, kernel {t_kern:.3f} ms, ratio {t_ref / t_kern:.2f}x "
+          f"reference{label} {t_ref:.3f} ms, kernel {t_kern:.3f} ms, ratio {t_ref / t_kern:.2f}x "
           f"(max relative difference {err:.1e})")
     if a.sweep and dev == "cuda":
         xd = x.detach()

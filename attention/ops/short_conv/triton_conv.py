@@ -135,7 +135,7 @@ def _bwd_kernel(x, w, cu, dy, dx, dwp, T, C, TS, NS, n_iter, N, K: tl.constexpr,
     tl.store(p + o_k[:, None] * C + o_c[None, :], b_dw, mask=(o_k[:, None] < K) & m_c[None, :])
 
 
-# (BT, BC, num_warps), fastest first at the training shapes (C = 1024 / 2048, bf16)
+# (BT, BC, num_warps) candidates; the first is the one ATTNLAB_AUTOTUNE=first (tests) runs
 FWD_SPEC = [(64, 128, 4), (32, 256, 4), (128, 128, 8)]
 BWD_SPEC = [(32, 128, 4), (64, 64, 4), (32, 256, 8)]
 _fwd_tuned = triton.autotune(configs=_configs(FWD_SPEC), key=["C", "K", "ACT", "HAS_CU"])(_fwd_kernel)

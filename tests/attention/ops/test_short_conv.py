@@ -138,3 +138,33 @@ def test_gpu_bf16_training_shape():
     for got, ref, tol in [(y, y_ref, 1e-2), (dx, dx_ref, 1e-2), (dw, dw_ref, 1e-2)]:
         assert torch.isfinite(got).all()
         assert ((got.double() - ref).norm() / ref.norm()).item() < tol
+
+
+_AOT = """
+from attention.ops.short_conv import triton_conv as tc
+from scripts.sm90 import compile_sm90
+ptr = dict(cu="*i32", dwp="*fp32", w="*bf16")
+ints = dict(T=4096, C=2048, n_iter=4, N=8, TS=256, NS=16)
+for fn, spec, const in [(tc._fwd_kernel, tc.FWD_SPEC, dict(K=4, ACT=True, HAS_CU=True)),
+                        (tc._bwd_kernel, tc.BWD_SPEC, dict(K=4, KP=4, ACT=True, HAS_CU=True))]:
+    for bt, bc, nw in spec:
+        c = dict(const, BT=bt, BC=bc)
+        sig = {a: "constexpr" if a in c else "i32" if a in ints else ptr.get(a, "*bf16") for a in fn.arg_names}
+        compile_sm90(fn, sig, c, nw, 2, ints={a: v for a, v in ints.items() if a in fn.arg_names})
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """Ahead-of-time compile of both kernels at every autotune tile for an H100 target (sm_90, bf16, documents, K=4):
+    what the interpreter does not check, without a GPU. A subprocess: the kernels are interpreter objects here."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.utils import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-2000:]
