@@ -81,6 +81,9 @@ max_norm = 1.0
 mixed_precision_param = "bfloat16"
 mixed_precision_reduce = "float32"
 
+[training.dataloader]
+num_workers = 1  # tokenize in a worker process, off the training step's critical path (0 or 1)
+
 [parallelism]
 data_parallel_replicate_degree = 1
 data_parallel_shard_degree = -1
