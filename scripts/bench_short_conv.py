@@ -5,8 +5,8 @@ the Triton kernel pair (``attnlab::short_conv_fwd`` / ``_bwd``).
     python -m scripts.bench_short_conv --device cpu --quick      # smoke: tiny shape, Triton interpreter
 
 Inputs bf16 (float32 on the CPU), weight [C, K], SiLU on, ``cu_seqlens`` of ``--docs`` random documents over the
-flattened B*T tokens. Prints the median ms of fwd+bwd of each and the ratio; ``--sweep`` also times each forward and
-backward tile of the autotune lists alone (CUDA).
+flattened B*T tokens. Prints the median ms of fwd+bwd of each and the ratio; ``--sweep`` also times the forward at
+each of its tiles, and the backward (both kernels) at each tile of one kernel with the other's first tile (CUDA).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=4096, help="tokens per row T")
     p.add_argument("--channels", type=int, default=2048, help="channels C")
     p.add_argument("--kernel", type=int, default=4, help="kernel size K")
-    p.add_argument("--docs", type=int, default=8, help="packed documents over the B*T tokens")
+    p.add_argument("--docs", type=int, default=8, help="packed documents over the B*T tokens (0: no cu_seqlens)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations (median)")
     p.add_argument("--sweep", action="store_true", help="also time every forward and backward tile alone (CUDA)")
     a = p.parse_args(argv)
@@ -44,13 +44,13 @@ def main(argv=None) -> None:
     import torch
 
     from attention.ops.short_conv import naive_short_conv
-    from attention.ops.short_conv.triton_conv import BWD_SPEC, FWD_SPEC, conv_bwd, conv_fwd, short_conv_fwd
+    from attention.ops.short_conv.triton_conv import DPRE_SPEC, FWD_SPEC, conv_bwd, conv_fwd, short_conv_fwd
     from scripts.bench_common import median_ms, timeit
 
     dev = a.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     B, T, C, K = a.batch, a.seq, a.channels, a.kernel
-    cu = _cu_seqlens(B * T, a.docs, dev)
+    cu = _cu_seqlens(B * T, a.docs, dev) if a.docs > 0 else None
     x = torch.randn(B, T, C, device=dev, dtype=dtype, requires_grad=True)
     w = ((torch.rand(C, K, device=dev) - 0.5) / K**0.5).to(dtype).requires_grad_(True)
     dy = torch.randn(B, T, C, device=dev, dtype=dtype)
@@ -72,12 +72,32 @@ def main(argv=None) -> None:
     print(f"B={B} T={T} C={C} K={K} docs={a.docs} {str(dtype).split('.')[-1]} on {dev}: fwd+bwd "
           f"reference{label} {t_ref:.3f} ms, kernel {t_kern:.3f} ms, ratio {t_ref / t_kern:.2f}x "
           f"(max relative difference {err:.1e})")
+    if dev == "cuda":  # GPU time alone: the timings above include the host's launch cost where it is larger
+        print("  kernel GPU time, mean over 20 fwd+bwd: " + ", ".join(
+            f"{name} {us:.1f} us" for name, us in kernel_us(step(kern), 20).items()))
     if a.sweep and dev == "cuda":
         xd = x.detach()
         for cfg in FWD_SPEC:
             print(f"  fwd tile {cfg}: {median_ms(lambda: conv_fwd(xd, w.detach(), cu, True, config=cfg)):.3f} ms")
-        for cfg in BWD_SPEC:
-            print(f"  bwd tile {cfg}: {median_ms(lambda: conv_bwd(dy, xd, w.detach(), cu, True, config=cfg)):.3f} ms")
+        for cfg in DPRE_SPEC:  # the whole backward, dpre kernel at this tile, dx kernel at the forward's first
+            ms = median_ms(lambda: conv_bwd(dy, xd, w.detach(), cu, True, config=cfg, dx_config=FWD_SPEC[0]))
+            print(f"  bwd, dpre tile {cfg}: {ms:.3f} ms")
+        for cfg in FWD_SPEC:
+            ms = median_ms(lambda: conv_bwd(dy, xd, w.detach(), cu, True, config=DPRE_SPEC[0], dx_config=cfg))
+            print(f"  bwd, dx tile {cfg}: {ms:.3f} ms")
+
+
+def kernel_us(fn, n: int) -> dict[str, float]:
+    """Mean GPU µs per call of ``fn`` for each CUDA kernel it runs (torch.profiler), by kernel name."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:40]: e.self_device_time_total / n for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ one causal sequence. Nothing here imports from above ``attention/ops`` (tests/at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -31,6 +32,11 @@ def check_impl(impl: str, valid: tuple[str, ...], who: str) -> str:
     if impl not in valid:
         raise ValueError(f"attention.impl={impl!r} is not valid for {who}; choose from {list(valid)}")
     return impl
+
+
+def cuda_device_of(t: torch.Tensor):
+    """Context that makes ``t``'s GPU current (Triton launches on the current device); a no-op off CUDA."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------- packed documents

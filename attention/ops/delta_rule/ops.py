@@ -38,13 +38,12 @@ Gradients come back in their inputs' dtypes; dg / dh0 are empty tensors when g /
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Optional
 
 import torch
 
-from attention.ops.common import fla_gated_backward_ok
+from attention.ops.common import cuda_device_of, fla_gated_backward_ok
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla_hopper import _bwd, _fwd, kda_bwd
 from attention.ops.opaque import autograd_inside_op
@@ -137,10 +136,6 @@ def _is_kda(g: Optional[Tensor]) -> bool:
     return g is not None and g.dim() == 4
 
 
-def _device(q: Tensor):
-    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-
-
 def _no_saved(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(0), q.new_empty(0), q.new_empty(0)
 
@@ -158,7 +153,7 @@ def _kda_fwd(q, k, v, beta, g, h0, cu_seqlens, scale, output_final_state, lower_
     if q.shape[-1] > 256:  # chunk_kda's own limit, asserted before its Function runs
         raise ValueError(f"fla's KDA supports key head dim <= 256, got {q.shape[-1]}")
     q, k, v, beta, g, h0, cu, ci = _fla_prep(q, k, v, beta, g, h0, cu_seqlens)
-    with _device(q):
+    with cuda_device_of(q):
         o, ht, gk, Aqk, Akk, *_ = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
                                                 output_final_state=output_final_state, cu_seqlens=cu,
                                                 chunk_indices=ci, chunk_size=BT, safe_gate=lower_bound is not None,
@@ -178,7 +173,7 @@ def _kda_bwd(do, dht, q, k, v, beta, h0, cu_seqlens, scale, gk, Aqk, Akk, lower_
     q, k, v, beta, _, h0, cu, ci = _fla_prep(q, k, v, beta, None, h0, cu_seqlens)
     do = do.to(q.dtype).contiguous()  # fla's Function returns o in q's dtype
     dht = None if dht is None else dht.float().contiguous()
-    with _device(q):
+    with cuda_device_of(q):
         if backend == "fla_hopper":
             return kda_bwd(q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=scale, initial_state=h0, do=do,
                            dht=dht, g=gk, cu_seqlens=cu, chunk_indices=ci)

@@ -5,7 +5,7 @@ convolution ``y_t = act(Σ_{j<K} w[:, K-1-j] · x_{t-j})`` with zeros before eac
 row start, or the decode state's inputs. ``impl``:
 
 - "reference": :func:`naive_short_conv` (readable PyTorch, float64-capable, the oracle; decode with a state);
-- "triton":    :mod:`attention.ops.short_conv.triton_conv` (one forward and one backward kernel, custom ops);
+- "triton":    :mod:`attention.ops.short_conv.triton_conv` (a forward and two backward kernels, as ops);
 - "auto":      "triton" for a CUDA tensor in fp32 / bf16 / fp16 without a decode state, else "reference".
 
 Returns (y [B, T, C], new_state [B, C, K-1] = the last K-1 inputs, state included).

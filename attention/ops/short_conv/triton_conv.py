@@ -1,4 +1,5 @@
-"""The short convolution in Triton: one forward kernel and one backward kernel (dx and dweight), as custom ops.
+"""The short convolution in Triton: a forward kernel and two backward kernels (dpre and dweight, then dx), as
+custom ops.
 
     pre_t = Σ_{j<K} w[:, K-1-j] · x_{t-j}  (x_{t-j} = 0 before the token's document or row start),  y_t = act(pre_t)
 
@@ -6,29 +7,35 @@
 
 - ``_fwd_kernel``: one program per (BT x BC tile, batch row); K shifted loads of x (the K-1 rows above a tile come
   from the cache), fp32 accumulation, SiLU fused, y in x's dtype.
-- ``_bwd_kernel``: one program per (BC channels, TS rows, batch row), walking its rows in BT tiles. The
-  pre-activation is recomputed (never saved): dpre_s = dy_s · silu'(pre_s) at the K rows s = t..t+K-1 that read a
-  row t, and ``dx_t = Σ_j w[:, K-1-j] · dpre_{t+j}`` over the lags j that row t+j may read. dweight is reduced
-  deterministically: each program sums ``dpre_t · x_{t-j}`` over its rows into its own fp32 partial
-  [K, C] slice, and the [B · n_splits, K, C] partials are summed by torch afterwards.
+- ``_bwd_dpre_kernel``: one program per (BC channels, TS rows, batch row), walking its rows in BT tiles: the
+  pre-activation is recomputed (never saved), ``dpre_t = dy_t · silu'(pre_t)`` is written to an fp32 [B, T, C]
+  buffer, and ``Σ_t dpre_t · x_{t-j}`` over the program's rows goes into its own fp32 [K, C] slice of the
+  [B · n_splits, K, C] dweight partials, which torch sums afterwards (deterministic).
+- ``_bwd_dx_kernel``: the forward's tiling over dpre: ``dx_t = Σ_j w[:, K-1-j] · dpre_{t+j}`` over the lags j
+  that row t+j may read. Two passes over memory, each with K shifted loads per tile, in place of recomputing
+  dpre at the K rows that read each row (K² loads per tile).
 - Documents (``cu_seqlens``, fla varlen over the flattened ``B*T`` tokens): each row's document start comes from a
   vectorised binary search over ``cu_seqlens`` inside the kernels (no per-token tensor is built); lag j of token t
   is read only if ``t - j`` is at or after that start (and the row's start).
 
 Tensors: x [B, T, C] (made contiguous), weight [C, K] with K <= 8 (a constexpr), cu_seqlens [N + 1] int32 or None.
 dx comes back in x's dtype, dweight in weight's. ``attnlab::short_conv_fwd`` / ``attnlab::short_conv_bwd`` are the
-torch.library pair a compiled block calls without a graph break; the forward saves x and weight only.
+op pair a compiled block calls without a graph break (``torch.library.triton_op`` on a GPU, so inductor launches
+the kernels itself; see the ops section below); the forward saves x and weight only.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from attention.ops.autotune import candidates
+from attention.ops.common import cuda_device_of
 from attention.ops.outputs import empty
 
 Tensor = torch.Tensor
@@ -44,11 +51,13 @@ def _configs(spec) -> list:
 
 
 @triton.jit
-def _first_readable(cu, i_b, o_t, T, n_iter, N, HAS_CU: tl.constexpr):
-    """[BT] first row (in row coordinates) that each row o_t may read: its document's start, or 0 (row start).
-    Without documents 0. The document comes from a binary search for the last ``cu[idx] <= token`` over
-    cu[0..N] (``n_iter`` = bit length of N steps)."""
+def _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU: tl.constexpr):
+    """([BT] first, [BT] end): the rows (in row coordinates) of the document that holds each row o_t, clipped to
+    its batch row: row o_t reads rows >= first, and rows < end read it. Without documents (0, T). The document
+    comes from a binary search for the last ``cu[idx] <= token`` over cu[0..N] in ``n_iter`` steps (at least the
+    bit length of N; further steps leave the result unchanged)."""
     first = tl.zeros_like(o_t)
+    end = tl.zeros_like(o_t) + T
     if HAS_CU:
         g = i_b * T + tl.minimum(o_t, T - 1)
         lo = tl.zeros_like(o_t)
@@ -59,7 +68,8 @@ def _first_readable(cu, i_b, o_t, T, n_iter, N, HAS_CU: tl.constexpr):
             lo = tl.where(le, mid, lo)
             hi = tl.where(le, hi, mid - 1)
         first = tl.maximum(tl.load(cu + lo) - i_b * T, 0)
-    return first
+        end = tl.minimum(tl.load(cu + tl.minimum(lo + 1, N)) - i_b * T, T)
+    return first, end
 
 
 @triton.jit
@@ -69,7 +79,7 @@ def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr
     o_t = i_t * BT + tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
-    first = _first_readable(cu, i_b, o_t, T, n_iter, N, HAS_CU)
+    first, _ = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
     row0 = i_b.to(tl.int64) * T * C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
@@ -84,8 +94,9 @@ def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr
 
 
 @triton.jit
-def _bwd_kernel(x, w, cu, dy, dx, dwp, T, C, TS, NS, n_iter, N, K: tl.constexpr, KP: tl.constexpr,
-                ACT: tl.constexpr, HAS_CU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _bwd_dpre_kernel(x, w, cu, dy, dpre, dwp, T, C, TS, NS, n_iter, N, K: tl.constexpr, KP: tl.constexpr,
+                     ACT: tl.constexpr, HAS_CU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dpre = dy · act'(pre) [B, T, C] fp32 (pre recomputed), and this program's dweight partial."""
     i_c, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -96,50 +107,61 @@ def _bwd_kernel(x, w, cu, dy, dx, dwp, T, C, TS, NS, n_iter, N, K: tl.constexpr,
     t_end = tl.minimum(t_begin + TS, T)
     for t0 in range(t_begin, t_end, BT):
         o_t = t0 + tl.arange(0, BT)
-        m_own = o_t < t_end
-        b_dx = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            # row s = t + j reads row t at lag j: recompute its pre-activation and dpre
-            s = o_t + j
-            m_s = s < T
-            first = _first_readable(cu, i_b, s, T, n_iter, N, HAS_CU)
+        m_t = o_t < t_end
+        first, _ = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
+        b_dy = tl.load(dy + row0 + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
+                       other=0.0).to(tl.float32)
+        if ACT:
             pre = tl.zeros([BT, BC], dtype=tl.float32)
             for i in tl.static_range(K):
                 w_i = tl.load(w + o_c * K + (K - 1 - i), mask=m_c, other=0.0).to(tl.float32)
-                r = s - i
-                m = (r >= first) & m_s
+                r = o_t - i
+                m = (r >= first) & m_t
                 b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
                 pre += b_x.to(tl.float32) * w_i[None, :]
-            b_dy = tl.load(dy + row0 + s[:, None] * C + o_c[None, :], mask=m_s[:, None] & m_c[None, :],
-                           other=0.0).to(tl.float32)
-            if ACT:
-                sig = tl.sigmoid(pre)
-                dpre = b_dy * sig * (1.0 + pre * (1.0 - sig))
-            else:
-                dpre = b_dy
-            w_j = tl.load(w + o_c * K + (K - 1 - j), mask=m_c, other=0.0).to(tl.float32)
-            m_j = (o_t >= first) & m_s
-            b_dx += tl.where(m_j[:, None], dpre, 0.0) * w_j[None, :]
-            if j == 0:  # the tile's own rows: dweight over the rows this program owns
-                dpre = tl.where(m_own[:, None], dpre, 0.0)
-                for i in tl.static_range(K):
-                    r = o_t - i
-                    m = (r >= first) & m_own
-                    b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :],
-                                  other=0.0)
-                    part = tl.sum(dpre * b_x.to(tl.float32), axis=0)  # [BC]
-                    b_dw += tl.where(o_k[:, None] == K - 1 - i, part[None, :], 0.0)
-        tl.store(dx + row0 + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-                 mask=m_own[:, None] & m_c[None, :])
+            sig = tl.sigmoid(pre)
+            b_dp = b_dy * sig * (1.0 + pre * (1.0 - sig))
+        else:
+            b_dp = b_dy
+        tl.store(dpre + row0 + o_t[:, None] * C + o_c[None, :], b_dp, mask=m_t[:, None] & m_c[None, :])
+        for i in tl.static_range(K):
+            r = o_t - i
+            m = (r >= first) & m_t
+            b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
+            part = tl.sum(b_dp * b_x.to(tl.float32), axis=0)  # [BC]
+            b_dw += tl.where(o_k[:, None] == K - 1 - i, part[None, :], 0.0)
     p = dwp + (i_b.to(tl.int64) * NS + i_s) * K * C
     tl.store(p + o_k[:, None] * C + o_c[None, :], b_dw, mask=(o_k[:, None] < K) & m_c[None, :])
 
 
-# (BT, BC, num_warps) candidates; the first is the one ATTNLAB_AUTOTUNE=first (tests) runs
+@triton.jit
+def _bwd_dx_kernel(dpre, w, cu, dx, T, C, n_iter, N, K: tl.constexpr, HAS_CU: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr):
+    """dx_t = Σ_j w[:, K-1-j] · dpre_{t+j} over the rows t+j in row t's document (one search per tile)."""
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_t, m_c = o_t < T, o_c < C
+    row0 = i_b.to(tl.int64) * T * C
+    _, end = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        s = o_t + j  # row s reads row t at lag j iff s is in row t's document (and batch row)
+        m = (s < end) & m_t
+        w_j = tl.load(w + o_c * K + (K - 1 - j), mask=m_c, other=0.0).to(tl.float32)
+        b_dp = tl.load(dpre + row0 + s[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
+        acc += b_dp * w_j[None, :]
+    tl.store(dx + row0 + o_t[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+# (BT, BC, num_warps) candidates; the first is the one ATTNLAB_AUTOTUNE=first (tests) runs. The dx kernel has the
+# forward's shape (K shifted loads per tile), so it tunes over the forward's tiles.
 FWD_SPEC = [(64, 128, 4), (32, 256, 4), (128, 128, 8)]
-BWD_SPEC = [(32, 128, 4), (64, 64, 4), (32, 256, 8)]
-_fwd_tuned = triton.autotune(configs=_configs(FWD_SPEC), key=["C", "K", "ACT", "HAS_CU"])(_fwd_kernel)
-_bwd_tuned = triton.autotune(configs=_configs(BWD_SPEC), key=["C", "K", "ACT", "HAS_CU"])(_bwd_kernel)
+DPRE_SPEC = [(32, 128, 4), (64, 64, 4), (32, 256, 8)]
+_KEY = ["C", "K", "HAS_CU"]
+_fwd_tuned = triton.autotune(configs=_configs(FWD_SPEC), key=_KEY + ["ACT"])(_fwd_kernel)
+_dpre_tuned = triton.autotune(configs=_configs(DPRE_SPEC), key=_KEY + ["ACT"])(_bwd_dpre_kernel)
+_dx_tuned = triton.autotune(configs=_configs(FWD_SPEC), key=_KEY)(_bwd_dx_kernel)
 
 
 def _check(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor]) -> None:
@@ -152,45 +174,52 @@ def _check(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor]) -> None:
 
 
 def _doc_args(x: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, int, int]:
-    """(cu pointer or a stand-in, binary-search steps, N documents)."""
+    """(cu pointer or a stand-in, binary-search steps, N documents). The steps cover any N <= B*T (at most one
+    document per token), so they depend on x's shape alone: a compiled graph, where N (the length of
+    ``cu_seqlens``) changes from batch to batch, neither recompiles nor specialises on it."""
     if cu_seqlens is None:
         return x, 0, 0
-    n = cu_seqlens.shape[0] - 1
-    return cu_seqlens, max(n, 1).bit_length(), n
+    return cu_seqlens, (x.shape[0] * x.shape[1]).bit_length(), cu_seqlens.shape[0] - 1
 
 
-def _device(x: Tensor):
-    import contextlib
+def _tile_grid(T: int, C: int, B: int):
+    """Grid of the row-tile kernels (forward, dx): (T tiles, C tiles, rows)."""
+    return lambda m: (triton.cdiv(T, m["BT"]), triton.cdiv(C, m["BC"]), B)
 
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+def _launch(tuned, grid, args: tuple, meta: dict, config: Optional[tuple[int, int, int]]) -> None:
+    """Autotuned launch, or with ``config`` = (BT, BC, num_warps) the bare kernel at that tile. ``wrap_triton``
+    lets a compiled graph that calls the ops below launch the kernel from inductor's generated code; in eager it
+    is the plain launch."""
+    if config is None:
+        wrap_triton(tuned)[grid](*args, **meta)
+    else:
+        bt, bc, nw = config
+        wrap_triton(tuned.fn)[grid](*args, **meta, BT=bt, BC=bc, num_warps=nw)
 
 
 def conv_fwd(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor], activation: bool,
              config: Optional[tuple[int, int, int]] = None) -> Tensor:
-    """y [B, T, C] in x's dtype. ``config`` = (BT, BC, num_warps) pins a tile (tests); None autotunes."""
+    """y [B, T, C] in x's dtype. ``config`` = (BT, BC, num_warps) pins a tile (tests, sweeps); None autotunes."""
     _check(x, weight, cu_seqlens)
     x, weight = x.contiguous(), weight.contiguous()
     B, T, C = x.shape
-    K = weight.shape[1]
     y = empty(B, T, C, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
         return y
     cu, n_iter, N = _doc_args(x, cu_seqlens)
-    args = (x, weight, cu, y, T, C, n_iter, N)
-    meta = dict(K=K, ACT=activation, HAS_CU=cu_seqlens is not None)
-    with _device(x):
-        if config is None:
-            _fwd_tuned[lambda m: (triton.cdiv(T, m["BT"]), triton.cdiv(C, m["BC"]), B)](*args, **meta)
-        else:
-            bt, bc, nw = config
-            _fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](*args, **meta, BT=bt, BC=bc, num_warps=nw)
+    meta = dict(K=weight.shape[1], ACT=activation, HAS_CU=cu_seqlens is not None)
+    with cuda_device_of(x):
+        _launch(_fwd_tuned, _tile_grid(T, C, B), (x, weight, cu, y, T, C, n_iter, N), meta, config)
     return y
 
 
 def conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor], activation: bool,
-             config: Optional[tuple[int, int, int]] = None, rows_per_program: int = ROWS_PER_PROGRAM
-             ) -> tuple[Tensor, Tensor]:
-    """(dx [B, T, C] in x's dtype, dweight [C, K] in weight's dtype). The pre-activation is recomputed from x."""
+             config: Optional[tuple[int, int, int]] = None, dx_config: Optional[tuple[int, int, int]] = None,
+             rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[Tensor, Tensor]:
+    """(dx [B, T, C] in x's dtype, dweight [C, K] in weight's dtype), in two kernels: dpre = dy · act'(pre)
+    [B, T, C] fp32 with the dweight partials (pre recomputed from x), then dx from dpre. ``config`` pins the dpre
+    kernel's tile and ``dx_config`` the dx kernel's (default: ``config``); None autotunes."""
     _check(x, weight, cu_seqlens)
     x, weight, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
     B, T, C = x.shape
@@ -200,40 +229,48 @@ def conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor]
         return dx, torch.zeros_like(weight)
     TS = min(rows_per_program, T)
     NS = triton.cdiv(T, TS)
+    dpre = empty(B, T, C, device=x.device, dtype=torch.float32)
     dwp = empty(B * NS, K, C, device=x.device, dtype=torch.float32)
     cu, n_iter, N = _doc_args(x, cu_seqlens)
-    args = (x, weight, cu, dy, dx, dwp, T, C, TS, NS, n_iter, N)
-    meta = dict(K=K, KP=triton.next_power_of_2(K), ACT=activation, HAS_CU=cu_seqlens is not None)
-    with _device(x):
-        if config is None:
-            _bwd_tuned[lambda m: (triton.cdiv(C, m["BC"]), NS, B)](*args, **meta)
-        else:
-            bt, bc, nw = config
-            _bwd_kernel[(triton.cdiv(C, bc), NS, B)](*args, **meta, BT=bt, BC=bc, num_warps=nw)
+    has_cu = cu_seqlens is not None
+    with cuda_device_of(x):
+        _launch(_dpre_tuned, lambda m: (triton.cdiv(C, m["BC"]), NS, B),
+                (x, weight, cu, dy, dpre, dwp, T, C, TS, NS, n_iter, N),
+                dict(K=K, KP=triton.next_power_of_2(K), ACT=activation, HAS_CU=has_cu), config)
+        _launch(_dx_tuned, _tile_grid(T, C, B), (dpre, weight, cu, dx, T, C, n_iter, N), dict(K=K, HAS_CU=has_cu),
+                dx_config or config)
     dw = dwp.sum(0).t().to(weight.dtype).contiguous()  # [C, K]
     return dx, dw
 
 
-# ---------------------------------------------------------------- custom ops (compiled blocks trace through them)
-@torch.library.custom_op("attnlab::short_conv_fwd", mutates_args=())
+# ---------------------------------------------------------------------------------------------------------- ops
+# On a GPU the pair is a ``torch.library.triton_op``: a compiled graph traces into it and inductor launches the
+# kernels from its generated code (no Python per call; a custom op's dispatch and launch cost per call is more than
+# the forward kernel's GPU time). Triton's interpreter cannot run on the fake tensors that tracing uses, so there
+# (TRITON_INTERPRET=1, the CPU tests) the same bodies are an opaque custom op with a fake implementation.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _op(name: str, fake):
+    def register(fn):
+        if not _INTERPRET:
+            return triton_op(name, mutates_args=())(fn)
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        op.register_fake(fake)
+        return op
+    return register
+
+
+@_op("attnlab::short_conv_fwd", lambda x, weight, cu_seqlens, activation: x.new_empty(x.shape))
 def short_conv_fwd(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor], activation: bool) -> Tensor:
     return conv_fwd(x, weight, cu_seqlens, activation)
 
 
-@short_conv_fwd.register_fake
-def _(x, weight, cu_seqlens, activation):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("attnlab::short_conv_bwd", mutates_args=())
+@_op("attnlab::short_conv_bwd",
+     lambda dy, x, weight, cu_seqlens, activation: (x.new_empty(x.shape), weight.new_empty(weight.shape)))
 def short_conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor],
                    activation: bool) -> tuple[Tensor, Tensor]:
     return conv_bwd(dy, x, weight, cu_seqlens, activation)
-
-
-@short_conv_bwd.register_fake
-def _(dy, x, weight, cu_seqlens, activation):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
