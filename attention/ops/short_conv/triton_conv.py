@@ -73,6 +73,20 @@ def _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU: tl.constexpr):
 
 
 @triton.jit
+def _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """[BT, BC] fp32 ``Σ_j w[:, K-1-j] · x_{t-j}`` for rows o_t and channels o_c of the batch row at ``row0``,
+    reading a lag only where its row is at or after the row's ``first`` readable row."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_w = tl.load(w + o_c * K + (K - 1 - j), mask=m_c, other=0.0).to(tl.float32)
+        r = o_t - j
+        m = (r >= first) & m_t
+        b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
+        acc += b_x.to(tl.float32) * b_w[None, :]
+    return acc
+
+
+@triton.jit
 def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr, HAS_CU: tl.constexpr,
                 BT: tl.constexpr, BC: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -81,13 +95,7 @@ def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr
     m_t, m_c = o_t < T, o_c < C
     first, _ = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
     row0 = i_b.to(tl.int64) * T * C
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(K):
-        b_w = tl.load(w + o_c * K + (K - 1 - j), mask=m_c, other=0.0).to(tl.float32)
-        r = o_t - j
-        m = (r >= first) & m_t
-        b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
-        acc += b_x.to(tl.float32) * b_w[None, :]
+    acc = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
     if ACT:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + row0 + o_t[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
@@ -112,13 +120,7 @@ def _bwd_dpre_kernel(x, w, cu, dy, dpre, dwp, T, C, TS, NS, n_iter, N, K: tl.con
         b_dy = tl.load(dy + row0 + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
                        other=0.0).to(tl.float32)
         if ACT:
-            pre = tl.zeros([BT, BC], dtype=tl.float32)
-            for i in tl.static_range(K):
-                w_i = tl.load(w + o_c * K + (K - 1 - i), mask=m_c, other=0.0).to(tl.float32)
-                r = o_t - i
-                m = (r >= first) & m_t
-                b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
-                pre += b_x.to(tl.float32) * w_i[None, :]
+            pre = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
             sig = tl.sigmoid(pre)
             b_dp = b_dy * sig * (1.0 + pre * (1.0 - sig))
         else:
