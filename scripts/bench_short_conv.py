@@ -1,5 +1,5 @@
 """The short convolution fwd+bwd: the compiled PyTorch reference (as the model ran it before the kernels) against
-the Triton kernel pair (``attnlab::short_conv_fwd`` / ``_bwd``).
+the Triton kernels behind ``attnlab::short_conv_fwd`` / ``_bwd``, with each kernel's GPU time alone.
 
     python -m scripts.bench_short_conv [--batch 2 --seq 4096 --channels 2048 --kernel 4 --docs 8] [--sweep]
     python -m scripts.bench_short_conv --device cpu --quick      # smoke: tiny shape, Triton interpreter

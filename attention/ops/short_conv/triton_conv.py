@@ -290,6 +290,8 @@ def _backward(ctx, dy):
 short_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def short_conv_triton(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor] = None, activation: bool = True) -> Tensor:
-    """y [B, T, C] = act(causal depthwise conv of x [B, T, C] with weight [C, K]) through ``attnlab::short_conv_fwd``."""
+def short_conv_triton(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor] = None,
+                      activation: bool = True) -> Tensor:
+    """y [B, T, C] = act(causal depthwise conv of x [B, T, C] with weight [C, K]), through
+    ``attnlab::short_conv_fwd``."""
     return short_conv_fwd(x, weight, cu_seqlens, activation)
