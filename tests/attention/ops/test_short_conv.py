@@ -185,7 +185,8 @@ print("compiled")
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Ahead-of-time compile of the three kernels at every autotune tile for an H100 target (sm_90, bf16,
-    documents, K=4): what the interpreter does not check, without a GPU. A subprocess: the kernels are interpreter objects here."""
+    documents, K=4): what the interpreter does not check, without a GPU. A subprocess: the kernels are interpreter
+    objects here."""
     import os
     import subprocess
     import sys
