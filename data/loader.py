@@ -80,6 +80,13 @@ class PackedTextDataset(HuggingFaceTextDataset):
                                  f"{self.max_bad}); set data.text_field or data.max_bad_records")
             logger.warning(f"{what}; skipped ({self.bad_records}/{self.max_bad} allowed by data.max_bad_records)")
 
+    def state_dict(self) -> dict:
+        """torchtitan's state with a copy of the token buffer. torchtitan returns the live list, and the worker of
+        ``num_workers = 1`` hands its snapshot to a queue that pickles it in a background thread while the worker
+        packs on: the next document's tokens could extend the snapshot's buffer after its ``sample_idx`` was set,
+        and a resume would read them twice."""
+        return {**super().state_dict(), "token_buffer": list(self._token_buffer)}
+
     def __iter__(self):
         if self.repeatable:
             self._sample_idx, self._token_buffer = 0, []

@@ -157,6 +157,18 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
     assert calls[-1][0] == ("x/y", None)
 
 
+def test_state_is_a_snapshot(corpus):
+    """The dataset state does not change as packing goes on: the loader's worker pickles it later, in a thread."""
+    ds, _ = _dataset(corpus, seq_len=10)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    before = {"sample_idx": state["sample_idx"], "token_buffer": list(state["token_buffer"])}
+    for _ in range(8):
+        next(it)
+    assert state == before and ds.state_dict() != before
+
+
 def test_one_worker_reads_what_no_worker_reads_and_its_state_reshards(corpus):
     """``num_workers = 1`` (tokenization in a worker process) gives the batches and the dataset state of the
     in-process loader, and the cross-world-size reshard reads that state from the worker's snapshot (more workers
