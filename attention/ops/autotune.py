@@ -12,6 +12,8 @@ import os
 from typing import Callable
 
 MODES = ("all", "first")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton runs on the CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests), as set when the ops were imported."""
 PRECOMPILE = os.environ.get("ATTNLAB_PRECOMPILE", "1") == "1"
 """``compile_candidates`` on (the default) or off (``ATTNLAB_PRECOMPILE=0``)."""
 _COMPILED: set = set()

@@ -33,14 +33,13 @@ fla's KDA backward pipeline (:func:`attention.ops.delta_rule.fla_hopper.kda_bwd`
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from packaging.version import Version
 
-from attention.ops.autotune import candidates
+from attention.ops.autotune import INTERPRET, candidates
 from attention.ops.delta_rule.dqkwg import chunk_grid
 
 __all__ = ["chunk_kda_bwd_intra", "SPAN_MAX"]
@@ -48,12 +47,12 @@ __all__ = ["chunk_kda_bwd_intra", "SPAN_MAX"]
 SPAN_MAX = 120.0
 """Largest per-block gate span (log2 units, max over channels of max g - min g) run as tensor-core dots."""
 
-_BF16X3 = Version(triton.__version__.split("+")[0]) >= Version("3.6") and os.environ.get("TRITON_INTERPRET") != "1"
+_BF16X3 = Version(triton.__version__.split("+")[0]) >= Version("3.6") and not INTERPRET
 _DOT_PRECISION = tl.constexpr("bf16x3" if _BF16X3 else "ieee")  # fp32-accurate dots; the interpreter lacks bf16x3
 
 
 def _configs():
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter cannot benchmark configs
+    if INTERPRET:  # the CPU interpreter cannot benchmark configs
         return [triton.Config({}, num_warps=4, num_stages=2)]
     return candidates([triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from attention.ops.common import check_impl
-from attention.ops.short_conv.naive import naive_short_conv
+from attention.ops.short_conv.naive import last_inputs, naive_short_conv
 
 IMPLS = ("auto", "reference", "triton")
 
@@ -42,15 +42,7 @@ def short_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None, stat
     state: [B, C, K-1] or None. Returns (y [B, T, C] in x's dtype, new_state [B, C, K-1])."""
     if resolve_impl(impl, x, state) == "reference":
         return naive_short_conv(x, weight, cu_seqlens, state, activation)
-    from attention.ops.short_conv.triton_conv import short_conv_triton
+    from attention.ops.short_conv.triton_conv import short_conv_fwd
 
-    B, T, C = x.shape
-    K = weight.shape[1]
-    y = short_conv_triton(x, weight, None if cu_seqlens is None else cu_seqlens.to(torch.int32), activation)
-    if K == 1:
-        return y, x.new_zeros(B, C, 0)
-    # the last K-1 inputs (zeros ahead of a row shorter than K-1), as the reference's new_state
-    tail = x[:, -(K - 1):]
-    if T < K - 1:
-        tail = torch.cat([x.new_zeros(B, K - 1 - T, C), tail], dim=1)
-    return y, tail.transpose(1, 2).contiguous()
+    y = short_conv_fwd(x, weight, None if cu_seqlens is None else cu_seqlens.to(torch.int32), activation)
+    return y, last_inputs(x, weight.shape[1])

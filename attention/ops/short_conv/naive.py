@@ -42,5 +42,14 @@ def naive_short_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None
         y = y + term
     if activation:
         y = F.silu(y)
-    new_state = xp[:, -(K - 1):].transpose(1, 2).contiguous() if K > 1 else x.new_zeros(B, C, 0)
-    return y, new_state
+    return y, last_inputs(x, K, state)
+
+
+def last_inputs(x: Tensor, K: int, state: Tensor | None = None) -> Tensor:
+    """The decode state after x [B, T, C]: [B, C, K-1], the last K-1 of (``state`` [B, C, K-1], zeros when None,
+    followed by x's rows)."""
+    B, T, C = x.shape
+    if K == 1:
+        return x.new_zeros(B, C, 0)
+    prev = x.new_zeros(B, K - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
+    return torch.cat([prev, x[:, -(K - 1):]], dim=1)[:, -(K - 1):].transpose(1, 2).contiguous()

@@ -26,7 +26,6 @@ the kernels itself; see the ops section below); the forward saves x and weight o
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -34,7 +33,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from attention.ops.autotune import candidates
+from attention.ops.autotune import INTERPRET, candidates
 from attention.ops.common import cuda_device_of
 from attention.ops.outputs import empty
 
@@ -250,12 +249,9 @@ def conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor]
 # kernels from its generated code (no Python per call; a custom op's dispatch and launch cost per call is more than
 # the forward kernel's GPU time). Triton's interpreter cannot run on the fake tensors that tracing uses, so there
 # (TRITON_INTERPRET=1, the CPU tests) the same bodies are an opaque custom op with a fake implementation.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _op(name: str, fake):
     def register(fn):
-        if not _INTERPRET:
+        if not INTERPRET:
             return triton_op(name, mutates_args=())(fn)
         op = torch.library.custom_op(name, mutates_args=())(fn)
         op.register_fake(fake)
@@ -289,9 +285,3 @@ def _backward(ctx, dy):
 
 short_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
 
-
-def short_conv_triton(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor] = None,
-                      activation: bool = True) -> Tensor:
-    """y [B, T, C] = act(causal depthwise conv of x [B, T, C] with weight [C, K]), through
-    ``attnlab::short_conv_fwd``."""
-    return short_conv_fwd(x, weight, cu_seqlens, activation)

@@ -20,10 +20,8 @@ import os
 import triton
 import triton.language as tl
 
-from attention.ops.autotune import candidates
+from attention.ops.autotune import INTERPRET, candidates
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
