@@ -136,7 +136,7 @@ def profiling(args) -> list[str]:
 
 def first_profiled(args) -> int:
     """The first step the profiler slows (its warm-up); steps from here on are left out of the medians."""
-    return args.steps - 1 - args.trace_steps - PROFILER_WARMUP + 1
+    return args.steps - args.trace_steps - PROFILER_WARMUP  # the traced steps end at --steps - 1
 
 
 def profiled(args, dump: Path) -> dict:
@@ -294,7 +294,7 @@ def main() -> None:
                     help="trace steps of every row: the busy %% column and a kernel/idle summary per row")
     ap.add_argument("--trace-steps", type=int, default=1, help="steps the profiler traces (with --profile)")
     ap.add_argument("--train-args", default="",
-                    help="more train.py arguments for our rows, e.g. '--training.dataloader.num_workers 1'")
+                    help="more train.py arguments for our rows, e.g. '--training.dataloader.num_workers 0'")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args()
     args.repo = str(Path(args.repo).resolve())

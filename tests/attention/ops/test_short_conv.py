@@ -104,6 +104,8 @@ def test_dispatch_and_new_state():
     y, st = short_conv(x, w, impl="triton")
     _close(y, y_ref.double())
     torch.testing.assert_close(st, st_ref)
+    # both paths share naive.last_inputs: check it against the state written out (a zero row, then x's two rows)
+    torch.testing.assert_close(st, torch.cat([torch.zeros(2, 1, 6), x], dim=1).transpose(1, 2))
     y_auto, st_auto = short_conv(x, w)
     torch.testing.assert_close(y_auto, y_ref)
     with pytest.raises(ValueError, match="decode state"):
