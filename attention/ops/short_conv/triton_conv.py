@@ -8,12 +8,13 @@ custom ops.
 - ``_fwd_kernel``: one program per (BT x BC tile, batch row); K shifted loads of x (the K-1 rows above a tile come
   from the cache), fp32 accumulation, SiLU fused, y in x's dtype.
 - ``_bwd_dpre_kernel``: one program per (BC channels, TS rows, batch row), walking its rows in BT tiles: the
-  pre-activation is recomputed (never saved) from K shifted [BT, BC] tiles of x that stay in registers for the
-  dweight sum, so each is loaded once per tile; ``dpre_t = dy_t · silu'(pre_t)`` is written to a [B, T, C] buffer
-  in x's dtype (half the bytes of fp32 for bf16 x, written here and read K times per tile by the dx kernel; eager
+  pre-activation is recomputed (never saved), ``dpre_t = dy_t · silu'(pre_t)`` is written to a [B, T, C] buffer in
+  x's dtype (half the bytes of fp32 for bf16 x, written here and read K times per tile by the dx kernel; eager
   autograd of the bf16 reference rounds this gradient to bf16 too), and ``Σ_t dpre_t · x_{t-j}`` over the
   program's rows, from the fp32 dpre before that rounding, goes into its own fp32 [K, C] slice of the
-  [B · n_splits, K, C] dweight partials, which torch sums afterwards (deterministic).
+  [B · n_splits, K, C] dweight partials, which torch sums afterwards (deterministic). The K shifted x tiles are
+  loaded twice per tile, for pre and then for the sum (the second time mostly from the cache): holding K tiles in
+  registers between the two costs more occupancy than the reload.
 - ``_bwd_dx_kernel``: the forward's tiling over dpre, fp32 accumulation: ``dx_t = Σ_j w[:, K-1-j] · dpre_{t+j}``
   over the lags j that row t+j may read. Two passes over memory, each with K shifted loads per tile, in place of
   recomputing dpre at the K rows that read each row (K² loads per tile).
@@ -76,20 +77,16 @@ def _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU: tl.constexpr):
 
 @triton.jit
 def _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(pre, xs): pre [BT, BC] fp32 ``Σ_j w[:, K-1-j] · x_{t-j}`` for rows o_t and channels o_c of the batch row at
-    ``row0``, reading a lag only where its row is at or after the row's ``first`` readable row, and xs the K
-    shifted tiles it loaded (``xs[j]`` [BT, BC] in x's dtype: x_{t-j}, zero where masked), for a caller that reuses
-    them instead of loading them again."""
+    """[BT, BC] fp32 ``Σ_j w[:, K-1-j] · x_{t-j}`` for rows o_t and channels o_c of the batch row at ``row0``,
+    reading a lag only where its row is at or after the row's ``first`` readable row."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
-    xs = ()
     for j in tl.static_range(K):
         b_w = tl.load(w + o_c * K + (K - 1 - j), mask=m_c, other=0.0).to(tl.float32)
         r = o_t - j
         m = (r >= first) & m_t
         b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
         acc += b_x.to(tl.float32) * b_w[None, :]
-        xs = xs + (b_x,)
-    return acc, xs
+    return acc
 
 
 @triton.jit
@@ -101,7 +98,7 @@ def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr
     m_t, m_c = o_t < T, o_c < C
     first, _ = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
     row0 = i_b.to(tl.int64) * T * C
-    acc, _ = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
+    acc = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
     if ACT:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + row0 + o_t[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
@@ -110,11 +107,8 @@ def _fwd_kernel(x, w, cu, y, T, C, n_iter, N, K: tl.constexpr, ACT: tl.constexpr
 @triton.jit
 def _bwd_dpre_kernel(x, w, cu, dy, dpre, dwp, T, C, TS, NS, n_iter, N, K: tl.constexpr, KP: tl.constexpr,
                      ACT: tl.constexpr, HAS_CU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """dpre = dy · act'(pre) [B, T, C] in x's dtype, and this program's fp32 [K, BC] dweight partial
-    ``Σ_t dpre_t · x_{t-j}`` over its TS rows. Per [BT, BC] tile, pre is recomputed from the K shifted x tiles and
-    the same tiles (kept in registers) give the dweight sum, so x is read once per lag; the sum takes dpre in fp32,
-    before it is rounded to x's dtype for the store (which halves the write here and the dx kernel's reads for
-    bf16 x)."""
+    """dpre = dy · act'(pre) [B, T, C] in x's dtype (pre recomputed), and this program's fp32 [K, BC] dweight
+    partial ``Σ_t dpre_t · x_{t-j}`` over its TS rows, summed from dpre in fp32 before it is rounded for the store."""
     i_c, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -129,15 +123,18 @@ def _bwd_dpre_kernel(x, w, cu, dy, dpre, dwp, T, C, TS, NS, n_iter, N, K: tl.con
         first, _ = _doc_span(cu, i_b, o_t, T, n_iter, N, HAS_CU)
         b_dy = tl.load(dy + row0 + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
                        other=0.0).to(tl.float32)
-        pre, xs = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
         b_dp = b_dy
         if ACT:
+            pre = _pre_activation(x, w, row0, o_t, o_c, first, m_t, m_c, C, K, BT, BC)
             sig = tl.sigmoid(pre)
             b_dp = b_dy * sig * (1.0 + pre * (1.0 - sig))
         tl.store(dpre + row0 + o_t[:, None] * C + o_c[None, :], b_dp.to(dpre.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
-        for j in tl.static_range(K):  # the tiles pre was computed from, and dpre before its rounding
-            part = tl.sum(b_dp * xs[j].to(tl.float32), axis=0)  # [BC]
+        for j in tl.static_range(K):  # dpre before its rounding
+            r = o_t - j
+            m = (r >= first) & m_t
+            b_x = tl.load(x + row0 + r[:, None] * C + o_c[None, :], mask=m[:, None] & m_c[None, :], other=0.0)
+            part = tl.sum(b_dp * b_x.to(tl.float32), axis=0)  # [BC]
             b_dw += tl.where(o_k[:, None] == K - 1 - j, part[None, :], 0.0)
     p = dwp + (i_b.to(tl.int64) * NS + i_s) * K * C
     tl.store(p + o_k[:, None] * C + o_c[None, :], b_dw, mask=(o_k[:, None] < K) & m_c[None, :])
@@ -164,10 +161,9 @@ def _bwd_dx_kernel(dpre, w, cu, dx, T, C, n_iter, N, K: tl.constexpr, HAS_CU: tl
 
 
 # (BT, BC, num_warps) candidates; the first is the one ATTNLAB_AUTOTUNE=first (tests) runs. The dx kernel has the
-# forward's shape (K shifted loads per tile), so it tunes over the forward's tiles. The dpre kernel holds K x tiles
-# at once, so one candidate spreads a tile over 8 warps (half the registers per thread of the first).
+# forward's shape (K shifted loads per tile), so it tunes over the forward's tiles.
 FWD_SPEC = [(64, 128, 4), (32, 256, 4), (128, 128, 8)]
-DPRE_SPEC = [(32, 128, 4), (32, 128, 8), (32, 256, 8)]
+DPRE_SPEC = [(32, 128, 4), (64, 64, 4), (32, 256, 8)]
 _KEY = ["C", "K", "HAS_CU"]
 _fwd_tuned = triton.autotune(configs=_configs(FWD_SPEC), key=_KEY + ["ACT"])(_fwd_kernel)
 _dpre_tuned = triton.autotune(configs=_configs(DPRE_SPEC), key=_KEY + ["ACT"])(_bwd_dpre_kernel)
