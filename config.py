@@ -60,7 +60,7 @@ class Model:
 
 def _attention_section() -> type:
     """``[attention]``: ``impl`` plus one sub-table per registered mechanism, built from the registry."""
-    fields = [("impl", str, field(default="auto"))]
+    fields = [("impl", str, field(default="auto")), ("sac_save", bool, field(default=True))]
     fields += [(name, mech.options, field(default_factory=mech.options)) for name, mech in sorted(REGISTRY.items())]
     cls = dataclasses.make_dataclass("Attention", fields)
     # a class made at run time has no source for tyro to read field docstrings from: Google-style attributes
@@ -70,6 +70,9 @@ def _attention_section() -> type:
         impl: Kernel choice of every mechanism: "auto" picks per device (Triton/fla on GPU, the chunked PyTorch
             form on CPU); "reference" forces the readable PyTorch oracle; some mechanisms take more (their
             ``--list-attention`` entry and docs/mechanisms.md name them).
+        sac_save: Under selective activation checkpointing ("op" mode), keep the outputs of the attention custom
+            ops (true) or recompute them in the backward (false: less activation memory, one more forward of
+            each op per step). benchmarks/README.md has both for GDN and KDA.
     """
     return cls
 

@@ -26,13 +26,17 @@ SAC_OP_MODULES = ("attention", "attention.ops.parallax.kernels.ops", "attention.
 lazily, at a module's first forward, which is after this list is built."""
 
 
-def sac_save_list() -> set:
+def sac_save_list(attention_ops: bool = True) -> set:
     """Ops whose outputs selective activation checkpointing ("op" mode) keeps instead of recomputing: torchtitan's
-    Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus the project's attention forward custom ops.
+    Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus, with ``attention_ops`` (``[attention]
+    sac_save``), the project's attention forward custom ops.
 
     Without them the backward re-runs every layer's Triton attention forward (two forwards per step), while
-    softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.opaque``) recompute their forward in their own backward; saving their output spares
-    a third run."""
+    softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.opaque``) recompute their
+    forward in their own backward; saving their output spares a third run. Saving keeps the ops' outputs in
+    activation memory instead (benchmarks/README.md has GDN's and KDA's time and memory both ways)."""
+    if not attention_ops:
+        return set(_op_sac_save_list)
     for module in SAC_OP_MODULES:  # registers the ops (the Triton ones need triton, absent on some platforms)
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
@@ -49,7 +53,8 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
-                 op_sac_save_list=sac_save_list(), base_folder=job_config.job.dump_folder)
+                 op_sac_save_list=sac_save_list(job_config.attention.sac_save),
+                 base_folder=job_config.job.dump_folder)
     if compile_model:
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:

@@ -54,6 +54,9 @@ ROWS = {  # name -> (config, extra args)
     "parallax_p64_adamw": ("qwen3_0.6b_parallax_p64_adamw_wsd", []),
     "gdn_adamw": ("qwen3_0.6b_gdn", ADAMW),
     "kda_adamw": ("qwen3_0.6b_kda", ADAMW),
+    # selective AC recomputing the attention ops instead of keeping their outputs (less memory, one more forward)
+    "gdn_adamw_recompute": ("qwen3_0.6b_gdn", ADAMW + ["--attention.sac_save", "false"]),
+    "kda_adamw_recompute": ("qwen3_0.6b_kda", ADAMW + ["--attention.sac_save", "false"]),
 }
 
 RATIOS = (  # (row, baseline row, issue 35's target): same optimizer on both sides

@@ -39,7 +39,9 @@ docstrings in the code, not this file.
 SECTIONS = """
 `[attention] impl` picks the compute path of every layer: `"auto"` chooses per device; each mechanism's table below
 says which values it accepts (`python train.py --list-attention` lists the mechanisms). One `[attention.<name>]`
-table per registered mechanism; only the tables of mechanisms the model uses matter.
+table per registered mechanism; only the tables of mechanisms the model uses matter. `[attention] sac_save`
+(default true) keeps the attention custom ops' outputs under selective activation checkpointing ("op" mode);
+false recomputes them in the backward: less activation memory, one more forward of each op per step.
 """
 
 

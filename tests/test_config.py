@@ -87,6 +87,7 @@ def test_no_false_warning_for_the_embedded_tokenizer(caplog):
     (["--attention.parallax.rope_on_rho", "0", "--metrics.enable-tensorboard", "false"],
      {"attention.parallax.rope_on_rho": False, "metrics.enable_tensorboard": False}),
     (["--model.tie_embeddings", "false"], {"model.tie_embeddings": False}),  # bool | None
+    (["--attention.sac_save", "false"], {"attention.sac_save": False}),  # a key of the generated [attention] class
     (["--validation.no-enable", "--debug.deterministic"], {"validation.enable": False, "debug.deterministic": True}),
 ])
 def test_every_bool_key_takes_a_value(args, expect):

@@ -27,6 +27,12 @@ def test_save_list_adds_the_attention_ops():
         assert getattr(torch.ops.attnlab, name).default in ops, name
 
 
+def test_save_list_without_attention_ops():
+    """``[attention] sac_save = false``: torchtitan's list alone, so our ops' outputs are recomputed."""
+    assert sac_save_list(False) == set(_op_sac_save_list)
+    assert torch.ops.attnlab.delta_rule_fwd.default not in sac_save_list(False)
+
+
 class _Block(nn.Module):
     """A layer whose whole forward is the Parallax custom op (Triton interpreter on a CPU)."""
 
