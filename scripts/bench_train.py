@@ -16,9 +16,10 @@ prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / 
 Every row (stock too) traces ``--trace-steps`` steps (torchtitan's profiler, ending at step ``--steps`` − 1;
 ``--no-profile`` skips it). The table's "busy %" is the traced steps' GPU-busy time per step (union of kernel
 intervals) over the row's median step time (from tok/s): a traced step itself runs slower (the profiler adds host
-work per op), so its own busy share, "traced %", understates the untraced steps where the host bounds the step (B2). Where the
-GPU does (B8), a document-masked row's step follows each batch's document lengths (attention work grows with their
-squares), so a few traced steps need not match the median step: there "traced %" is the busy share.
+work per op), so its own busy share, "traced %", understates the untraced steps where the host bounds the step
+(B2). Where the GPU does (B8), a document-masked row's step follows each batch's document lengths (attention work
+grows with their squares), so a few traced steps need not match the median step: there "traced %" is the busy
+share.
 ``trace_summary`` prints the GPU time by kernel class, the top kernels, the longest GPU-idle gaps with the host ops
 inside them, and which host ops overlap the GPU's idle time in all (several traced steps show what one step's gaps
 cannot: stalls that come every other step). Per-step tok/s varies, so medians want ~20 steps (the defaults give
