@@ -52,8 +52,9 @@ def queued_ms(fn, rep: int = 10, groups: int = 5, warmup: int = 5) -> float:
     return sorted(means)[len(means) // 2]
 
 
-def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
-    """torch.profiler table of the GPU kernels run by ``calls`` calls of ``fn`` (already warm), by total CUDA time."""
+def kernel_events(fn, calls: int = 3):
+    """torch.profiler's per-kernel averages (``key_averages()``) of the GPU kernels run by ``calls`` calls of ``fn``
+    (already warm): an event's ``self_device_time_total / calls`` is that kernel's GPU µs per call."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -61,7 +62,12 @@ def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return prof.key_averages()
+
+
+def kernel_table(fn, calls: int = 3, rows: int = 20) -> str:
+    """torch.profiler table of the GPU kernels run by ``calls`` calls of ``fn`` (already warm), by total CUDA time."""
+    return kernel_events(fn, calls).table(sort_by="cuda_time_total", row_limit=rows)
 
 
 def python_profile(fn, calls: int = 3, rows: int = 15) -> str:

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from scripts.bench_common import median_ms
+from scripts.bench_common import kernel_events, median_ms
 
 SHAPES = {
     "anchor 2x 4096->4096": [(4096, 4096), (4096, 4096)],
@@ -54,16 +54,9 @@ def is_gemm(kernel: str) -> bool:
 
 def split_gpu_time(step, calls: int = 5) -> tuple[float, float, int]:
     """(GEMM ms, other-kernel ms, kernels) per call of ``step`` from torch.profiler (already warm)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
     gemm = other = 0.0
     count = 0
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    events = sorted(kernel_events(step, calls), key=lambda e: -e.self_device_time_total)
     for ev in events[:8]:
         print(f"    {ev.self_device_time_total / 1e3 / calls:8.3f} ms x{ev.count // calls:<3d} {ev.key[:90]}")
     for ev in events:

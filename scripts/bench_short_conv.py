@@ -89,15 +89,10 @@ def main(argv=None) -> None:
 
 def kernel_us(fn, n: int) -> dict[str, float]:
     """Mean GPU µs per call of ``fn`` for each CUDA kernel it runs (torch.profiler), by kernel name."""
-    import torch
+    from scripts.bench_common import kernel_events
 
     fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:40]: e.self_device_time_total / n for e in prof.key_averages() if e.self_device_time_total > 0}
+    return {e.key[:40]: e.self_device_time_total / n for e in kernel_events(fn, n) if e.self_device_time_total > 0}
 
 
 if __name__ == "__main__":
