@@ -30,8 +30,7 @@ def naive_short_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None
     K = weight.shape[1]
     if state is not None and cu_seqlens is not None:
         raise ValueError("ShortConvolution: packed documents (cu_seqlens) cannot be combined with a decode state")
-    prev = x.new_zeros(B, K - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
-    xp = torch.cat([prev, x], dim=1)  # [B, K-1+T, C]
+    xp = _after_state(x, K, state)  # [B, K-1+T, C]
     w = weight.to(x.dtype)
     pos = position_in_doc(cu_seqlens, B, T, x.device) if cu_seqlens is not None else None
     y = xp[:, K - 1:] * w[:, K - 1]
@@ -48,8 +47,12 @@ def naive_short_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None
 def last_inputs(x: Tensor, K: int, state: Tensor | None = None) -> Tensor:
     """The decode state after x [B, T, C]: [B, C, K-1], the last K-1 of (``state`` [B, C, K-1], zeros when None,
     followed by x's rows)."""
-    B, T, C = x.shape
     if K == 1:
-        return x.new_zeros(B, C, 0)
-    prev = x.new_zeros(B, K - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
-    return torch.cat([prev, x[:, -(K - 1):]], dim=1)[:, -(K - 1):].transpose(1, 2).contiguous()
+        return x.new_zeros(x.shape[0], x.shape[2], 0)
+    return _after_state(x[:, -(K - 1):], K, state)[:, -(K - 1):].transpose(1, 2).contiguous()
+
+
+def _after_state(x: Tensor, K: int, state: Tensor | None) -> Tensor:
+    """[B, K-1+T, C]: the K-1 previous inputs (``state`` [B, C, K-1], zeros when None), then x [B, T, C]."""
+    prev = x.new_zeros(x.shape[0], K - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
+    return torch.cat([prev, x], dim=1)
