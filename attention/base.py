@@ -13,7 +13,9 @@ Every mechanism module implements
 
 - ``forward(x, ctx) -> [B, T, dim]``;
 - ``init_weights(init_std)``: called under ``torch.no_grad()`` after meta-device construction; output
-  projections use ``init_std`` (depth-scaled), input projections 0.02 (torchtitan's convention);
+  projections use ``init_std`` (depth-scaled), input projections 0.02 (torchtitan's convention). Under FSDP the
+  parameters are sharded DTensors: write them in place (``nn.init``, ``fill_``, ``uniform_``) or, for values
+  computed as a whole tensor, through :func:`copy_full_`;
 - ``flops_per_token(seq_len) -> int``: forward FLOPs per token of the parameter-free token mixing
   (matmuls with weights are counted by the model as 6·N); the model multiplies by 3 for fwd+bwd;
 - ``init_cache(batch_size, max_len, device, dtype)`` (optional): a cache object for decoding.
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.qwen3.model.model import precompute_rope_cache, rotate_half
 from torchtitan.models.utils import trunc_normal_
 
@@ -115,6 +118,19 @@ class AttentionContext:
         cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
         return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
                                 max_position=T)
+
+
+@torch.no_grad()
+def copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Write ``full`` (the whole, unsharded value, ``p.shape``) into parameter ``p``, plain or FSDP2 DTensor.
+
+    A DTensor takes its own shard of ``full`` (``src_data_rank=None``: every rank slices the tensor it computed,
+    no communication), so ``full`` must be the same on every rank or, when drawn at random, any draw of it.
+    """
+    full = full.to(device=p.device, dtype=p.dtype)
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    p.copy_(full)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, copy_full_
 from attention.ops.common import check_impl
 from attention.ops.hla import IMPLS, hla, init_state
 from attention.ops.hla.serial import hla_step
@@ -119,7 +119,7 @@ class HigherOrderLinearAttention(QKVAttentionBase):
         if self.o_norm is not None:
             self.o_norm.reset_parameters()
         if self.opts.decay == "learnable":
-            self.decay_log.copy_(torch.log(-torch.log(self._init_gammas())))
+            copy_full_(self.decay_log, torch.log(-torch.log(self._init_gammas())))
             self.decay_log._optim = "adam"  # a scalar per head, not a hidden matrix
         elif self.opts.decay == "fixed":
             self.log_gamma.copy_(torch.log(self._init_gammas()))

@@ -8,7 +8,8 @@ What is here, and where it comes from (fla-core 0.6.0's layers; docs/mechanisms.
 - :func:`l2norm`: ``x / sqrt(sum x^2 + eps)`` (fla's eps 1e-6 inside the sqrt).
 - The Mamba2-style log-gate ``log γ = -exp(A_log) * softplus(a + dt_bias)`` (:func:`log_gate`; with
   ``lower_bound``, fla's bounded KDA gate ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``) and the
-  initialisers of ``A_log`` (:func:`reset_A_log_`) and ``dt_bias`` (:func:`reset_dt_bias_`).
+  initialisers of ``A_log`` (:func:`reset_A_log_`) and ``dt_bias`` (:func:`reset_dt_bias_`), which draw the whole
+  tensor and write it through :func:`attention.base.copy_full_` (FSDP-sharded parameters included).
 - :func:`mark_adam`: the optimizer hint ``p._optim = "adam"`` for parameters that are not hidden matrices
   (conv kernels, ``A_log``, ``dt_bias``, β and gate projections). The hint is lost when a parameter is
   re-wrapped (``to_empty``, FSDP), so modules call it again in ``init_weights``; the names (``conv*``,
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.base import copy_full_
 from attention.ops.short_conv import short_conv
 
 
@@ -72,7 +74,7 @@ def log_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
 def reset_A_log_(p: torch.Tensor, low: float = 0.0, high: float = 16.0) -> None:
     """``A ~ U(low, high)``, ``A_log = log A`` (GDN: U(0,16); KDA: U(1,16)). Clamped away from A = 0."""
     A = torch.empty(p.shape, dtype=torch.float32, device=p.device).uniform_(low, high).clamp_min_(1e-4)
-    p.copy_(torch.log(A))
+    copy_full_(p, torch.log(A))
     mark_adam(p)
 
 
@@ -81,7 +83,7 @@ def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, d
     """``dt ~ LogUniform(dt_min, dt_max)`` clamped >= dt_floor; ``dt_bias = softplus^{-1}(dt)`` (Mamba2)."""
     u = torch.rand(p.shape, dtype=torch.float32, device=p.device)
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min_(dt_floor)
-    p.copy_(dt + torch.log(-torch.expm1(-dt)))
+    copy_full_(p, dt + torch.log(-torch.expm1(-dt)))
     mark_adam(p)
 
 
