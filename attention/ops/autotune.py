@@ -31,8 +31,8 @@ def first_config_for_fla() -> None:
     """Under ``ATTNLAB_AUTOTUNE=first``, fla-core kernels decorated after this call keep only their first config.
 
     fla autotunes every kernel over its full list at every new key (a cold GDN fwd+bwd spends minutes on it).
-    Call before fla is
-    imported (``tests/conftest.py`` does). Our own kernels go through :func:`candidates` instead.
+    Call before fla is imported: :func:`attention.ops.common.fla_importable`, which every fla path asks first, and
+    ``tests/conftest.py`` (tests that import fla directly) do. Our own kernels go through :func:`candidates` instead.
     """
     import functools
     import sys

@@ -114,7 +114,12 @@ def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
 def fla_importable() -> tuple[bool, str]:
     """Whether ``fla`` (fla-core) imports; (ok, reason). Every fla path asks this first, so this is also where
     fla's kernels get their low-host-cost launchers (:func:`attention.ops.fla_launch.install`, idempotent):
-    every fla op in the process launches the same way, whichever mechanism ran first."""
+    every fla op in the process launches the same way, whichever mechanism ran first. Under
+    ``ATTNLAB_AUTOTUNE=first`` fla's kernels keep one autotune candidate
+    (:func:`attention.ops.autotune.first_config_for_fla`), in training and tools as in the tests."""
+    from attention.ops.autotune import first_config_for_fla
+
+    first_config_for_fla()
     try:
         import fla.ops  # noqa: F401  (imports all of fla's ops, so install() sees every kernel)
     except Exception as e:  # ImportError, or a Triton/driver error at import time
