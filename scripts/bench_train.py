@@ -50,6 +50,7 @@ ROWS = {  # name -> (config, extra args)
     "parallax": ("qwen3_0.6b_parallax", []),
     "parallax_p64": ("qwen3_0.6b_parallax_p64", []),
     "gdn": ("qwen3_0.6b_gdn", []),
+    "kda": ("qwen3_0.6b_kda", []),
     "softmax_adamw": ("qwen3_0.6b_softmax_adamw_wsd", []),
     "parallax_adamw": ("qwen3_0.6b_parallax_adamw_wsd", []),
     # like stock torchtitan's qwen3 (plain causal mask, no document masking), for the ours-vs-stock ratio
@@ -306,6 +307,12 @@ def main() -> None:
     args.repo = str(Path(args.repo).resolve())
     if args.quick:
         args.rows, args.precisions, args.steps, args.warmup = "softmax,parallax", "bf16", 12, 6
+    unknown = [r for r in args.rows.split(",") if r not in ROWS and r != "stock"]
+    if unknown:
+        ap.error(f"--rows: unknown {unknown}; choose from {['stock', *ROWS]}")
+    unknown = [p for p in args.precisions.split(",") if p not in ("bf16", "fp8")]
+    if unknown:
+        ap.error(f"--precisions: unknown {unknown}; choose from ['bf16', 'fp8']")
     if args.trace_steps < 1:
         ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
     if args.profile and first_profiled(args) <= args.warmup + 1:

@@ -1,10 +1,26 @@
-"""scripts/bench_train.py's trace summary: kernel classes, GPU-busy share and the idle gaps of a profiled step."""
+"""scripts/bench_train.py's trace summary (kernel classes, GPU-busy share and the idle gaps of a profiled step) and
+its argument checks."""
 
 from __future__ import annotations
 
 import json
+import sys
 
+import pytest
+
+from scripts import bench_train
 from scripts.bench_train import trace_summary
+
+
+@pytest.mark.parametrize("flag,value,message", [("--rows", "gdn,kdaa", "--rows: unknown ['kdaa']; choose from"),
+                                                ("--precisions", "bf16,bf8", "--precisions: unknown ['bf8']")])
+def test_unknown_row_or_precision_fails_before_any_run(monkeypatch, capsys, tmp_path, flag, value, message):
+    monkeypatch.setattr(sys, "argv", ["bench_train", "--data", "d", "--tokenizer", "t", "--out", str(tmp_path / "o"),
+                                      flag, value])
+    with pytest.raises(SystemExit):
+        bench_train.main()
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def _after(text: str, header: str) -> list[str]:
