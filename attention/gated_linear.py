@@ -43,7 +43,7 @@ class GatedLinearOptions:
     output_gate: bool = True
     """Output RMSNorm(o) · swish(W_g x); off leaves the plain per-head RMSNorm."""
     chunk_size: int = 64
-    """Chunk length of the PyTorch chunked path (a power of 2)."""
+    """Chunk length of the chunked paths (a power of 2; 16-128 for the Triton kernel)."""
 
 
 @register_attention("gated_linear", options=GatedLinearOptions, description="scalar-gated linear attention (Mamba2 / RetNet / simple GLA gates)")

@@ -9,7 +9,8 @@ by groups of query heads (gates are per query head).
 
 This file also holds :class:`LinearFamilyAttention`, the shared layer of ``gla``, ``gated_linear`` and
 ``linear``: projections, optional short convs, the op dispatch (``[attention] impl`` = "auto" | "reference"
-| "chunk" | "fla"), output gate/norm, and decoding with a recurrent state cache.
+| "chunk" | "triton" | "fla"; "triton" has per-head gates only, so ``gla`` does not take it), output gate/norm, and
+decoding with a recurrent state cache.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class LinearFamilyAttention(nn.Module):
         check_impl(args.impl, self.impls, self.mechanism)
         if opts.chunk_size < 1 or opts.chunk_size & (opts.chunk_size - 1):
             raise ValueError(f"attention.{self.mechanism}.chunk_size={opts.chunk_size} must be a power of 2")
+        if args.impl == "triton" and opts.chunk_size not in (16, 32, 64, 128):
+            raise ValueError(f"attention.{self.mechanism}.chunk_size={opts.chunk_size} must be one of "
+                             "[16, 32, 64, 128] with attention.impl='triton'")
         self.args, self.opts = args, opts
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.key_dim, self.value_dim = key_dim, args.head_dim
@@ -139,7 +143,7 @@ class LinearFamilyAttention(nn.Module):
 
     def _mix(self, q, k, v, g, gk, ctx: AttentionContext) -> torch.Tensor:
         """q, k: [B, T, H, K]; v: [B, T, H, V'] -> o [B, T, H, V']."""
-        B, T = q.shape[:2]
+        T = q.shape[1]
         impl, C = self.args.impl, self.opts.chunk_size
         cache: RecurrentCache | None = ctx.cache
         if cache is not None:
@@ -148,12 +152,7 @@ class LinearFamilyAttention(nn.Module):
                 impl="reference" if T == 1 else impl)
             cache.seen += T
             return o
-        if ctx.cu_seqlens is not None:
-            flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-            o, _ = gated_linear_attention(flat(q), flat(k), flat(v), flat(g), flat(gk), cu_seqlens=ctx.cu_seqlens,
-                                          chunk_size=C, impl=impl)
-            return o.view(B, T, *o.shape[2:])
-        o, _ = gated_linear_attention(q, k, v, g, gk, chunk_size=C, impl=impl)
+        o, _ = gated_linear_attention(q, k, v, g, gk, cu_seqlens=ctx.cu_seqlens, chunk_size=C, impl=impl)
         return o
 
 
@@ -180,6 +179,8 @@ class GLAOptions:
 @register_attention("gla", options=GLAOptions, description="GLA: linear attention with low-rank per-channel forget gates (Yang et al. 2024)")
 class GLAAttention(LinearFamilyAttention):
     """Gated linear attention with column-wise (per key channel) data-dependent decay."""
+
+    impls = tuple(i for i in IMPLS if i != "triton")  # the Triton kernel's gates are per head, not per channel
 
     def __init__(self, args: AttentionArgs, opts: GLAOptions):
         super().__init__()

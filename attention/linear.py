@@ -36,7 +36,7 @@ class LinearOptions:
     conv_size: int = 4
     """Kernel size of the short convolutions."""
     chunk_size: int = 64
-    """Chunk length of the PyTorch chunked path (a power of 2)."""
+    """Chunk length of the chunked paths (a power of 2; 16-128 for the Triton kernel)."""
 
 
 @register_attention("linear", options=LinearOptions, description="linear attention (Katharopoulos) with feature map / normaliser options")

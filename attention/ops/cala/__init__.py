@@ -1,5 +1,5 @@
 """CALA ops: the local context aggregation through the project's sliding-window softmax path, and normalised
-causal linear attention through the HLA primitive (``attention.ops.hla``'s gated linear attention, γ = 1).
+causal linear attention through the gated-linear-attention primitive (``attention.ops.linear_attn``, γ = 1).
 
 - :func:`local_context` — C_Q, C_K of CALA step 3 with ``parallax_attention(..., window_size=w)``:
   keys and values shifted right by one token so that query i sees tokens i−w .. i−1; the slot of a document's
@@ -14,7 +14,7 @@ import torch
 
 from attention.ops.common import document_ids
 from attention.ops.cala.naive import local_feature, naive_cala, naive_local_context
-from attention.ops.hla.chunk import gla_chunk
+from attention.ops.linear_attn import gated_linear_attention
 from attention.ops.parallax import parallax_attention
 
 PAD_KEY = 1e5
@@ -53,19 +53,11 @@ def normalized_linear_attention(qf, kf, v, *, eps: float = 1e-6, cu_seqlens=None
                                 initial_state=None, output_final_state: bool = False):
     """qf, kf: [B, T, H, F] non-negative features; v: [B, T, H, V]. State: [B, H, F, V+1] fp32 (numerator and
     denominator columns). impl: "triton" | "chunk" | "auto" (Triton on CUDA without states)."""
-    B, T, H, _ = qf.shape
-    doc = None if cu_seqlens is None else document_ids(cu_seqlens, B, T)
     qf, kf = qf.to(v.dtype), kf.to(v.dtype)  # LayerNorm under autocast returns fp32; run in v's dtype
     va = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    stateful = initial_state is not None or output_final_state
-    use_triton = impl == "triton" or (impl == "auto" and qf.is_cuda)
-    if use_triton and not stateful:
-        from attention.ops.linear_attn.triton_gla import gla_triton
-
-        o, st = gla_triton(qf, kf, va, None, doc=doc), None
-    else:
-        res = gla_chunk(qf, kf, va, None, doc=doc, initial_state=initial_state, output_final_state=True)
-        o, st = res
+    path = "triton" if impl == "triton" or (impl == "auto" and qf.is_cuda) else "chunk"
+    o, st = gated_linear_attention(qf, kf, va, scale=1.0, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                   output_final_state=output_final_state, impl=path)
     ct = torch.float64 if o.dtype == torch.float64 else torch.float32
     num, den = o[..., :-1].to(ct), o[..., -1:].to(ct)
     out = (num / (den + eps)).to(v.dtype)

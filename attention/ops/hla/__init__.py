@@ -5,9 +5,9 @@
 Implementations (``impl``):
 
 - "reference": the token-by-token recurrence (``serial.py``, float64-capable; also the decode state update);
-- "chunk":  chunked PyTorch (``chunk.py``), supports initial/final states (prefill, decode), any device;
-- "triton": the scalar-gated linear-attention Triton kernel (``attention/ops/linear_attn/triton_gla.py``) in
-  two or three passes, forward and backward in Triton; training path;
+- "chunk":  two or three passes (``chunk.py``) of the chunked PyTorch gated linear attention
+  (``attention.ops.linear_attn``), supports initial/final states (prefill, decode), any device;
+- "triton": the same passes through that primitive's Triton kernel, forward and backward; training path;
 - "auto":   "triton" on CUDA when no state goes in or out, else "chunk".
 
 The test oracle is ``naive.py`` (the definitions as triple/quadruple sums, float64, O(T³)): too slow to be a path.
@@ -15,10 +15,13 @@ The test oracle is ``naive.py`` (the definitions as triple/quadruple sums, float
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from attention.ops.common import check_impl, document_ids
-from attention.ops.hla.chunk import chunk_hla, compose_hla, safe_div_o
+from attention.ops.common import check_impl
+from attention.ops.hla.chunk import compose_hla, safe_div_o
+from attention.ops.linear_attn import gated_linear_attention
 from attention.ops.hla.serial import init_state, serial_hla
 
 IMPLS = ("auto", "reference", "chunk", "triton")
@@ -82,15 +85,10 @@ def hla(
         if normalize:
             o = safe_div_o(o[..., :-1], o[..., -1].float() if o.dtype != torch.float64 else o[..., -1], eps)
         return (o, st) if output_final_state else o
-    doc = None if cu_seqlens is None else document_ids(cu_seqlens, B, T)
-    if path == "chunk":
-        return chunk_hla(q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
-                         chunk_size=chunk_size, doc=doc, initial_state=initial_state,
-                         output_final_state=output_final_state)
-    from attention.ops.linear_attn.triton_gla import gla_triton
-
-    return compose_hla(gla_triton, q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
-                       chunk_size=chunk_size, doc=doc)
+    gla = functools.partial(gated_linear_attention, scale=1.0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                            impl=path)
+    return compose_hla(gla, q, k, v, g, order=order, variant=variant, normalize=normalize, eps=eps,
+                       initial_state=initial_state, output_final_state=output_final_state)
 
 
 __all__ = ["hla", "init_state", "resolve_impl", "IMPLS"]

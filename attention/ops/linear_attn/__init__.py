@@ -8,8 +8,14 @@
 
 - "reference": :func:`naive_recurrent_gla` (token loop, float64-capable, the oracle);
 - "chunk": :func:`chunk_gla` (PyTorch, chunk-local log space, compile-friendly, any device);
+- "triton": the project's Triton kernel (``triton_gla.py``) for scalar or no gates (no per-channel ``gk``); with an
+  initial or final state (prefill, decode) it takes the chunk path;
 - "fla":   fla-core 0.6.0 (``chunk_gla`` / ``chunk_simple_gla`` / ``chunk_linear_attn``);
 - "auto":  fla on CUDA when importable and safe for the requested pass, else "chunk".
+
+This is the one gated-linear-attention primitive: GLA, gated and plain linear attention, HLA (two or three passes)
+and CALA all call :func:`gated_linear_attention`. Packed documents use one convention everywhere, ``cu_seqlens``
+over the flattened ``B*T`` tokens.
 
 fla is "safe" unless a backward is needed on Hopper with 3.4 <= Triton < 3.7.1 (fla refuses its gated
 chunk backward there); the fallback logs one line.
@@ -26,7 +32,7 @@ from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
-IMPLS = ("auto", "reference", "chunk", "fla")
+IMPLS = ("auto", "reference", "chunk", "triton", "fla")
 
 __all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
 
@@ -45,9 +51,16 @@ def fla_usable(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: str = "gated linear attention") -> str:
-    """Map ``[attention] impl`` to "reference" | "chunk" | "fla" (logs one line when "fla" falls back)."""
+def resolve_impl(impl: str, device: torch.device, needs_grad: bool, mechanism: str = "gated linear attention",
+                 stateful: bool = False, per_channel: bool = False) -> str:
+    """Map ``[attention] impl`` to "reference" | "chunk" | "triton" | "fla" (logs one line when "fla" falls back).
+    ``stateful``: an initial or final state goes in or out; ``per_channel``: a per-key-channel gate ``gk``."""
     check_impl(impl, IMPLS, mechanism)
+    if impl == "triton":
+        if per_channel:
+            raise ValueError(f"attention.impl='triton' for {mechanism}: the Triton kernel has per-head gates only; "
+                             "per-channel gates run on 'chunk' or 'fla'")
+        return "chunk" if stateful else "triton"
     if impl in ("auto", "fla"):
         ok, why = fla_usable(device, needs_grad)
         if ok:
@@ -107,9 +120,10 @@ def gated_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] | None; gk: [B, T, H, K] | None (log space, <= 0).
 
-    scale defaults to K**-0.5 (applied to q). initial_state: [N, H, K, V] with N = B, or N documents when
-    ``cu_seqlens`` ([N+1], fla varlen, B == 1) is given. Returns (o [B, T, H, V] in q's dtype,
-    final_state [N, H, K, V] float32 (float64 for float64 inputs) or None).
+    scale defaults to K**-0.5 (applied to q). cu_seqlens: [N+1] document offsets over the flattened B*T tokens
+    (each row boundary is a document boundary). initial_state: [N, H, K, V] with N = B, or N documents when
+    ``cu_seqlens`` is given. Returns (o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32 (float64 for
+    float64 inputs) or None).
     """
     B, T, H, K = q.shape
     if k.shape != q.shape or v.shape[:3] != (B, T, H):
@@ -118,17 +132,25 @@ def gated_linear_attention(
         raise ValueError(f"g {tuple(g.shape)} must be [B, T, H] = {(B, T, H)}")
     if gk is not None and gk.shape != q.shape:
         raise ValueError(f"gk {tuple(gk.shape)} must be [B, T, H, K] = {tuple(q.shape)}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens needs the documents flattened to batch size 1, got B={B}")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, gk, initial_state))
-    path = resolve_impl(impl, q.device, needs_grad)
+    stateful = initial_state is not None or output_final_state
+    path = resolve_impl(impl, q.device, needs_grad, stateful=stateful, per_channel=gk is not None)
+    scale = K**-0.5 if scale is None else float(scale)
+    if path == "triton":  # rows stay rows: the kernel's sequential state pass runs per (batch, head)
+        from attention.ops.linear_attn.triton_gla import gla_triton
+
+        return gla_triton(q if scale == 1.0 else q * scale, k, v, g, cu_seqlens=cu_seqlens, chunk_size=chunk_size), None
+    if cu_seqlens is not None and B > 1:  # the other paths take the documents flattened into one row
+        flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+        o, final = gated_linear_attention(flat(q), flat(k), flat(v), flat(g), flat(gk), scale, initial_state,
+                                          output_final_state, cu_seqlens, chunk_size, path)
+        return o.reshape(B, T, *o.shape[2:]), final
     if path == "reference":
         return naive_recurrent_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
     if path == "fla":
         return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
-    if cu_seqlens is not None and initial_state is None and not output_final_state:
-        scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is not None and not stateful:
         return _chunk_gla_varlen_op(q, k, v, g, gk, scale, cu_seqlens, chunk_size), None
     return chunk_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 

@@ -81,12 +81,13 @@ def chunk_gla(
     """Chunked gated linear attention; same contract as :func:`naive_recurrent_gla`.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; gk: [B, T, H, K] or None (log space, <= 0);
-    initial_state: [N, H, K, V]; cu_seqlens: [N+1] (B must be 1). chunk_size: a power of 2.
+    initial_state: [N, H, K, V]; cu_seqlens: [N+1] (B must be 1). chunk_size: any for scalar or no gates, a power
+    of 2 with per-channel gates (the secondary chunking halves it).
     Math in float32 (float64 for float64 inputs); o in q's dtype, final state [N, H, K, V] float32/64.
     """
     C = chunk_size
-    if C < 1 or C & (C - 1):
-        raise ValueError(f"attention chunk_size={C} must be a power of 2")
+    if C < 1 or (gk is not None and C & (C - 1)):
+        raise ValueError(f"attention chunk_size={C} must be {'a power of 2 (per-channel gates)' if C > 0 else '>= 1'}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale

@@ -1,4 +1,5 @@
-"""Chunked causal scalar-gated linear attention in Triton: the one kernel HLA and CALA are built from.
+"""Chunked causal scalar-gated linear attention in Triton: the ``triton`` path of
+:func:`attention.ops.linear_attn.gated_linear_attention` (gated_linear, linear, HLA, CALA).
 
     o_t = Σ_{s≤t, same document} b(s,t) (q_t·k_s) v_s,   b(s,t) = exp(g_{s+1} + ... + g_t)
 
@@ -14,8 +15,8 @@ REVERSE the adjoint's states dh_n), ``_fwd_o`` (parallel over chunks), backward 
 ``_bwd_dv``. States are recomputed in backward, never saved. Packed documents: a document id per token;
 cross-document pairs are masked and carried state is dropped at a document start (chunks may straddle
 documents). The gate gradient uses dG_t = q_t·dq_t − k_t·dk_t, dg = reverse cumsum(dG).
-Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (prefill and decode use the PyTorch form,
-``attention.ops.hla.chunk.gla_chunk``).
+Accumulation in fp32; inputs fp32/bf16/fp16. No initial/final state (prefill and decode use the PyTorch chunk
+form, ``attention.ops.linear_attn.chunk.chunk_gla``, which is also the kernel's test reference).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.ops.common import document_ids
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.outputs import empty
 
@@ -273,14 +275,16 @@ def _gla_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], doc: Option
 _gla_op = opaque_op("gla_triton", _gla_eager, fake_attention_out)
 
 
-def gla_triton(q, k, v, g=None, *, chunk_size=64, doc=None, initial_state=None, output_final_state=False):
-    """Triton chunked gated linear attention; same contract as :func:`attention.ops.hla.chunk.gla_chunk` but
-    without initial/final state. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; doc: [B, T] or None."""
-    if initial_state is not None or output_final_state:
-        raise ValueError("gla_triton has no initial/final state; use the chunk (PyTorch) path for prefill/decode")
+def gla_triton(q, k, v, g=None, *, cu_seqlens=None, chunk_size=64):
+    """Triton chunked scalar-gated linear attention without scaling (scale q first) and without initial or final
+    state (prefill and decode take the chunk path of :func:`attention.ops.linear_attn.gated_linear_attention`).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log decay (<= 0) or None; cu_seqlens: [N+1] document offsets
+    over the flattened B*T tokens (each row boundary a document boundary) or None. Returns o [B, T, H, V]."""
     if chunk_size not in (16, 32, 64, 128):
-        raise ValueError(f"attention.hla.chunk_size={chunk_size} must be one of [16, 32, 64, 128] for the Triton path")
+        raise ValueError(f"attention chunk_size={chunk_size} must be one of [16, 32, 64, 128] for the Triton path")
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()  # one dtype for tl.dot
-    if doc is not None:
-        doc = doc.to(torch.int32).contiguous()
+    doc = None
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, q.shape[0], q.shape[1]).to(torch.int32).contiguous()
     return _gla_op(q, k, v, g, doc, int(chunk_size))

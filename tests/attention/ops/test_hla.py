@@ -9,10 +9,8 @@ import random
 import pytest
 import torch
 
-from attention.ops.common import document_ids
 from attention.ops.hla import hla
 from attention.ops.hla import naive as N
-from attention.ops.hla.chunk import chunk_hla
 from attention.ops.hla.serial import hla2_step_paper, hla3_step_corrected, hla3_step_paper, serial_hla
 
 NAIVE = {(2, "symmetric"): N.naive_hla2, (2, "asymmetric"): N.naive_ahla, (3, "symmetric"): N.naive_hla3}
@@ -42,8 +40,8 @@ def test_chunk_serial_naive_varlen(case, gated, normalize):
     g = g if gated else None
     ref = NAIVE[case](q, k, v, g, normalize=normalize, cu_seqlens=CU)
     s = _serial(q, k, v, g, order, variant, normalize, CU)
-    c = chunk_hla(q, k, v, g, order=order, variant=variant, normalize=normalize, chunk_size=4,
-                  doc=document_ids(CU, 2, 13))
+    c = hla(q, k, v, g, order=order, variant=variant, normalize=normalize, chunk_size=4, cu_seqlens=CU,
+            impl="chunk")
     tol = dict(rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(s, ref, **tol)
     torch.testing.assert_close(c, ref, **tol)
@@ -56,7 +54,7 @@ def test_docs_do_not_leak():
     q2[0, :5] += 1.0  # change the first document only
     k2 = k.clone()
     k2[0, :5] -= 1.0
-    out = chunk_hla(q2, k2, v, g, chunk_size=4, doc=document_ids(CU, 2, 13))
+    out = hla(q2, k2, v, g, chunk_size=4, cu_seqlens=CU, impl="chunk")
     torch.testing.assert_close(out[0, 5:], ref[0, 5:], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out[1], ref[1], rtol=1e-10, atol=1e-10)
     assert (out[0, :5] - ref[0, :5]).abs().max() > 1e-3
@@ -73,7 +71,7 @@ def test_matrix_forms_equal_sums():
 def test_chunk_sizes(w):
     q, k, v, g = _inputs(B=1, T=19)
     ref = N.naive_hla2(q, k, v, g)
-    torch.testing.assert_close(chunk_hla(q, k, v, g, chunk_size=w), ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(hla(q, k, v, g, chunk_size=w, impl="chunk"), ref, rtol=1e-10, atol=1e-10)
 
 
 def test_paper_tuple_equals_compact_and_U_identity():
@@ -206,7 +204,7 @@ def test_chunk_gradients_vs_naive_float64(case):
     kw = dict(normalize=True, cu_seqlens=CU)
     ref = NAIVE[case](q, k, v, g, **kw)
     gr = torch.autograd.grad((ref * do).sum(), (q, k, v, g))
-    out = chunk_hla(q, k, v, g, order=order, variant=variant, normalize=True, chunk_size=4, doc=document_ids(CU, 2, 13))
+    out = hla(q, k, v, g, order=order, variant=variant, normalize=True, chunk_size=4, cu_seqlens=CU, impl="chunk")
     gc = torch.autograd.grad((out * do).sum(), (q, k, v, g))
     for a, b in zip(gc, gr):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
@@ -214,9 +212,9 @@ def test_chunk_gradients_vs_naive_float64(case):
 
 def test_chunk_gradcheck_finite_differences():
     q, k, v, g = (x[:1, :6, :1].clone().requires_grad_() for x in _inputs())
-    f = lambda q, k, v, g: chunk_hla(q, k, v, g, chunk_size=4, normalize=True)  # noqa: E731
+    f = lambda q, k, v, g: hla(q, k, v, g, chunk_size=4, normalize=True, impl="chunk")  # noqa: E731
     assert torch.autograd.gradcheck(f, (q, k, v, g))
-    f3 = lambda q, k, v, g: chunk_hla(q, k, v, g, order=3, chunk_size=4)  # noqa: E731
+    f3 = lambda q, k, v, g: hla(q, k, v, g, order=3, chunk_size=4, impl="chunk")  # noqa: E731
     assert torch.autograd.gradcheck(f3, (q, k, v, g))
 
 
@@ -228,7 +226,7 @@ def test_spec_adjoint_recurrence_matches_autograd():
     do = torch.randn(T, V, dtype=torch.float64)
     qs, ks, vs = (x[None, :, None].clone().requires_grad_() for x in (q, k, v))
     g = torch.full((1, T, 1), math.log(gam), dtype=torch.float64)
-    out = chunk_hla(qs, ks, vs, g, chunk_size=3)
+    out = hla(qs, ks, vs, g, chunk_size=3, impl="chunk")
     dq_a, dk_a, dv_a = (x[0, :, 0] for x in torch.autograd.grad((out[0, :, 0] * do).sum(), (qs, ks, vs)))
     S, U, Ss, Us = torch.zeros(K, K, dtype=torch.float64), torch.zeros(K, V, dtype=torch.float64), [], []
     for t in range(T):

@@ -1,12 +1,10 @@
 """Gated linear attention ops: chunked PyTorch path vs the recurrent oracle vs an independent loop; the scalar-gated
-Triton kernel (``triton_gla``, the primitive of HLA and CALA) vs its float64 chunk form."""
+Triton path (``triton_gla``; gated_linear, linear, HLA and CALA) vs the float64 chunk path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.ops.common import document_ids
-from attention.ops.hla.chunk import gla_chunk
 from attention.ops.linear_attn import chunk_gla, gated_linear_attention, naive_recurrent_gla, triton_gla
 
 D64 = torch.float64
@@ -123,9 +121,10 @@ def test_dispatch_and_validation():
     b, _ = gated_linear_attention(q, k, v, g, gk, impl="reference")
     torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="attention.impl"):
-        gated_linear_attention(q, k, v, impl="triton")
+        gated_linear_attention(q, k, v, impl="flash")
     with pytest.raises(ValueError, match="power of 2"):
-        chunk_gla(q, k, v, chunk_size=24)
+        chunk_gla(q, k, v, gk=gk, chunk_size=24)
+    torch.testing.assert_close(chunk_gla(q, k, v, g, chunk_size=3)[0], gated_linear_attention(q, k, v, g)[0])
     with pytest.raises(ValueError, match="gk"):
         gated_linear_attention(q, k, v, gk=gk[..., :2])
 
@@ -188,22 +187,37 @@ def _grads(fn, xs, do):
 
 
 def test_triton_gla_primitive_vs_float64():
-    """The Triton gated linear attention (fwd + every gradient incl. the gates) vs the float64 chunk form:
-    T=37 (not a multiple of the chunk 16), K=20, V=9, varlen with 3 unequal documents in one row, NaN-poisoned
-    outputs."""
-    B, T, H, K, V = 1, 37, 2, 20, 9
+    """The Triton path of the gated linear attention (fwd + every gradient incl. the gates) vs the float64 chunk
+    path: two rows of T=37 (not a multiple of the chunk 16), K=20, V=9, five unequal documents over the flattened
+    rows (cu_seqlens, as the model passes them), scale 0.7, NaN-poisoned outputs."""
+    B, T, H, K, V = 2, 37, 2, 20, 9
     q, k = (torch.randn(B, T, H, K) * 0.5 for _ in range(2))
     v = torch.randn(B, T, H, V)
     g = -torch.rand(B, T, H) * 0.5
-    doc = document_ids(torch.tensor([0, 7, 30, 37], dtype=torch.int32), B, T)
+    cu = torch.tensor([0, 7, 30, 37, 50, 74], dtype=torch.int32)
     do = torch.randn(B, T, H, V)
-    o, gt = _grads(lambda q, k, v, g: triton_gla.gla_triton(q, k, v, g, chunk_size=16, doc=doc), (q, k, v, g), do)
-    o_ref, gr = _grads(lambda q, k, v, g: gla_chunk(q, k, v, g, chunk_size=8, doc=doc),
-                       [x.double() for x in (q, k, v, g)], do.double())
+
+    def run(impl, chunk_size):
+        return lambda q, k, v, g: gated_linear_attention(q, k, v, g, scale=0.7, cu_seqlens=cu, chunk_size=chunk_size,
+                                                         impl=impl)[0]
+
+    o, gt = _grads(run("triton", 16), (q, k, v, g), do)
+    o_ref, gr = _grads(run("chunk", 8), [x.double() for x in (q, k, v, g)], do.double())
     assert torch.isfinite(o).all() and all(torch.isfinite(x).all() for x in gt)
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(gt, gr):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_path_refuses_per_channel_gates_and_takes_the_chunk_path_with_states():
+    q, k, v, g, gk = make(1, 9, 2, 4, 3, "both")
+    with pytest.raises(ValueError, match="per-head gates only"):
+        gated_linear_attention(q, k, v, g, gk, impl="triton")
+    h0 = torch.randn(1, 2, 4, 3, dtype=D64)
+    o, h = gated_linear_attention(q, k, v, g, initial_state=h0, output_final_state=True, impl="triton")
+    o_ref, h_ref = naive_recurrent_gla(q, k, v, g, None, None, h0, True)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(h, h_ref)
 
 
 def test_triton_gla_tiles_are_square():
@@ -252,10 +266,13 @@ def test_triton_gla_gpu_unequal_head_dims(K, V, dtype):
     B, T, H = 2, 40, 4
     q, k = (torch.rand(B, T, H, K, device="cuda") for _ in range(2))
     v = torch.randn(B, T, H, V, device="cuda")
-    doc = torch.tensor([[0] * 17 + [1] * 23, [2] * 40], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 17, 40, 80], dtype=torch.int32, device="cuda")  # documents of 17 and 23 | 40 tokens
     do = torch.randn(B, T, H, V, device="cuda")
-    o, gt = _grads(lambda q, k, v: triton_gla.gla_triton(q, k, v, None, doc=doc), [x.to(dtype) for x in (q, k, v)],
-                   do.to(dtype))
-    ref, gr = _grads(lambda q, k, v: gla_chunk(q, k, v, None, doc=doc), [x.double() for x in (q, k, v)], do.double())
+
+    def run(impl):
+        return lambda q, k, v: gated_linear_attention(q, k, v, scale=1.0, cu_seqlens=cu, impl=impl)[0]
+
+    o, gt = _grads(run("triton"), [x.to(dtype) for x in (q, k, v)], do.to(dtype))
+    ref, gr = _grads(run("chunk"), [x.double() for x in (q, k, v)], do.double())
     for a, b in zip([o, *gt], [ref, *gr]):
         assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max()
