@@ -4,9 +4,6 @@ supported (``validate_config`` rejects them). Over gloo (CPU) FSDP must use sum 
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-
 import torch
 from torch import nn
 
@@ -19,33 +16,21 @@ from torchtitan.models.llama4.infra.parallelize import apply_compile
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
-
-SAC_OP_MODULES = ("attention", "attention.ops.parallax.kernels.ops", "attention.ops.delta_rule.ops",
-                  "attention.ops.linear_attn.triton_gla")
-"""Modules that register attention custom ops: the package (mechanism modules import their ops) and those imported
-lazily, at a module's first forward, which is after this list is built."""
+from attention.ops import sac_save_ops
 
 
 def sac_save_list(attention_ops: bool = True) -> set:
     """Ops whose outputs selective activation checkpointing ("op" mode) keeps instead of recomputing: torchtitan's
     Qwen3 list (matmuls, SDPA/flash/varlen/flex attention, ...) plus, with ``attention_ops`` (``[attention]
-    sac_save``), the project's attention forward custom ops.
+    sac_save``), the attention forward ops that declare themselves (:func:`attention.ops.sac_save_ops`).
 
     Without them the backward re-runs every layer's Triton attention forward (two forwards per step), while
     softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.opaque``) recompute their
     forward in their own backward; saving their output spares a third run. Saving keeps the ops' outputs in
     activation memory instead (benchmarks/README.md has GDN's and KDA's time and memory both ways)."""
-    if not attention_ops:
-        return set(_op_sac_save_list)
-    for module in SAC_OP_MODULES:  # registers the ops (the Triton ones need triton, absent on some platforms)
-        with contextlib.suppress(ImportError):
-            importlib.import_module(module)
-    from attention.ops.opaque import REGISTERED
-
-    named = [("parallax_kernels", "fwd"), ("attnlab", "delta_rule_fwd"), ("attnlab", "lla_fwd")]
-    named += [("attnlab", n) for n in REGISTERED]
     ops = set(_op_sac_save_list)
-    ops.update(getattr(getattr(torch.ops, ns), n).default for ns, n in named if hasattr(getattr(torch.ops, ns), n))
+    if attention_ops:
+        ops.update(sac_save_ops())
     return ops
 
 

@@ -27,10 +27,12 @@ from typing import Callable
 
 import torch
 
+from attention.ops.common import keep_under_sac
+
 Tensor = torch.Tensor
 
 REGISTERED: dict[str, object] = {}
-"""name -> forward op (``torch.ops.attnlab.<name>``), for the activation-checkpointing save list."""
+"""name -> forward op (``torch.ops.attnlab.<name>``): each name is registered once."""
 
 
 @contextlib.contextmanager
@@ -111,4 +113,4 @@ def opaque_op(name: str, fn: Callable[..., Tensor], fake: Callable[..., Tensor])
 
     fwd.register_autograd(backward, setup_context=setup_context)
     REGISTERED[name] = fwd
-    return fwd
+    return keep_under_sac(fwd)  # its backward recomputes the forward: saving the output spares a third run

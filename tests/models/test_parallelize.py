@@ -19,7 +19,7 @@ from models.parallelize import sac_save_list
 
 def test_save_list_adds_the_attention_ops():
     ops = sac_save_list()
-    assert torch.ops.parallax_kernels.fwd.default in ops
+    assert torch.ops.attnlab.parallax_fwd.default in ops
     assert torch.ops.attnlab.delta_rule_fwd.default in ops
     assert torch.ops.attnlab.lla_fwd.default in ops
     assert _op_sac_save_list <= ops  # torchtitan's list (matmuls, SDPA, varlen, flex) stays

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from attention.ops.common import cuda_device_of, fla_gated_backward_ok
+from attention.ops.common import cuda_device_of, fla_gated_backward_ok, keep_under_sac
 from attention.ops.delta_rule.chunk import chunk_delta_rule
 from attention.ops.delta_rule.fla_hopper import _bwd, _fwd, kda_bwd
 from attention.ops.opaque import autograd_inside_op
@@ -201,6 +201,7 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
 
 
 # ---------------------------------------------------------------- forward op
+@keep_under_sac
 @torch.library.custom_op("attnlab::delta_rule_fwd", mutates_args=())
 def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
                    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,

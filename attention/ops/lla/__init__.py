@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from attention.ops.common import check_impl, doc_bounds
+from attention.ops.common import check_impl, doc_bounds, keep_under_sac
 from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.decode import lla_decode  # noqa: F401
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
@@ -50,6 +50,7 @@ def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
 # One forward per training step: the forward returns the statistics its backward needs (ρ, δ and, on the Triton
 # path, the row max m and ω), as the Parallax and delta-rule ops do. (Through ``opaque_op`` the backward re-ran the
 # whole forward, CG solves included, before its own adjoint solve.) The ops are opaque to torch.compile.
+@keep_under_sac
 @torch.library.custom_op("attnlab::lla_fwd", mutates_args=())
 def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
             jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int]

@@ -5,7 +5,7 @@ probe branch: with ``r`` it computes Parallax (two extra accumulators d2, O2 on 
 paper eq. 14), without it the same source compiles to plain softmax attention. GQA without repeated
 K/V, packed documents (fla's ``cu_seqlens``), sliding windows, head dims 16–256 (powers of two), any T.
 
-- :func:`parallax_triton`: training op with autograd (custom ops ``parallax_kernels::fwd``/``bwd`` where
+- :func:`parallax_triton`: training op with autograd (custom ops ``attnlab::parallax_fwd``/``parallax_bwd`` where
   ``torch.compile`` or a dispatch mode must see them, ``ops.attend``).
 - :func:`parallax_decode_triton`: new tokens against a fixed-shape KV cache, split over the cache length; a second
   kernel merges the partials (a programmatic dependent launch on Hopper), or with ``merge="fused"`` the last split

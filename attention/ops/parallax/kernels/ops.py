@@ -1,8 +1,8 @@
 """torch.library custom ops around the Triton kernels (opaque to torch.compile: no graph break).
 
-- ``parallax_kernels::fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, window) -> (o, lse, vbar, tbar)
-- ``parallax_kernels::bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
-- ``parallax_kernels::decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits, fused_merge) -> o
+- ``attnlab::parallax_fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, window) -> (o, lse, vbar, tbar)
+- ``attnlab::parallax_bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
+- ``attnlab::parallax_decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits, fused_merge) -> o
 
 Autograd is registered on ``fwd`` (``register_autograd``); ``fake`` kernels give the shapes for tracing. Eager
 calls outside any dispatch mode run the same forward and backward through an ``autograd.Function`` instead, without
@@ -21,6 +21,7 @@ import torch
 import triton
 
 from attention.ops.autotune import compile_candidates
+from attention.ops.common import keep_under_sac
 from attention.ops.fla_launch import FastLaunch
 from attention.ops.outputs import empty, empty_like
 from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
@@ -187,7 +188,8 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], 
     return dq, dk, dv, dr
 
 
-@torch.library.custom_op("parallax_kernels::fwd", mutates_args=(), device_types=None)
+@keep_under_sac
+@torch.library.custom_op("attnlab::parallax_fwd", mutates_args=(), device_types=None)
 def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # requires_grad only: the op's autograd runs this body with grad mode off even when a backward follows, so an
@@ -205,7 +207,7 @@ def _(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
     return torch.empty_like(q), lse, torch.empty_like(q), q.new_empty(HQ, B * T, dtype=torch.float32)
 
 
-@torch.library.custom_op("parallax_kernels::bwd", mutates_args=())
+@torch.library.custom_op("attnlab::parallax_bwd", mutates_args=())
 def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -261,7 +263,7 @@ class _Eager(torch.autograd.Function):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
            max_seqlen: int, window_size: int) -> Tensor:
-    """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``parallax_kernels::fwd``
+    """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``attnlab::parallax_fwd``
     where something must see the op (``torch.compile``; any TorchDispatchMode, e.g. selective activation
     checkpointing's, whose save list names it; fake tensors), else through ``_Eager``, the same kernels and
     buffers without the op's dispatch layers (about half the host time per fwd+bwd)."""
@@ -383,7 +385,7 @@ def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.dev
     return s
 
 
-@torch.library.custom_op("parallax_kernels::decode", mutates_args=())
+@torch.library.custom_op("attnlab::parallax_decode", mutates_args=())
 def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, r: Optional[Tensor],
                        scale: float, window_size: int, num_splits: int, fused_merge: bool = True) -> Tensor:
     B, TQ, HQ, D = q.shape
