@@ -8,21 +8,27 @@ Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` me
 parses and validates it). What this subclass adds to torchtitan's ``Trainer``: CPU support (device shim + gloo),
 ``training.stop_after_step`` (simulated preemption), ``<dump_folder>/config.toml`` and ``tokenizer/`` (the run
 describes itself to the tools), perplexity, per-group lr/wd, progress and ETA in every log line and in
-``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and the safety rules of ``docs/failures.md``: a lock
-on the run folder, a writable checkpoint folder and enough free disk checked at start, a stop on non-finite
-losses that never writes or rotates away a finite checkpoint, resume checks (architecture, finite tensors,
-schedule), and clear errors for unusable checkpoints or a full disk.
+``<dump_folder>/metrics.jsonl``, RNG state in checkpoints, and the safety rules of ``docs/failures.md``: locks
+on the run folder and the checkpoint folder, a writable checkpoint folder and enough free disk checked at start, a
+stop on non-finite losses that never writes or rotates away a finite checkpoint, resume checks (architecture,
+finite tensors, schedule, the step a step folder holds, the run's tokenizer), rotation and resume that consider
+exact ``step-N`` folders only, a checkpoint and a clean exit on SIGTERM/SIGUSR1, and clear errors for unusable
+checkpoints or a full disk.
 """
 
 from __future__ import annotations
 
 import errno
+import filecmp
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import socket
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -41,6 +47,10 @@ from models.cpu import install_cpu_shim
 from optim.muon import local_shard
 from models.metrics import group_hparams
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Signals that end a run after the current step with a checkpoint (schedulers send SIGTERM before killing a job,
+Slurm's ``--signal=USR1@<seconds>`` sends SIGUSR1 ahead of the time limit); the process then exits with status
+128 + the signal number (143, 138), so a wrapper sees an interrupted run, not a finished one."""
 NO_BAD_STEP = 2**62
 """Sentinel of the non-finite guard's device-side "first bad step" (no non-finite value seen)."""
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -51,7 +61,8 @@ class NonFiniteError(RuntimeError):
 
 
 class RunLock:
-    """``<dump_folder>/.attnlab.lock`` holding "host pid": one live run per dump folder.
+    """``<dump_folder>/.attnlab.lock`` holding "host pid": one live run per dump folder (``key`` names the config
+    key of ``folder`` in the message; ``path``, when given, is the lock file instead).
 
     Taken by global rank 0 only (other ranks of the same job never touch it), before anything is built, and
     released in ``Trainer.close``. A lock whose process is gone (same host, pid not alive) is stale and is taken
@@ -60,9 +71,9 @@ class RunLock:
 
     NAME = ".attnlab.lock"
 
-    def __init__(self, folder: str):
-        self.path = os.path.join(folder, self.NAME)
-        os.makedirs(folder, exist_ok=True)
+    def __init__(self, folder: str, key: str = "job.dump_folder", path: str | None = None):
+        self.path = path or os.path.join(folder, self.NAME)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         me = f"{socket.gethostname()} {os.getpid()}"
         for _ in range(2):
             try:
@@ -73,9 +84,9 @@ class RunLock:
                     logger.warning(f"Taking over the stale lock {self.path} of process {pid} (no longer running)")
                     os.unlink(self.path)
                     continue
-                raise RuntimeError(f"job.dump_folder {folder!r} is in use by another run (process {pid} on host "
-                                   f"{host}, lock file {self.path}); choose another job.dump_folder, or stop that "
-                                   "run (delete the lock file only if that process is gone)") from None
+                raise RuntimeError(f"{key} {folder!r} is in use by another run (process {pid} on host {host}, lock "
+                                   f"file {self.path}); choose another {key}, or stop that run (delete the lock "
+                                   "file only if that process is gone)") from None
             with os.fdopen(fd, "w") as f:
                 f.write(me)
             return
@@ -92,6 +103,22 @@ class RunLock:
     def release(self) -> None:
         if self._holder() == (socket.gethostname(), os.getpid()):
             os.unlink(self.path)
+
+
+def checkpoint_lock_path(folder: str) -> str:
+    """The lock file of checkpoint folder ``folder``: ``.<name>.attnlab.lock`` beside it (its real path, so every
+    spelling of one folder shares one lock). Not inside it: torchtitan loads ``checkpoint.initial_load_path`` only
+    while the checkpoint folder does not exist."""
+    real = os.path.realpath(folder)
+    return os.path.join(os.path.dirname(real), f".{os.path.basename(real)}{RunLock.NAME}")
+
+
+def lock_checkpoint_folder(folder: str, dump_folder: str) -> RunLock | None:
+    """Lock checkpoint folder ``folder`` unless it is the dump folder itself (whose lock covers it): two runs with
+    different dump folders and one checkpoint folder would otherwise overwrite each other's steps."""
+    if os.path.realpath(folder) == os.path.realpath(dump_folder):
+        return None
+    return RunLock(folder, "checkpoint.folder", checkpoint_lock_path(folder))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -114,6 +141,53 @@ def _existing_dir(folder: str) -> str:
             break
         probe_dir = parent
     return probe_dir
+
+
+def step_folders(folder: str) -> dict[int, str]:
+    """{N: path} of the folders in ``folder`` named exactly ``step-N`` (as torchtitan writes them). torchtitan's
+    own scan matches ``step-(\\d+)`` anywhere in a name, so a user's ``step-4.bak`` or ``step-8 copy`` counted as a
+    step: resumed from, and deleted by ``keep_latest_k`` rotation."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"step-(0|[1-9]\d*)", name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            found[int(m.group(1))] = os.path.join(folder, name)
+    return found
+
+
+def checkpoint_steps(folder: str) -> list[int]:
+    """The steps of ``folder``'s complete checkpoints: exact ``step-N`` folders with DCP's ``.metadata`` (written
+    last) or a Hugging Face index (``checkpoint.last_save_in_hf``), sorted."""
+    return sorted(s for s, path in step_folders(folder).items()
+                  if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
+
+
+def tokenizer_folder(job_config) -> str:
+    """The folder of the tokenizer ``model.hf_assets_path`` names ("embedded": the built-in corpus's, built once)."""
+    from data.embedded import build_embedded
+    from data.loader import EMBEDDED
+
+    tok = job_config.model.hf_assets_path
+    if tok == EMBEDDED:
+        return str(build_embedded(job_config.data.cache_dir, job_config.data.embedded_vocab_size))
+    return tok
+
+
+def check_run_tokenizer(dump_folder: str, ck_folder: str, tok: str) -> None:
+    """A run folder whose checkpoints were trained with ``<dump_folder>/tokenizer`` continues with that tokenizer:
+    another one of the same vocabulary size would resume silently with other token ids (the loss jumps)."""
+    from models.run_folder import TOKENIZER_DIR
+
+    stored = os.path.join(dump_folder, TOKENIZER_DIR, "tokenizer.json")
+    new = os.path.join(tok, "tokenizer.json")
+    if not (checkpoint_steps(ck_folder) and os.path.isfile(stored) and os.path.isfile(new)):
+        return
+    if not filecmp.cmp(stored, new, shallow=False):
+        raise ValueError(f"model.hf_assets_path={tok!r}: its tokenizer.json differs from {stored}, the tokenizer the "
+                         f"checkpoints in {ck_folder!r} were trained with; resume with --model.hf_assets_path "
+                         f"{os.path.dirname(stored)}, or train the new tokenizer in another job.dump_folder")
 
 
 def check_writable(folder: str, key: str) -> None:
@@ -207,17 +281,28 @@ class AttnTrainer(Trainer):
         project_config.validate_config(job_config)
         install_cpu_shim()
         register_train_spec()
-        self._lock = RunLock(job_config.job.dump_folder) if int(os.environ.get("RANK", "0")) == 0 else None
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        self._lock = RunLock(job_config.job.dump_folder) if rank0 else None
+        self._ck_lock = None
+        self._signal_received = self.stop_signal = 0
+        self._old_handlers = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS}
         try:
             ck = job_config.checkpoint
             ck_folder = os.path.join(job_config.job.dump_folder, ck.folder)
             if ck.enable and not ck.load_only:
                 check_writable(ck_folder, "checkpoint.folder")
+                if rank0:
+                    self._ck_lock = lock_checkpoint_folder(ck_folder, job_config.job.dump_folder)
+            check_run_tokenizer(job_config.job.dump_folder, ck_folder, tokenizer_folder(job_config))
             super().__init__(job_config)
             self._bad_step = torch.tensor(NO_BAD_STEP, device=self.device)
             self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
             self._skips, self._skipped_step = 0, -1
             self._partial_load = False
+            self._saved_step = 0  # the newest step this run saved or loaded
+            # the stop-signal flag is agreed over gloo: a CPU all-reduce, no device sync per step
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self._flag_group = dist.new_group(backend="gloo") if world > 1 else None
             self._wrap_optimizer_step()
             self._wrap_metrics_log()
             self._wrap_checkpointer()
@@ -228,15 +313,45 @@ class AttnTrainer(Trainer):
             raise
 
     def _release_lock(self) -> None:
-        if getattr(self, "_lock", None) is not None:
-            self._lock.release()
-            self._lock = None
+        for name in ("_ck_lock", "_lock"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).release()
+                setattr(self, name, None)
+        for sig, handler in getattr(self, "_old_handlers", {}).items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
 
     def close(self) -> None:
         try:
             super().close()
         finally:
             self._release_lock()
+
+    # ------------------------------------------------------------------------------------------- preemption
+
+    def _on_stop_signal(self, signum: int, frame) -> None:
+        """Note the signal; the loop stops after the current step (:meth:`should_continue_training`). Repeats are
+        noted too: under Slurm a worker gets SIGTERM from slurmstepd and again from its torchrun agent."""
+        self._signal_received = signum
+
+    def _agreed_stop_signal(self) -> int:
+        """The stop signal any rank received (0: none), the same on every rank, so all stop after one step."""
+        if self._flag_group is None:
+            return self._signal_received
+        flag = torch.tensor(self._signal_received, dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
+        return int(flag)
+
+    def _save_current_step(self) -> bool:
+        """A full (resumable) checkpoint of this step unless this run already saved or loaded it ("last_step"
+        saves would be model-only by default); False when this run writes no checkpoints."""
+        cp = self.checkpointer
+        if not cp.enable or cp.load_only:
+            return False
+        if self._saved_step < self.step:
+            cp.interval = self.step
+            cp.save(self.step)
+        return True
 
     # ------------------------------------------------------------------------------------- non-finite guard
 
@@ -338,9 +453,26 @@ class AttnTrainer(Trainer):
         cp = self.checkpointer
         load, save, dcp_load = cp.load, cp.save, cp.dcp_load
 
+        def find_load_step(folder: str = "") -> int:
+            return max(checkpoint_steps(folder or cp.folder), default=-1)
+
+        def purge_stale_checkpoints() -> None:
+            # torchtitan's rotation (on rank 0, by its purge thread), over exact step-N folders only
+            if cp.keep_latest_k > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+                for step in sorted(step_folders(cp.folder))[:-cp.keep_latest_k]:
+                    cp.purge_queue.put(cp._create_checkpoint_id(step))
+
         def checked_load(step: int = -1) -> bool:
+            # torchtitan ignores load_step only while the folder is absent and an initial_load_path is loaded
+            if cp.enable and step != -1 and (os.path.isdir(cp.folder) or not cp.initial_load_path) \
+                    and not os.path.isdir(cp._create_checkpoint_id(step)):
+                raise FileNotFoundError(f"checkpoint.load_step={step}: {cp._create_checkpoint_id(step)} does not "
+                                        f"exist; the checkpoints in {cp.folder!r} are of steps "
+                                        f"{checkpoint_steps(cp.folder)}. Pick one of them, or -1 for the latest.")
             path, model_only = self._load_path(step)
             if path is not None:
+                if not model_only:
+                    self._check_stored_step(path)
                 self._check_architecture(path, model_only)
                 if not model_only:
                     self._prepare_dataloader_reshard(path)
@@ -353,6 +485,7 @@ class AttnTrainer(Trainer):
                     f"{lines[-1] if lines else ''}. It is corrupt or was written by a different model/optimizer "
                     "config; point checkpoint.folder/job.dump_folder elsewhere or remove it.") from e
             if loaded:
+                self._saved_step = self.step
                 bad = self._nonfinite_state()
                 if bad:
                     raise NonFiniteError(f"checkpoint {path or cp.folder!r} (step {self.step}) is corrupt: non-finite "
@@ -388,28 +521,56 @@ class AttnTrainer(Trainer):
                 save(curr_step, last_step)
             except (Exception, CheckpointException) as e:
                 raise self._save_error(e, path) from e
+            self._saved_step = curr_step
             if cp.keep_latest_k > 0 and last_step:
                 cp._purge_stale_checkpoints()  # torchtitan skips rotation after the last step's save
             if not dist.is_initialized() or dist.get_rank() == 0:
                 self._write_sidecars(path)
 
         cp.load, cp.save, cp.dcp_load = checked_load, checked_save, partial_dcp_load
+        if cp.enable:
+            cp._find_load_step, cp._purge_stale_checkpoints = find_load_step, purge_stale_checkpoints
+
+    def _check_stored_step(self, path: str) -> None:
+        """A ``step-N`` folder must hold step N (``train_state.step`` inside it): one copied in from another run
+        under a newer name would be resumed at its own step, retrain, and overwrite this run's newer steps."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        m = re.fullmatch(r"step-(\d+)", os.path.basename(path))
+        if m is None:  # checkpoint.initial_load_path: any name
+            return
+        stored = {"train_state.step": -1}
+        try:
+            with warnings.catch_warnings():  # this rank alone reads one pickled integer; DCP warns of no_dist
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(stored, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
+        except (Exception, CheckpointException):  # unreadable: the load itself reports it
+            return
+        step, name = stored["train_state.step"], int(m.group(1))
+        if step not in (-1, name):
+            raise ValueError(f"checkpoint {path!r} holds step {step}, not step {name}: it was copied in or renamed "
+                             f"from another run. Move it out of {os.path.dirname(path)!r} (or name it step-{step} "
+                             "if it belongs to this run) and start again; nothing was loaded or changed.")
 
     def _write_run_files(self) -> None:
         """``<dump_folder>/config.toml`` and ``tokenizer/`` (``models.run_folder.write_run_files``), so tools
         rebuild this run without its flags. Written after the checkpoint load passed the architecture checks: a
         resume with a different architecture fails before the file is touched, so config.toml always describes
         the model the run folder's newest checkpoints hold (with ``checkpoint.partial_load`` on purpose: the new
-        model)."""
-        from data.embedded import build_embedded
-        from data.loader import EMBEDDED
-        from models.run_folder import write_run_files
+        model). The ``tokenizer/`` of a run folder with checkpoints is never replaced (:func:`check_run_tokenizer`
+        made sure it is the one in use); a ``config.toml`` that is this run's ``job.config_file`` is kept."""
+        from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, write_run_files
 
         cfg = self.job_config
-        tok = cfg.model.hf_assets_path
-        if tok == EMBEDDED:
-            tok = build_embedded(cfg.data.cache_dir, cfg.data.embedded_vocab_size)
-        write_run_files(cfg.job.dump_folder, cfg, tok)
+        dump = cfg.job.dump_folder
+        keep_tokenizer = os.path.isfile(os.path.join(dump, TOKENIZER_DIR, "tokenizer.json")) and checkpoint_steps(
+            os.path.join(dump, cfg.checkpoint.folder))
+        written = write_run_files(dump, cfg, None if keep_tokenizer else tokenizer_folder(cfg))
+        if written.name != CONFIG_FILE:
+            logger.info(f"{os.path.join(dump, CONFIG_FILE)} is this run's job.config_file and is kept as written; the "
+                        f"resolved configuration (command-line overrides included) is in {written}")
 
     def _save_error(self, e: BaseException, path: str) -> Exception:
         """A save failure; a full disk (or quota / file-size limit) is named as such."""
@@ -552,16 +713,21 @@ class AttnTrainer(Trainer):
 
     def should_continue_training(self) -> bool:
         stop = self.job_config.training.stop_after_step
-        return super().should_continue_training() and not (0 < stop <= self.step)
+        if not super().should_continue_training() or 0 < stop <= self.step:
+            return False
+        self.stop_signal = self._agreed_stop_signal()
+        return not self.stop_signal
 
     def train(self):
         super().train()
         self.check_finite(self.step)  # a run without a log step or save since the last check ends loudly too
-        stop = self.job_config.training.stop_after_step
-        if 0 < stop == self.step < self.job_config.training.steps and self.step % self.checkpointer.interval:
-            # a full (resumable) save now; "last_step" saves would be model-only by default
-            self.checkpointer.interval = self.step
-            self.checkpointer.save(self.step)
+        if not (0 < self.job_config.training.stop_after_step == self.step or self.stop_signal):
+            return
+        saved = self._save_current_step()
+        if self.stop_signal:
+            what = (f"saved step {self.step}" if saved and self.step else
+                    "no step trained, nothing saved" if saved else f"checkpointing is off, step {self.step} not saved")
+            logger.warning(f"received {signal.Signals(self.stop_signal).name}: {what}, exiting")
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -615,9 +781,11 @@ def main(argv: list[str] | None = None) -> None:
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
     _single_process_env()
-    run(argv)
+    trainer = run(argv)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if trainer.stop_signal:
+        sys.exit(128 + trainer.stop_signal)  # the shell's status of a process ended by that signal (STOP_SIGNALS)
 
 
 if __name__ == "__main__":

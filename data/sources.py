@@ -41,7 +41,7 @@ def _open(path: str):
 
 
 class UnreadableFile(ValueError):
-    """A local data file that cannot be read to its end."""
+    """A local data file that cannot be read to its end, or not as records (one JSON document, not JSON Lines)."""
 
 
 def _records(path: str, builder: str, text_field: str):
@@ -68,6 +68,7 @@ def _records(path: str, builder: str, text_field: str):
                 for i, rec in enumerate(rows if isinstance(rows, list) else [rows]):
                     yield i + 1, *_text_of(rec, text_field)
                 return
+            at_start = True  # no record read yet: a first line that does not parse may be one JSON document
             for n, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
@@ -75,13 +76,35 @@ def _records(path: str, builder: str, text_field: str):
                 if reason is None:
                     try:
                         yield n, *_text_of(json.loads(text), text_field)
+                        at_start = False
                         continue
                     except json.JSONDecodeError as e:
                         reason = f"not valid JSON ({e.msg}, column {e.colno})"
+                        if at_start and (kind := _one_document(path)):
+                            array = " (or a .json file holding one array of records)" if kind == "object" \
+                                and path.removesuffix(".gz").endswith(".json") else ""
+                            raise UnreadableFile(f"{path} holds one JSON {kind} spread over lines, not JSON Lines "
+                                                 "(one object per line, e.g. {\"text\": \"...\"}); write one "
+                                                 f"record per line{array}")
+                at_start = False
                 yield n, None, reason
     except (EOFError, OSError, zlib.error) as e:
         raise UnreadableFile(f"{path}: cannot be read to the end ({type(e).__name__}: {e}); a truncated or "
                              "corrupt file? Replace it or leave it out of the dataset path") from e
+
+
+def _one_document(path: str) -> str | None:
+    """"object" or "array" when the whole file ``path`` is one JSON document (what a JSON Lines file whose first
+    line does not parse often is: a pretty-printed object or array), else None."""
+    import json
+
+    with _open(path) as f:
+        text, reason = _decoded(f.read())
+    try:
+        doc = json.loads(text) if reason is None else None
+    except json.JSONDecodeError:
+        return None
+    return {dict: "object", list: "array"}.get(type(doc))
 
 
 def _decoded(raw: bytes) -> tuple[str | None, str | None]:
@@ -119,12 +142,13 @@ def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: 
     memo = (tuple(files), tuple(file_stamps(files)), builder, text_field, max_bad)
     if memo in _SCANNED:
         return _SCANNED[memo]
-    bad, good, first = 0, 0, None
+    bad, good, nonempty, first = 0, 0, 0, None
     for path in files:
         try:
-            for line, _, reason in _records(path, builder, text_field):
+            for line, text, reason in _records(path, builder, text_field):
                 if reason is None:
                     good += 1
+                    nonempty += bool(text.strip())
                     continue
                 bad, first = bad + 1, first or f"{path} line {line}: {reason}"
                 if bad > max_bad:
@@ -136,6 +160,9 @@ def scan_files(files: list[str], builder: str, key: str, spec: str, text_field: 
             raise ValueError(f"{key}={spec!r}: {e}") from e
     if not good:
         raise ValueError(f"{key}={spec!r}: no records in {files[:5]}; the dataset is empty")
+    if not nonempty:  # training would see BOS/EOS only, re-looping over the empty documents
+        raise ValueError(f"{key}={spec!r}: every one of the {good} records in {files[:5]} has an empty "
+                         f"{text_field!r} (data.text_field); the dataset has no text")
     if bad:
         from torchtitan.tools.logging import logger
 

@@ -4,7 +4,9 @@
     model, cfg, step_dir = load_model("runs/x", ["--job.config_file", "configs/x.toml"])
 
 The model is rebuilt from the training config: the same CLI/TOML argv as ``train.py`` (``argv``), or, when
-``argv`` is empty, ``<run>/train_args.json`` (a JSON list of the argv, written by ``scripts/replicate.py``).
+``argv`` is empty, ``<run>/config.toml`` (what every run writes), ``<run>/train_args.json`` (a JSON list of the
+argv, written by ``scripts/replicate.py``), or the step folder's ``attnlab.json`` (the architecture alone); a
+run that none of them describes is an error naming the folder, never the default configuration's model.
 Only the model's keys are read from the checkpoint (``torch.distributed.checkpoint`` loads what is asked
 for), so full training checkpoints and model-only ones both work. Shape mismatches name the keys.
 """
@@ -37,21 +39,68 @@ def resolve_step_dir(path: str | os.PathLike) -> Path:
 
 
 def run_dir_of(step_dir: Path) -> Path:
-    """The run folder (``job.dump_folder``) of ``<run>/checkpoint/step-N``."""
-    return step_dir.parent.parent if step_dir.parent.name == "checkpoint" else step_dir.parent
+    """The run folder (``job.dump_folder``) of a step folder (:func:`models.run_folder.run_of`)."""
+    from models.run_folder import run_of
+
+    return run_of(step_dir) or step_dir.parent
+
+
+def _run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
+    """train.py's argv describing the run of ``step_dir``: ``argv`` when it names ``--job.config_file``, else
+    ``argv`` on top of ``<run>/config.toml``, else ``argv`` (on top of the default config) when given, else
+    ``<run>/train_args.json``; None when there is none of them."""
+    from models.run_folder import CONFIG_FILE, TRAIN_ARGS_FILE
+
+    argv = list(argv or [])
+    run = run_dir_of(step_dir)
+    if any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
+        return argv
+    if (run / CONFIG_FILE).is_file():
+        return ["--job.config_file", str(run / CONFIG_FILE), *argv]
+    if argv:
+        return argv
+    if (run / TRAIN_ARGS_FILE).is_file():
+        return json.loads((run / TRAIN_ARGS_FILE).read_text())
+    return None
 
 
 def load_config(argv: list[str] | None, step_dir: Path):
-    """The merged JobConfig: from ``argv`` (train.py's flags) or ``<run>/train_args.json``."""
+    """The merged JobConfig of the run of ``step_dir`` (:func:`_run_argv`); for a run with none of its
+    descriptions but an ``attnlab.json`` in the step folder, the default config with that architecture
+    (:func:`_with_architecture`). Raises CheckpointError naming the folders when nothing describes the run."""
     from config import DEFAULT_CONFIG, parse_config
+    from models.hf import SIDECAR, CheckpointError, read_sidecar
 
-    argv = list(argv or [])
-    saved = run_dir_of(step_dir) / "train_args.json"
-    if not argv and saved.is_file():
-        argv = json.loads(saved.read_text())
+    run_argv = _run_argv(argv, step_dir)
+    if run_argv is None and not (step_dir / SIDECAR).is_file():
+        raise CheckpointError(f"nothing describes the model of {str(step_dir)!r}: its run folder "
+                              f"{str(run_dir_of(step_dir))!r} has no config.toml or train_args.json and the step "
+                              f"folder no {SIDECAR}; pass the run's training config after `--`, e.g. "
+                              "`-- --job.config_file configs/x.toml --model.attention parallax`")
+    argv = run_argv or []
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
-    return parse_config(argv)
+    cfg = parse_config(argv)
+    if run_argv is None:
+        _with_architecture(cfg, read_sidecar(step_dir))
+    return cfg
+
+
+def _with_architecture(cfg, args: ModelArgs) -> None:
+    """Set the ``[model]``/``[attention]`` keys of ``cfg`` to the architecture ``args`` (a step folder's
+    attnlab.json) and the sequence lengths to its trained context, so the tools read and report that model and
+    not the default config's. (:func:`load_model` builds the model from ``args`` itself: fields no key sets,
+    such as the flavor's RMSNorm eps, are the record's.)"""
+    from models.args import DIMS
+
+    m = cfg.model
+    for f in DIMS:
+        setattr(m, f, getattr(args, f))
+    m.vocab_size, m.rope_theta, m.tie_embeddings = args.vocab_size, args.rope_theta, args.enable_weight_tying
+    m.attention, m.layer_pattern, m.attn_mask_type = args.attention, list(args.layer_pattern), args.attn_mask_type
+    for name, opts in args.attention_options.items():
+        setattr(cfg.attention, name, opts)
+    cfg.training.seq_len = cfg.validation.seq_len = args.max_seq_len
 
 
 def model_args_from_config(cfg) -> ModelArgs:
@@ -81,21 +130,23 @@ def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bo
     checkpoint model keys the model lacks (weights that would be dropped) are both errors naming the keys."""
     import torch.distributed.checkpoint as dcp
 
-    from models.hf import NON_MODEL_PREFIXES
+    from models.hf import NON_MODEL_PREFIXES, CheckpointError, read_dcp
 
-    reader = dcp.FileSystemReader(str(step_dir))
-    meta = reader.read_metadata().state_dict_metadata
+    try:
+        meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{step_dir}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
     sd = model.state_dict()
     missing = [k for k in sd if k not in meta]
     unexpected = sorted(k for k in meta if not k.startswith(NON_MODEL_PREFIXES) and k not in sd)
     bad = [f"{k}: checkpoint {tuple(meta[k].size)} vs model {tuple(v.shape)}" for k, v in sd.items()
            if k in meta and hasattr(meta[k], "size") and tuple(meta[k].size) != tuple(v.shape)]
     if bad or ((missing or unexpected) and strict):
-        raise ValueError(f"checkpoint {str(step_dir)!r} does not fit the model built from the config "
+        raise CheckpointError(f"checkpoint {str(step_dir)!r} does not fit the model built from the config "
                          f"(pass the training flags / --job.config_file): mismatched {bad[:5]}, missing "
                          f"{missing[:5]}, not in the model {unexpected[:5]}")
     present = {k: v for k, v in sd.items() if k in meta}
-    dcp.load(present, storage_reader=reader, no_dist=True)
+    read_dcp(present, step_dir)
     model.load_state_dict({**sd, **present}, strict=True)
     if model.model_args.enable_weight_tying:
         model.output.weight = model.tok_embeddings.weight
@@ -105,9 +156,12 @@ def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bo
 def load_model(path: str | os.PathLike, argv: list[str] | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32):
     """(model in eval mode, JobConfig, step folder) for a run folder or step folder ``path``."""
+    from models.hf import read_sidecar
+
     step_dir = resolve_step_dir(path)
     cfg = load_config(argv, step_dir)
-    model = build_model(model_args_from_config(cfg), device)
+    described = _run_argv(argv, step_dir) is not None
+    model = build_model(model_args_from_config(cfg) if described else read_sidecar(step_dir), device)
     load_weights(model, step_dir)
     return model.to(dtype).eval(), cfg, step_dir
 

@@ -189,7 +189,6 @@ def is_hf_folder(path) -> bool:
 def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
     """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -203,16 +202,39 @@ def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
         sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
     if not sd:
         raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
-    try:
-        dcp.load(sd, checkpoint_id=str(folder), no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
-        raise CheckpointError(f"{folder}: reading the DCP checkpoint failed, it is corrupt or incomplete "
-                              f"({type(e).__name__}: {last[0].strip()[:200]})") from e
+    read_dcp(sd, folder)
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     if progress:
         progress_bar(len(sd), "read").update(len(sd))
     return sd
+
+
+def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
+    """Fill ``state`` (keys as stored) in place from the DCP folder ``folder``. A shard that cannot be read
+    (truncated by a full disk or a copy cut short, or corrupt) is a CheckpointError naming the folder and every
+    shard shorter than the metadata says, instead of DCP's traceback of the unpickler's EOFError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
+        short = _short_shards(folder)
+        raise CheckpointError(f"{folder}: corrupt or truncated checkpoint shard"
+                              + (f" ({'; '.join(short)})" if short else "")
+                              + f"; the checkpoint cannot be read ({type(e).__name__}: {last[0].strip()[:200]})") from e
+
+
+def _short_shards(folder) -> list[str]:
+    """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
+    import torch.distributed.checkpoint as dcp
+
+    need: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
+    return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
 
 
 def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:

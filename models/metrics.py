@@ -20,6 +20,7 @@ class JsonlLogger:
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        end_partial_line(path)
         self.f = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -30,6 +31,53 @@ class JsonlLogger:
 
     def close(self) -> None:
         self.f.close()
+
+
+def end_partial_line(path: str) -> None:
+    """Repair a metrics.jsonl whose last record was cut short (a kill or a full disk mid-write) before a resumed run
+    appends to it, which would otherwise glue its first record onto the broken one: a last line that parses but
+    lost its newline gets it, one that does not parse is dropped; either with a warning naming the file."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        start, line = data.rfind(b"\n") + 1, data.count(b"\n") + 1
+        try:
+            json.loads(data[start:])
+        except ValueError:  # JSONDecodeError, or bytes cut inside a UTF-8 character
+            f.seek(start)
+            f.truncate()
+            logger.warning(f"{path} line {line}: dropped a partial record ({len(data) - start} "
+                           "bytes, an interrupted write); appending after the last complete one")
+            return
+        f.write(b"\n")
+        logger.warning(f"{path} line {line}: the last record lacked its newline (an interrupted "
+                       "write); ended it")
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in order. A last line without its newline that does not parse (a run killed
+    mid-write and not resumed since) is skipped with a warning; any other line that is not a JSON object is a
+    ValueError naming the file and the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):
+                logger.warning(f"{path} line {n}: skipped a partial last record (an interrupted write)")
+                continue
+            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno})") from e
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path} line {n}: not a JSON object ({type(rec).__name__})")
+        out.append(rec)
+    return out
 
 
 def group_hparams(optimizers) -> dict[str, float]:

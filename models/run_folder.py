@@ -4,6 +4,7 @@ configuration it was trained with and its tokenizer.
 A run folder (``job.dump_folder``) is laid out as::
 
     <run>/config.toml           the resolved training configuration, all sections (:func:`write_run_files`)
+    <run>/config.resolved.toml  instead, when config.toml is the file the run was started from (kept as written)
     <run>/tokenizer/            the tokenizer the run trained with (tokenizer.json, tokenizer_config.json)
     <run>/checkpoint/step-N/    DCP checkpoints
     <run>/train_args.json       older runs: the train.py argv (scripts/replicate.py)
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_FILE = "config.toml"
+RESOLVED_CONFIG_FILE = "config.resolved.toml"
+TRAIN_ARGS_FILE = "train_args.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "generation_config.json")
@@ -76,15 +79,29 @@ def _step_of(d: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def run_of(ckpt_dir: Path) -> Path | None:
+    """The run folder of a checkpoint folder. A ``step-N`` folder belongs to the nearest of its parent and
+    grandparent that holds the run's description (config.toml or train_args.json), else to ``<run>`` of
+    ``<run>/checkpoint/step-N``, else to its parent (``OUT/step-0`` of scripts/import_hf.py). Any other folder
+    belongs to a run only as ``<run>/checkpoint/<folder>``; None outside a run (e.g. an export)."""
+    in_checkpoint = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoint" else None
+    if _step_of(ckpt_dir) is None:
+        return in_checkpoint
+    for d in (ckpt_dir.parent, ckpt_dir.parent.parent):
+        if (d / CONFIG_FILE).is_file() or (d / TRAIN_ARGS_FILE).is_file():
+            return d
+    return in_checkpoint or ckpt_dir.parent
+
+
 def _is_checkpoint(d: Path) -> bool:
     """DCP (.metadata), Hugging Face (config.json), or a trainer's ``last_save_in_hf`` step (safetensors)."""
     return (d / ".metadata").is_file() or (d / "config.json").is_file() or any(d.glob("*.safetensors"))
 
 
 def resolve(path: str | os.PathLike, step: int | None = None, dcp_only: bool = False) -> Checkpoint:
-    """The checkpoint ``path`` names: a run folder (its latest ``checkpoint/step-N``, or ``step-<step>``), a
-    step folder, or a Hugging Face folder (not with ``dcp_only``). Raises FileNotFoundError naming what was
-    looked for."""
+    """The checkpoint ``path`` names: a run folder or its ``checkpoint/`` folder (the latest ``step-N``, or
+    ``step-<step>``), a step folder, or a Hugging Face folder (not with ``dcp_only``); its run is found from any
+    of them (:func:`run_of`). Raises FileNotFoundError naming what was looked for."""
     ckpt = _resolve(path, step)
     if dcp_only and not (ckpt.path / ".metadata").is_file():
         raise FileNotFoundError(f"{str(ckpt.path)!r} holds safetensors, not a DCP checkpoint; this tool reads a run "
@@ -101,8 +118,7 @@ def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
         if step is not None and _step_of(p) != step:
             raise FileNotFoundError(f"--step {step} given but {str(path)!r} is itself a checkpoint folder; pass its "
                                     "run folder instead")
-        run = p.parent.parent if p.parent.name == "checkpoint" else (p.parent if _step_of(p) is not None else None)
-        return Checkpoint(p, run, _step_of(p))
+        return Checkpoint(p, run_of(p), _step_of(p))
     for folder in (p / "checkpoint", p):
         steps = {s: d for d in folder.glob("step-*") if (s := _step_of(d)) is not None and _is_checkpoint(d)}
         if not steps:
@@ -111,7 +127,7 @@ def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
             step = max(steps)
         if step not in steps:
             raise FileNotFoundError(f"{str(path)!r}: no step-{step}; available steps: {sorted(steps)}")
-        return Checkpoint(steps[step], p, step)
+        return Checkpoint(steps[step], run_of(steps[step]), step)
     raise FileNotFoundError(f"{str(path)!r}: not a checkpoint folder (no .metadata or config.json) and no step-N "
                             "folder under it or under its checkpoint/ folder")
 
@@ -149,12 +165,15 @@ def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: str | os.PathLike | None = None) -> None:
-    """What a run leaves in its ``dump_folder`` so tools rebuild it without its flags (call on one rank):
+def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """What a run leaves in its ``dump_folder`` so tools rebuild it without its flags (call on one rank); returns
+    the configuration file written:
 
     - ``config.toml``: every section of the resolved ``job_config`` (a JobConfig dataclass) as TOML; ``None``
       values have no TOML form and are left out (they are the defaults), ``job.config_file`` is dropped (the file
-      stands alone);
+      stands alone). When ``config.toml`` is the ``job.config_file`` the run was started from, that file is the
+      user's (comments and all, and a valid config for the tools) and stays byte-identical: the resolved
+      configuration goes to ``config.resolved.toml`` beside it;
     - ``tokenizer/``: the tokenizer files of ``tokenizer_dir`` (when given and holding a tokenizer.json).
     """
     import dataclasses
@@ -172,11 +191,16 @@ def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: s
     cfg.get("job", {}).pop("config_file", None)
     dump = Path(dump_folder)
     dump.mkdir(parents=True, exist_ok=True)
-    tmp = dump / f".{CONFIG_FILE}.tmp{os.getpid()}"
+    target = dump / CONFIG_FILE
+    given = job_config.job.config_file
+    if given and target.is_file() and os.path.isfile(given) and os.path.samefile(given, target):
+        target = dump / RESOLVED_CONFIG_FILE
+    tmp = dump / f".{target.name}.tmp{os.getpid()}"
     tmp.write_text(tomli_w.dumps(cfg))
-    os.replace(tmp, dump / CONFIG_FILE)
+    os.replace(tmp, target)
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         save_tokenizer(tokenizer_dir, dump / TOKENIZER_DIR)
+    return target
 
 
 @contextlib.contextmanager

@@ -242,5 +242,5 @@ def _group_lr(lr_fn, warmup_steps: int, step: int) -> float:
 def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int) -> ScheduleContainer:
     """TrainSpec ``build_lr_schedulers_fn``."""
     schedule = build_schedule(lr_scheduler_config, training_steps)
-    logger.info(f"LR schedule: {schedule.describe()} wd_anneal_gamma={lr_scheduler_config.wd_anneal_gamma}")
+    logger.info(f"LR schedule: {schedule.describe()} steps, wd_anneal_gamma={lr_scheduler_config.wd_anneal_gamma}")
     return ScheduleContainer(optimizers, schedule)

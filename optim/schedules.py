@@ -93,10 +93,10 @@ class Schedule:
     wd: Callable[[int], float]
 
     def describe(self) -> str:
-        return (
-            f"schedule={self.name} total={self.total_steps} warmup={self.warmup_steps} "
-            f"decay_start={self.decay_start_step}"
-        )
+        """One line: the schedule and its warmup, stable and decay steps (they add up to ``total_steps``)."""
+        decay = self.total_steps - self.decay_start_step
+        return (f"schedule={self.name} steps={self.total_steps}: {self.warmup_steps} warmup, "
+                f"{self.decay_start_step - self.warmup_steps} stable, {decay} decay")
 
 
 def build_schedule(cfg, training_steps: int) -> Schedule:
@@ -104,8 +104,14 @@ def build_schedule(cfg, training_steps: int) -> Schedule:
 
     Warmup: ``warmup_fraction`` (if set) wins over ``warmup_steps``. Decay start: ``decay_start`` (fraction)
     if set, else ``1 - decay_ratio`` (torchtitan's key) if set, else right after warmup.
+
+    A schedule that cannot run as configured is an error naming the keys and values (they used to be clamped
+    silently): a warmup longer than the run, or a WSD warmup that overlaps the decay its ``decay_start`` /
+    ``decay_ratio`` asks for (torchtitan shortens that decay with a warning). A warmup as long as the run is
+    valid: the lr reaches its peak at the last step.
     """
     total = cfg.total_steps if cfg.total_steps is not None else training_steps
+    total_key = f"lr_scheduler.total_steps={total}" if cfg.total_steps is not None else f"training.steps={total}"
     if total <= 0:
         raise ValueError(f"training.steps / lr_scheduler.total_steps must be > 0, got {total}")
     name = cfg.schedule
@@ -117,9 +123,12 @@ def build_schedule(cfg, training_steps: int) -> Schedule:
         if not 0.0 <= cfg.warmup_fraction <= 1.0:
             raise ValueError(f"lr_scheduler.warmup_fraction={cfg.warmup_fraction} must be in [0, 1]")
         warmup = round(cfg.warmup_fraction * total)
+        warmup_key = f"lr_scheduler.warmup_fraction={cfg.warmup_fraction} ({warmup} steps)"
     else:
         warmup = int(cfg.warmup_steps)
-    warmup = min(max(warmup, 0), total)
+        warmup_key = f"lr_scheduler.warmup_steps={warmup}"
+    if warmup < 0:
+        raise ValueError(f"{warmup_key} must be >= 0")
     if cfg.decay_start is not None and cfg.decay_ratio is not None and abs(cfg.decay_start + cfg.decay_ratio - 1) > 1e-9:
         raise ValueError(
             f"lr_scheduler.decay_start={cfg.decay_start} and lr_scheduler.decay_ratio={cfg.decay_ratio} disagree; set one"
@@ -133,7 +142,7 @@ def build_schedule(cfg, training_steps: int) -> Schedule:
             frac = None
         if frac is not None and not 0.0 <= frac <= 1.0:
             raise ValueError(f"lr_scheduler.decay_start={frac} must be in [0, 1]")
-        decay_start = warmup if frac is None else max(warmup, round(frac * total))
+        decay_start = warmup if frac is None else round(frac * total)
         lr_fn = lambda s: lr_wsd(s, total, warmup, decay_start, cfg.decay_type, cfg.min_lr_factor)  # noqa: E731
     elif name == "cosine":
         decay_start = warmup
@@ -144,5 +153,13 @@ def build_schedule(cfg, training_steps: int) -> Schedule:
     gamma = cfg.wd_anneal_gamma
     if gamma < 0:
         raise ValueError(f"lr_scheduler.wd_anneal_gamma={gamma} must be >= 0")
+    if warmup > total:
+        raise ValueError(f"{warmup_key} is longer than the run ({total_key}): the lr would never reach its peak. "
+                         "Set a warmup of at most the run's steps")
+    if warmup > decay_start:  # WSD with a decay fraction: the decay it asks for would be shortened
+        key = (f"lr_scheduler.decay_start={cfg.decay_start}" if cfg.decay_start is not None
+               else f"lr_scheduler.decay_ratio={cfg.decay_ratio}")
+        raise ValueError(f"{warmup_key} + {key} ({total - decay_start} decay steps) exceed {total_key}: the warmup "
+                         "would run into the decay. Shorten the warmup or the decay, or train longer")
     wd_fn = lambda s: wd_anneal(s, decay_start, total, gamma)  # noqa: E731
     return Schedule(name, total, warmup, decay_start, lr_fn, wd_fn)

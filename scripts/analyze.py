@@ -297,13 +297,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(own)
     from data.loader import build_tokenizer
     from models.checkpoint_io import checkpoint_step, load_model, run_dir_of
+    from models.hf import CheckpointError
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         ckpt = resolve(args.ckpt, args.step, dcp_only=True)
     except FileNotFoundError as e:
         ap.error(str(e))
-    model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)
+    try:
+        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)
+    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     ckpt.use_tokenizer(cfg)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)
     res = analyze(model, rows, args.queries)

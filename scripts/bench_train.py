@@ -122,8 +122,10 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     if not fp8:
         cmd += ["--model.converters", ""]
     run(cmd + profiling(args), out / f"{dump.name}.log", repo)
+    from models.metrics import read_records
+
     path = dump / "metrics.jsonl"
-    records = [json.loads(x) for x in open(path)] if path.exists() else []
+    records = read_records(path) if path.exists() else []
     if args.profile:  # the profiler's warm-up and active steps run slower
         records = [r for r in records if r["step"] < first_profiled(args)]
     return summarize(records, args.warmup) | profiled(args, dump)

@@ -6,8 +6,11 @@
 
 A run or step folder is first exported (scripts/export_hf.py's code: weights, tokenizer, and the standalone
 remote-code model) into a temporary folder; an HF folder is used as it is. lm-eval's own ``hf`` model then runs
-it with ``trust_remote_code=True``, so every lm-eval task and option applies unchanged; the equivalent direct
-command is ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks ...``.
+it, so every lm-eval task and option applies unchanged; the equivalent direct command is
+``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks ...``. Remote code
+(``auto_map`` in config.json or tokenizer_config.json) is trusted only when it is this project's own
+(``models/hf_remote``'s files, byte for byte, under ``model_type = "attnlab"``) or with ``--trust-remote-code``,
+as in transformers: any other folder's code would run with this process's rights.
 The default tasks are the Parallax paper's (LAMBADA and WikiText perplexity; BoolQ, HellaSwag, PIQA, ARC-e/c,
 WinoGrande, OpenBookQA, SciQ zero-shot); lm-eval downloads their data from the Hugging Face Hub on first use.
 Prints one line per task and metric and writes lm-eval's results JSON to ``-o``.
@@ -26,6 +29,41 @@ from pathlib import Path
 PAPER_TASKS = "lambada_openai,wikitext,boolq,hellaswag,piqa,arc_easy,arc_challenge,winogrande,openbookqa,sciq"
 
 
+def _auto_map_modules(folder: Path) -> set[str]:
+    """The modules the ``auto_map`` entries of ``folder``'s config.json and tokenizer_config.json name (what
+    transformers imports from the folder under ``trust_remote_code``)."""
+    modules = set()
+    for name in ("config.json", "tokenizer_config.json"):
+        p = folder / name
+        auto_map = json.loads(p.read_text()).get("auto_map", {}) if p.is_file() else {}
+        for ref in auto_map.values():
+            for r in ref if isinstance(ref, list) else [ref]:
+                if r:
+                    modules.add(r.rsplit(".", 1)[0])
+    return modules
+
+
+def trust_remote_code(folder: Path, allowed: bool) -> bool:
+    """Whether lm-eval may run the remote code of the Hugging Face folder ``folder``: yes for this project's own
+    (config.json ``model_type = "attnlab"``, every ``auto_map`` module one of ``models/hf_remote``'s files and
+    byte-identical to it) or when ``allowed`` (``--trust-remote-code``); a folder with no remote code needs none.
+    Any other remote code is a CheckpointError naming the modules and the flag."""
+    from models.hf import REMOTE_CODE_DIR, REMOTE_CODE_FILES, CheckpointError
+
+    modules = _auto_map_modules(folder)
+    if not modules or allowed:
+        return bool(modules)
+
+    def ours(module: str) -> bool:
+        mine, theirs = REMOTE_CODE_DIR / f"{module}.py", folder / f"{module}.py"
+        return f"{module}.py" in REMOTE_CODE_FILES and theirs.is_file() and theirs.read_bytes() == mine.read_bytes()
+
+    if json.loads((folder / "config.json").read_text()).get("model_type") == "attnlab" and all(map(ours, modules)):
+        return True
+    raise CheckpointError(f"{folder}: its auto_map runs its own code ({', '.join(sorted(modules))}), which is not this "
+                          "project's exported model (models/hf_remote); pass --trust-remote-code to run it anyway")
+
+
 def main(argv=None) -> dict | int:
     from models.run_folder import add_checkpoint_arguments, resolve
 
@@ -41,6 +79,8 @@ def main(argv=None) -> dict | int:
     ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs (lm-eval's --include_path)")
     ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
     ap.add_argument("-o", "--out", default=None, help="write lm-eval's results (JSON) here")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run an HF folder's own remote code (auto_map) even when it is not this project's export")
     a = ap.parse_args(argv)
     try:
         import lm_eval
@@ -70,11 +110,12 @@ def main(argv=None) -> dict | int:
                                           "--tokenizer DIR and pass that folder")
                 folder = Path(tmp) / "hf"
                 save_hf(sd, args, folder, getattr(torch, a.dtype), tokenizer_dir=tok, progress=True)
+            trust = trust_remote_code(folder, a.trust_remote_code)
         except (CheckpointError, FileNotFoundError) as e:
             print(f"eval_downstream: error: {e}", file=sys.stderr)
             return 2
         res = lm_eval.simple_evaluate(
-            model="hf", model_args={"pretrained": str(folder), "trust_remote_code": True, "dtype": a.dtype},
+            model="hf", model_args={"pretrained": str(folder), "trust_remote_code": trust, "dtype": a.dtype},
             tasks=a.tasks.split(","), num_fewshot=a.num_fewshot, batch_size=a.batch_size, device=device,
             limit=a.limit, task_manager=TaskManager(include_path=a.include_path))
     for task, metrics in res["results"].items():

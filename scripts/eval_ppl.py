@@ -92,13 +92,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(own)
     from data.loader import build_tokenizer
     from models.checkpoint_io import checkpoint_step, load_model
+    from models.hf import CheckpointError
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         ckpt = resolve(args.ckpt, args.step, dcp_only=True)
     except FileNotFoundError as e:
         ap.error(str(e))
-    model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device, dtype=getattr(torch, args.dtype))
+    try:
+        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device,
+                                          dtype=getattr(torch, args.dtype))
+    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     seq_len = args.seq_len or cfg.validation.seq_len
     ckpt.use_tokenizer(cfg)
     rows = packed_rows(args.data, cfg, build_tokenizer(cfg), seq_len)

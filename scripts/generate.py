@@ -93,6 +93,10 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
+    if len(ids) + a.max_new_tokens > args.max_seq_len:  # the caches and RoPE table grow; the model never saw this
+        print(f"generate: warning: the prompt ({len(ids)} tokens) + --max-new-tokens {a.max_new_tokens} = "
+              f"{len(ids) + a.max_new_tokens} tokens goes past the trained context of {args.max_seq_len} tokens "
+              "(model.max_seq_len = training.seq_len); text beyond it is out of distribution", file=sys.stderr)
     prompt = torch.tensor([ids] * a.num_samples, device=a.device)
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     res = generate(model, prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,

@@ -18,7 +18,6 @@ summed over ranks) when they have it, else the run's ``config.toml`` (``training
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -30,14 +29,18 @@ def load(run_dir: str) -> tuple[dict[int, dict], dict[int, float]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         sys.exit(f"{run_dir}: no metrics.jsonl (is it a run's job.dump_folder?)")
+    from models.metrics import read_records
+
     train, val = {}, {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                train[r["step"]] = r
-            if "val_loss" in r:
-                val[r["step"]] = r["val_loss"]
+    try:
+        records = read_records(path)
+    except ValueError as e:  # a broken line: the file and the line, not a bare JSONDecodeError
+        sys.exit(f"plot_ppl: error: {e}")
+    for r in records:
+        if "loss" in r:
+            train[r["step"]] = r
+        if "val_loss" in r:
+            val[r["step"]] = r["val_loss"]
     if not train and not val:
         sys.exit(f"{path}: no loss records")
     return train, val

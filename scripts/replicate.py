@@ -206,19 +206,23 @@ def resumable_step(run_dir: str) -> int:
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop ``metrics.jsonl`` records after ``step``: a chunk killed past its last checkpoint logged steps that the
     resumed run logs again."""
+    from models.metrics import read_records
+
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(path):
-        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [r for r in read_records(path) if r.get("step", 0) <= step]
         with open(path, "w") as f:
-            f.writelines(keep)
+            f.writelines(json.dumps(r) + "\n" for r in keep)
 
 
 def read_metrics(run_dir: str) -> dict:
     """Last validation/training record and the median training tokens/s (log intervals after step 1)."""
+    from models.metrics import read_records
+
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return {}
-    recs = [json.loads(line) for line in open(path) if line.strip()]
+    recs = read_records(path)
     val = [r for r in recs if "val_loss" in r]
     train = [r for r in recs if "loss" in r]
     tps = [r["tps"] for r in train if r["step"] > 1 and "tps" in r]

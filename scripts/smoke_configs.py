@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import os
 import statistics
 import subprocess
@@ -82,7 +81,9 @@ def run_one(args, cfg: Path, out: Path, devices: str = "") -> dict:
     log.write_text(text)
     recs = []
     if (dump / "metrics.jsonl").exists():
-        recs = [r for r in map(json.loads, open(dump / "metrics.jsonl")) if "loss" in r]
+        from models.metrics import read_records
+
+        recs = [r for r in read_records(dump / "metrics.jsonl") if "loss" in r]
     ok = rc == 0 and bool(recs) and recs[-1]["step"] == args.steps
     # launch to the first logged step (step 1 done: compile, autotuning and the step itself), the cold-start cost
     res = {"ok": ok, "s": secs, "first_s": recs[0]["time"] - t0 if recs else float("nan"),

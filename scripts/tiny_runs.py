@@ -48,8 +48,9 @@ def tiny_args(corpus: dict[str, str], dump: Path, steps: int, seq_len: int = 16,
 
 
 def read_metrics(dump: Path) -> list[dict]:
-    with open(dump / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    from models.metrics import read_records
+
+    return read_records(dump / "metrics.jsonl")
 
 
 def losses(dump: Path) -> dict[int, float]:
