@@ -29,8 +29,8 @@ class Model:
     name: str = "qwen3_attn"
     """Train spec name; this project registers "qwen3_attn"."""
     flavor: str = "debug"
-    """Size (models/args.py): debug (1.6M parameters, CPU) | repl-45M | repl-68M (small-scale
-    replication, 8k vocabulary) | 0.6B | 0.6B-T24 (Transformer†) | 0.6B-P64 (Parallax†) | 0.6B-ffn3712 | 1.7B |
+    """Size (models/args.py): debug (1.3M parameters with the embedded 4096-token vocabulary, CPU) | repl-45M |
+    repl-68M (small-scale replication, 8k vocabulary) | 0.6B | 0.6B-T24 (Transformer†) | 0.6B-P64 (Parallax†) | 0.6B-ffn3712 | 1.7B |
     1.7B-T24 | 1.7B-P64 | 1.7B-ffn7424 (the paper's Qwen3 sizes); the keys below override its dimensions."""
     dim: int = 0
     """Model width (0 = flavor's)."""

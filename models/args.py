@@ -78,7 +78,7 @@ _06 = dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden
 _17 = dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=6144)
 
 FLAVORS: dict[str, ModelArgs] = {
-    # ~1.6M parameters: trains visibly on a 2-core CPU in minutes (the embedded default).
+    # ~1.3M parameters with the embedded 4096-token vocabulary: trains visibly on a 2-core CPU in minutes (the embedded default).
     "debug": _flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
                      vocab_size=4096, max_seq_len=256),
     # ~45M parameters, 8k vocabulary: the small-scale replication model (scripts/replicate.py).

@@ -97,3 +97,8 @@ def python_profile(fn, calls: int = 3, rows: int = 15) -> str:
     t2 = time.perf_counter()
     buf.write(f"host enqueue {1e3 * (t1 - t0) / calls:.3f} ms/call, enqueue + drain {1e3 * (t2 - t0) / calls:.3f} ms/call\n")
     return buf.getvalue()
+
+
+if __name__ == "__main__":  # a module the tools import, not a tool: running it (--help included) says what it holds
+    print(__doc__)
+    raise SystemExit(0)

@@ -151,7 +151,7 @@ def ptxas_report(tiles):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T=4096 only, 8 CG iterations, two tiles")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per row")
     ap.add_argument("--profile", action="store_true", help="print each LLA row's GPU kernels (torch.profiler, "

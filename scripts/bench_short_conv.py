@@ -24,7 +24,7 @@ def _cu_seqlens(total: int, docs: int, device, seed: int = 0):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (timing) or cpu (smoke)")
     p.add_argument("--quick", action="store_true", help="tiny shape, few iterations (with --device cpu)")
     p.add_argument("--batch", type=int, default=2, help="batch rows B")

@@ -89,3 +89,8 @@ def sass_loop_local_memory(listing: str, innermost: bool = False) -> tuple[int, 
         loops = [(lo, hi) for lo, hi in loops if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in loops)]
     inside = [i for a, i in ins if any(lo <= a <= hi for lo, hi in loops)]
     return sum(bool(re.search(r"\bLDL", i)) for i in inside), sum(bool(re.search(r"\bSTL", i)) for i in inside)
+
+
+if __name__ == "__main__":  # a module the tools import, not a tool: running it (--help included) says what it holds
+    print(__doc__)
+    raise SystemExit(0)

@@ -56,3 +56,8 @@ def read_metrics(dump: Path) -> list[dict]:
 def losses(dump: Path) -> dict[int, float]:
     """step -> training loss (the last record of a step wins, as after a resume)."""
     return {r["step"]: r["loss"] for r in read_metrics(dump) if "loss" in r}
+
+
+if __name__ == "__main__":  # a module the tools import, not a tool: running it (--help included) says what it holds
+    print(__doc__)
+    raise SystemExit(0)
