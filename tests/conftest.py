@@ -36,3 +36,11 @@ def _poison_outputs(monkeypatch):
     from attention.ops import outputs
 
     monkeypatch.setattr(outputs, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The tiny word-level corpus and tokenizer of scripts/tiny_runs.py, one per test module."""
+    from tests.utils import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"))

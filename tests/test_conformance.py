@@ -25,7 +25,7 @@ from models.decode import generate
 from models.hf import build_model, load_checkpoint, load_tool_checkpoint, save_hf
 from models.run_folder import resolve
 from scripts import multigpu_check
-from tests.utils import REPO, losses, make_corpus, read_metrics, run_train, tiny_args
+from tests.utils import REPO, losses, read_metrics, run_train, tiny_args
 
 
 def shipped_patterns() -> list[tuple[str, ...]]:
@@ -50,11 +50,6 @@ def _mechanisms(model) -> list[str]:
 
 ROWS = [pytest.param((m,), id=m) for m in sorted(attention.REGISTRY)] + [
     pytest.param(p, id="+".join(p)) for p in shipped_patterns()]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_matrix_covers_the_registry_and_the_shipped_hybrid():

@@ -6,18 +6,11 @@ node with the losses the two-node run had."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-from tests.utils import REPO, losses, make_corpus, read_metrics, run_train, tiny_args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.utils import REPO, free_port, losses, make_corpus, read_metrics, run_train, tiny_args
 
 
 def test_two_nodes_through_c10d_rendezvous_then_resume_on_one(tmp_path):
@@ -42,7 +35,7 @@ def test_two_nodes_through_c10d_rendezvous_then_resume_on_one(tmp_path):
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
            "PYTHON": sys.executable, "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7",
-           "SLURM_SUBMIT_DIR": str(REPO), "GPUS_PER_NODE": "1", "RDZV_PORT": str(_free_port()),
+           "SLURM_SUBMIT_DIR": str(REPO), "GPUS_PER_NODE": "1", "RDZV_PORT": str(free_port()),
            "SRUN_LOGS": str(tmp_path)}
     env.pop("LOCAL_RANK", None)
     job = subprocess.run(["bash", str(REPO / "scripts" / "slurm_train.sh"), *flags], env=env, timeout=300)

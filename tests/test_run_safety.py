@@ -13,14 +13,9 @@ import time
 
 import pytest
 
-from tests.utils import REPO, losses, make_corpus, read_metrics, run_train, tiny_args
+from tests.utils import REPO, losses, read_metrics, run_train, tiny_args
 
 NO_VAL = ("--validation.no-enable",)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,7 @@ import sys
 
 import pytest
 
-from tests.utils import REPO, losses, make_corpus, read_metrics, run_train, tiny_args
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+from tests.utils import REPO, losses, read_metrics, run_train, tiny_args
 
 
 @pytest.fixture(scope="module")

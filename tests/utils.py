@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 from scripts.tiny_runs import REPO, losses, make_corpus, read_metrics, tiny_args
 
-__all__ = ["REPO", "losses", "make_corpus", "random_qwen3", "read_metrics", "run_train", "tiny_args"]
+__all__ = ["REPO", "free_port", "losses", "make_corpus", "random_qwen3", "read_metrics", "run_train", "tiny_args"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, **popen) -> subprocess.CompletedProcess:

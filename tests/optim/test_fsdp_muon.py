@@ -5,7 +5,6 @@ difference comes from the optimizer (a shard-local Newton–Schulz would be far 
 """
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from torch import nn
 
 from optim.build import build_lr_schedulers, build_optimizers
 from optim.config import LRScheduler, Optimizer
+from tests.utils import free_port
 
 STEPS = 5
 
@@ -140,15 +140,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_muon_equals_single_process(tmp_path):
     out = str(tmp_path / "diff.txt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     worst, worst_s1 = map(float, open(out).read().split())
     assert worst <= 1e-6, f"FSDP2 Muon differs from 1-process Muon by {worst}"
     assert worst_s1 <= 1e-6, f"Shard(1) Muon differs by {worst_s1}"

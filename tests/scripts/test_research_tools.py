@@ -7,12 +7,7 @@ import pytest
 import torch
 
 from scripts import analyze, eval_ppl, synthetic
-from tests.utils import make_corpus, read_metrics, run_train, tiny_args
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+from tests.utils import read_metrics, run_train, tiny_args
 
 
 def _flags(corpus, mech):
