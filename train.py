@@ -755,10 +755,30 @@ def _single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def run(argv: list[str]) -> AttnTrainer:
-    """Parse, build and train; returns the (closed) trainer."""
-    init_logger()
-    cfg = parse_config(argv)
+def preflight(job_config) -> None:
+    """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
+    ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
+    lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
+    ``[attention] impl`` and the sizes."""
+    from models.checkpoint_io import model_args_from_config
+    from models.model import Transformer
+    from optim.schedules import build_schedule
+
+    project_config.validate_config(job_config)
+    build_schedule(job_config.lr_scheduler, job_config.training.steps)
+    with torch.device("meta"):
+        Transformer(model_args_from_config(job_config))
+    if job_config.attention.impl == "fla":  # the other paths run anywhere, or pick one that does ("auto")
+        from attention.ops.common import fla_importable
+
+        ok, why = fla_importable() if torch.cuda.is_available() else (False, "no CUDA device")
+        if not ok:
+            raise ValueError(f"attention.impl='fla': fla-core cannot run here ({why}); use 'auto', which picks the "
+                             "fastest path that runs on this machine")
+
+
+def run(cfg) -> AttnTrainer:
+    """Build and train the parsed configuration ``cfg``; returns the (closed) trainer."""
     trainer = AttnTrainer(cfg)
     try:
         if cfg.checkpoint.create_seed_checkpoint:  # torchtitan's way to share one init across parallelisms
@@ -781,7 +801,13 @@ def main(argv: list[str] | None = None) -> None:
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
     _single_process_env()
-    trainer = run(argv)
+    init_logger()
+    try:
+        cfg = parse_config(argv)
+        preflight(cfg)
+    except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
+        sys.exit(f"train.py: error: {e}")
+    trainer = run(cfg)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if trainer.stop_signal:

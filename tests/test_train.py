@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.utils import REPO, losses, read_metrics, run_train, tiny_args
 
@@ -80,6 +81,25 @@ def test_bad_config_fails_before_training(corpus, tmp_path, extra, message):
     with pytest.raises(AssertionError, match=message):
         run_train(tiny_args(corpus, tmp_path, 2, 16, 2, *extra))
     assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--training.steps", "-3"], "training.steps=-3: must be > 0"),
+    (["--attention.impl", "fla"], "attention.impl='fla' is not valid for softmax"),
+    (["--model.attention", "gdn", "--attention.impl", "fla"], "attention.impl='fla': fla-core cannot run here"),
+    (["--lr_scheduler.warmup_steps", "5"], "lr_scheduler.warmup_steps=5 is longer than the run"),
+])
+def test_config_error_is_one_line_before_anything_is_written(corpus, tmp_path, extra, message):
+    """No traceback and no trainer start (torchtitan's start writes comm_traces/ into the dump folder)."""
+    if "fla-core" in message and torch.cuda.is_available():
+        pytest.skip("fla may run on this machine")
+    dump = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny_args(corpus, dump, 2, 16, 2, *extra)],
+                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"train.py: error: {proc.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in proc.stderr
+    assert not dump.exists()
 
 
 def test_unknown_toml_key_is_named(corpus, tmp_path):
