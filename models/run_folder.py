@@ -207,8 +207,10 @@ def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: s
 def new_folder(dst: str | os.PathLike):
     """Write a new output folder atomically: yields a temporary sibling folder; on success it gets the
     permissions ``mkdir``/``open`` would give (:func:`ordinary_permissions`) and is renamed to ``dst``; on any
-    failure it is removed, so ``dst`` is either complete or absent."""
+    failure it is removed, so ``dst`` is either complete or absent. Missing parent folders are created (as the
+    README's ``convert_to_parallax RUN/checkpoint/step-N runs/converted/step-0`` needs)."""
     dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
         yield tmp

@@ -48,8 +48,6 @@ def main(argv=None) -> int:
         dst = Path(a.dst)
         if dst.exists():
             raise CheckpointError(f"{dst} already exists; choose a new destination")
-        if not dst.parent.is_dir():
-            raise CheckpointError(f"{dst.parent} does not exist")
         src = resolve(a.src, a.step)
         fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
                                                 attn_mask_type=a.attn_mask_type)

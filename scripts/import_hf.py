@@ -102,8 +102,6 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{', '.join(given)}: conversion options need --parallax")
         if out.exists():
             raise CheckpointError(f"{out} already exists; choose a new destination")
-        if not out.parent.is_dir():
-            raise CheckpointError(f"{out.parent} does not exist")
         if not is_hf_folder(a.src):
             raise CheckpointError(f"{a.src}: not a Hugging Face folder (config.json + *.safetensors)")
         with open(a.base, "rb") as f:

@@ -47,7 +47,7 @@ def _convert(*argv) -> int:
 
 def test_convert_same_loss_then_finetune(trained):
     root, corpus, src = trained
-    dst = root / "parallax"
+    dst = root / "converted" / "step-0"  # a new folder under a missing parent, as in the README's command
     assert _convert(src, dst) == 0
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a_px, sd_px = load_checkpoint(dst)
