@@ -7,9 +7,10 @@ Each RUN_DIR is a run's ``job.dump_folder`` holding ``metrics.jsonl`` (written b
 labelled by folder name unless ``--labels`` is given; training curves are drawn solid, validation points dashed
 with markers, in the same colour per run.
 
-Smoothing (``--smooth β``) is an exponential moving average of the *loss*, debiased as in Adam
-(``m_t = β m_{t-1} + (1-β) loss_t``, plotted ``exp(m_t / (1 - β^t))``): averaging perplexities would let a few
-high-loss steps dominate (ppl is convex in the loss), and the undebiased average starts at 0. ``--x tokens``
+Smoothing (``--smooth β``) is an exponential moving average of the *loss* over steps (β per step, whatever the
+log frequency), debiased as in Adam (``m_t = β m_{t-1} + (1-β) loss_t``, plotted ``exp(m_t / (1 - β^t))``), drawn
+over the logged curve in the same colour, faint: averaging perplexities would let a few high-loss steps dominate
+(ppl is convex in the loss), and the undebiased average starts at 0. ``--x tokens``
 plots against tokens seen: step × the tokens per step, from the records' ``n_tokens_seen`` (torchtitan's count,
 summed over ranks) when they have it, else the run's ``config.toml`` (``training.global_batch_size`` ×
 ``training.seq_len``) or ``--tokens-per-step``. ``--skip N`` leaves out steps ≤ N (the first steps' perplexity dwarfs the rest).
@@ -46,15 +47,20 @@ def load(run_dir: str) -> tuple[dict[int, dict], dict[int, float]]:
     return train, val
 
 
-def debiased_ema(values: list[float], beta: float) -> list[float]:
-    """Exponential moving average with Adam's bias correction: the t-th output (1-based) is
-    ``m_t / (1 - β^t)``, so a constant series stays constant and the first output is the first value."""
+def debiased_ema(values: list[float], beta: float, steps: list[int] | None = None) -> list[float]:
+    """Exponential moving average over *steps* with Adam's bias correction. ``values[k]`` was logged at
+    ``steps[k]`` (default 1, 2, 3, ...); between two logged points ``Δ`` steps apart the average decays by
+    ``β^Δ``, so β means the same per step whatever ``metrics.log_freq`` is (β = 0.9 spans ~10 steps, not ~10
+    logged points). Dividing by the running weight ``1 - β^(steps since the first)`` keeps a constant series
+    constant and makes the first output the first value; with one point per step this is Adam's ``m_t/(1-β^t)``."""
     if not 0 <= beta < 1:
         raise ValueError(f"smoothing factor {beta} must be in [0, 1)")
-    out, m = [], 0.0
-    for t, v in enumerate(values, 1):
-        m = beta * m + (1 - beta) * v
-        out.append(m / (1 - beta**t))
+    steps = list(range(1, len(values) + 1)) if steps is None else steps
+    out, m, weight, prev = [], 0.0, 0.0, steps[0] - 1 if steps else 0
+    for s, v in zip(steps, values):
+        d = beta ** (s - prev)
+        m, weight, prev = d * m + (1 - d) * v, d * weight + (1 - d), s
+        out.append(m / weight)
     return out
 
 
@@ -114,7 +120,11 @@ def main(argv=None) -> None:
         color = f"C{i}"
         steps = [s for s in sorted(train) if s > args.skip]
         if steps:
-            smooth = debiased_ema([train[s]["loss"] for s in steps], args.smooth)
+            raw = [train[s]["loss"] for s in steps]
+            if args.smooth:  # the logged values, faint, under the smoothed curve
+                ax.plot([x_of(s) for s in steps], [math.exp(min(v, 50.0)) for v in raw], color=color, alpha=0.25,
+                        linewidth=0.8, label="_raw")
+            smooth = debiased_ema(raw, args.smooth, steps)
             ax.plot([x_of(s) for s in steps], [math.exp(min(v, 50.0)) for v in smooth], color=color,
                     label=f"{label} train")
         steps = [s for s in sorted(val) if s > args.skip]
@@ -122,6 +132,10 @@ def main(argv=None) -> None:
             ax.plot([x_of(s) for s in steps], [math.exp(min(val[s], 50.0)) for s in steps], "o--", color=color,
                     label=f"{label} val")
     ax.set_xlabel("tokens" if args.x == "tokens" else "step")
+    if args.x == "step":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("perplexity" + (f" (train: debiased EMA of the loss, β={args.smooth:g})" if args.smooth else ""))
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)

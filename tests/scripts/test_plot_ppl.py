@@ -23,6 +23,19 @@ def test_debiased_ema_first_points():
         plot_ppl.debiased_ema([1.0], 1.0)
 
 
+def test_smoothing_is_per_step_whatever_the_log_frequency():
+    """Logged every 20 steps, β = 0.9 per step decays by 0.9^20 between points: the smoothed curve follows the
+    logged one (it used to average ~10 logged points, ~200 steps, and end far above the last value)."""
+    steps = list(range(20, 420, 20))
+    losses = [9.0 - 0.3 * k for k in range(len(steps))]
+    out = plot_ppl.debiased_ema(losses, 0.9, steps)
+    assert out[0] == pytest.approx(losses[0])
+    assert abs(out[-1] - losses[-1]) < 0.3 * 0.9**20 / (1 - 0.9**20) + 1e-9  # one gap's lag, weighted
+    per_step = [9.0 - 0.3 * (s - 20) / 20 for s in range(20, 401)]  # the same line logged at every step
+    assert plot_ppl.debiased_ema(per_step, 0.9)[-1] == pytest.approx(
+        plot_ppl.debiased_ema(per_step, 0.9, list(range(20, 401)))[-1])
+
+
 def _run(root, name, losses, gbs=4, seq=16):
     d = root / name
     d.mkdir()
@@ -46,7 +59,8 @@ def test_two_runs_tokens_axis_skip_and_smoothing_in_loss_space(tmp_path, monkeyp
     plot_ppl.main([str(a), str(b), "-o", str(tmp_path / "p.png"), "--x", "tokens", "--skip", "2", "--smooth", "0.5"])
     assert (tmp_path / "p.png").stat().st_size > 0
     lines = {label: (x, y) for label, x, y in drawn}
-    assert set(lines) == {"a train", "a val", "b train", "b val"}
+    assert set(lines) == {"_raw", "a train", "a val", "b train", "b val"}  # "_raw": the faint logged curves
+    assert [y for label, _, y in drawn if label == "_raw"][0] == pytest.approx([math.exp(v) for v in (2, 6, 2, 6)])
     x, y = lines["a train"]
     assert x == [3 * 64, 4 * 64, 5 * 64, 6 * 64]  # steps 1-2 skipped; 4 x 16 tokens per step
     # smoothing of the losses 2, 6, 2, 6 (debiased), then exp: below the mean of the perplexities
