@@ -156,7 +156,8 @@ class PerplexityMetrics(MetricsProcessor):
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         dt = time.perf_counter() - self.time_last_log
         tps = self.ntokens_since_last_log / (dt * self.parallel_dims.non_data_parallel_size)
-        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops
+        # MFU against the GPU's peak; on a CPU torchtitan's fallback peak is an A100's, so there is no MFU to report
+        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops if torch.cuda.is_available() else None
         mem = self.device_memory_monitor.get_peak_stats()
         loading = self.data_loading_times
         ppl = math.exp(min(global_avg_loss, 50.0))
@@ -177,7 +178,7 @@ class PerplexityMetrics(MetricsProcessor):
         lr = next((v for k, v in hparams.items() if k.startswith("lr/")), (extra_metrics or {}).get("lr", 0.0))
         eta_txt = _clock(eta) if math.isfinite(eta) else "?"
         logger.info(f"step {step:5d}/{end}  loss {global_avg_loss:7.4f}  ppl {ppl:9.2f}  lr {lr:.2e}  "
-                    f"gnorm {grad_norm:6.3f}  tps {tps:8,.0f}  mfu {mfu:5.2f}%  mem {mem.max_reserved_gib:5.2f}GiB  "
+                    f"gnorm {grad_norm:6.3f}  tps {tps:8,.0f}  mfu {'  n/a' if mfu is None else f'{mfu:5.2f}'}%  mem {mem.max_reserved_gib:5.2f}GiB  "
                     f"elapsed {_clock(elapsed)}  eta {eta_txt}")
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()

@@ -28,6 +28,8 @@ def test_loss_falls_and_metrics_logged(straight):
                 "memory/max_active(GiB)", "memory/max_reserved(GiB)", "memory/num_alloc_retries", "memory/num_ooms"):
         assert key in train[0], key
     assert any(k.startswith("wd/") for k in train[0])
+    # no MFU on a CPU (torchtitan's fallback peak is an A100's); on a GPU, against its own peak
+    assert (train[0]["mfu"] is None) == (not torch.cuda.is_available())
     # the lr logged is the one the step used (torchtitan's "lr" is read before the step; the scheduler moves on
     # before logging): the last step's is not the next step's 0
     for r in train:
