@@ -493,6 +493,9 @@ class AttnTrainer(Trainer):
                                          "earlier one, or pick one with checkpoint.load_step.")
                 if path is not None and not model_only:
                     self._check_schedule(path)
+                    # the optimizer's state restores each group's lr after the schedule set it: set it again, so the
+                    # first resumed step runs at this run's schedule (what the jump warning and the log say)
+                    self.lr_schedulers.load_state_dict(self.lr_schedulers.state_dict())
             if not dist.is_initialized() or dist.get_rank() == 0:
                 self._write_run_files()
             self.metrics_processor.start(self.step)

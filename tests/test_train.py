@@ -258,6 +258,11 @@ def test_partial_load_on_purpose_and_lr_jump_warning(corpus, straight, tmp_path)
     assert "checkpoint.partial_load = true: loading the common keys" in log
     assert "different learning-rate schedule" in log and "(training.steps = 6)" in log
     assert sorted(losses(dump)) == [7, 8]
+    # the first resumed step runs at the new schedule's lr, the one logged (the optimizer state's groups held the
+    # old schedule's 0 after its last step, and step 7 used to run at it while "lr" said otherwise)
+    step7 = next(r for r in read_metrics(dump) if r.get("step") == 7 and "loss" in r)
+    group_lrs = {v for k, v in step7.items() if k.startswith("lr/")}
+    assert group_lrs == {step7["lr"]} and step7["lr"] > 0
 
 
 def test_second_run_into_a_live_folder_fails_and_stale_lock_is_taken(corpus, tmp_path):
