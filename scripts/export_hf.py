@@ -25,7 +25,7 @@ import torch
 
 from models.hf import CheckpointError, build_model, has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, \
     tokenizer_folder
-from models.run_folder import add_checkpoint_arguments, resolve
+from models.run_folder import add_checkpoint_arguments, check_tokenizer_fits, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,8 +48,10 @@ def main(argv=None) -> int:
         fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config, progress=True)
         build_model(args, {k: v.float() for k, v in sd.items()})  # validates names and shapes before writing
         tok = a.tokenizer or tokenizer_folder(ckpt, cfg)
+        if tok is not None and (Path(tok) / "tokenizer.json").is_file():
+            check_tokenizer_fits(tok, args.vocab_size)
         save_hf(sd, args, a.dst, DTYPES[a.dtype], tokenizer_dir=tok, progress=True)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
     kind = ("Qwen3ForCausalLM (transformers-loadable)" if is_plain_qwen3(args) else

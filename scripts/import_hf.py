@@ -8,7 +8,8 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
 --local-dir DIR``, or ``transformers``' ``save_pretrained``) or an attnlab export. OUT (new) receives:
 
 - ``step-0/``: the weights as a model-only DCP checkpoint (+ ``attnlab.json``);
-- ``tokenizer/``: HF_DIR's tokenizer files, when it has a tokenizer.json;
+- ``tokenizer/``: the tokenizer files of HF_DIR, or of ``--tokenizer DIR`` (required when HF_DIR has no
+  tokenizer.json; its vocabulary must fit the checkpoint's embedding rows);
 - ``config.toml``: ``--base`` with ``[model]`` (the closest flavor plus dimension overrides, vocabulary, RoPE
   base, tying, mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so
   ``train.py`` starts from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
@@ -53,7 +54,7 @@ def _toml_value(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | None, dump_folder: str,
+def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path, dump_folder: str,
                dims: dict[str, int] | None = None) -> dict:
     """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``
     (``flavor`` plus the ``[model]`` dimension overrides ``dims``)."""
@@ -62,9 +63,7 @@ def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path | Non
     model = cfg.setdefault("model", {})
     model.update(flavor=flavor, **(dims or {}), vocab_size=args.vocab_size, rope_theta=args.rope_theta,
                  tie_embeddings=args.enable_weight_tying, attention=mechs[0],
-                 layer_pattern=mechs if len(set(mechs)) > 1 else [])
-    if tokenizer is not None:
-        model["hf_assets_path"] = str(tokenizer)
+                 layer_pattern=mechs if len(set(mechs)) > 1 else [], hf_assets_path=str(tokenizer))
     attn = cfg.setdefault("attention", {})
     for name, opts in args.attention_options.items():
         attn[name] = {k: _toml_value(v) for k, v in dataclasses.asdict(opts).items() if v is not None}
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
         max_logit_diff
     from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
         save_dcp_state
-    from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, new_folder, save_tokenizer
+    from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, new_folder, save_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
@@ -91,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--base", default=str(REPO / "configs" / "debug_cpu.toml"),
                     help="training TOML whose data/optimizer/schedule/parallelism sections the run uses")
     ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
+    ap.add_argument("--tokenizer", default="",
+                    help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
     ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
     add_conversion_arguments(ap, "with --parallax")
     ap.add_argument("--tol", type=float, default=1e-5, help="with --parallax: max |Δlogits| (float32) allowed")
@@ -114,18 +115,21 @@ def main(argv=None) -> int:
             if not diff <= a.tol:
                 raise CheckpointError(f"converted model disagrees with the source: max |Δlogits| = {diff:.3g}")
             args, sd = new_args, new_sd
+        tokenizer = Path(a.tokenizer or a.src)
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise CheckpointError(f"{tokenizer}: no tokenizer.json; " + ("--tokenizer must name a tokenizer folder"
+                                  if a.tokenizer else "pass --tokenizer DIR, the tokenizer these weights were trained with"))
+        check_tokenizer_fits(tokenizer, args.vocab_size)
         flavor, dims = flavor_and_dims(args)
         with new_folder(out) as tmp:
             save_dcp_state(sd, tmp / "step-0", args)
-            has_tok = (Path(a.src) / "tokenizer.json").is_file()
-            if has_tok:
-                save_tokenizer(a.src, tmp / TOKENIZER_DIR)
-            cfg = run_config(base, args, flavor, out / "step-0", out / TOKENIZER_DIR if has_tok else None,
-                             a.dump_folder or str(out / "run"), dims)
+            save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+            cfg = run_config(base, args, flavor, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"),
+                             dims)
             (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
             # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
-            rebuilt = args_from_job_config(tmp / CONFIG_FILE, ["--checkpoint.initial_load_path", str(tmp / "step-0")]
-                                           + (["--model.hf_assets_path", str(tmp / TOKENIZER_DIR)] if has_tok else []))
+            rebuilt = args_from_job_config(tmp / CONFIG_FILE, ["--checkpoint.initial_load_path", str(tmp / "step-0"),
+                                                               "--model.hf_assets_path", str(tmp / TOKENIZER_DIR)])
             want, got = args_to_dict(args), args_to_dict(rebuilt)
             diff_keys = [k for k in want if k not in ("max_seq_len", "attn_mask_type", "attn_impl")
                          and want[k] != got[k]]
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
         return 2
     mechs = sorted(set(args.layer_mechanisms()))
     sizes = f" with {dims}" if dims else ""
-    print(f"wrote {out}: flavor {flavor}{sizes}, {mechs}, step-0 + config.toml{' + tokenizer' if has_tok else ''}")
+    print(f"wrote {out}: flavor {flavor}{sizes}, {mechs}, step-0 + config.toml + tokenizer")
     print(f"train: python train.py --job.config_file {out / CONFIG_FILE}")
     return 0
 

@@ -12,8 +12,9 @@ from models.hf import build_model
 CACHED = sorted(n for n, m in attention.REGISTRY.items() if hasattr(m.cls, "init_cache"))
 
 
-def _tiny(mech: str, n_layers: int = 2, **opts) -> torch.nn.Module:
-    args = ModelArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, vocab_size=53,
+def _tiny(mech: str, n_layers: int = 2, vocab_size: int = 53, **opts) -> torch.nn.Module:
+    args = ModelArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
+                     vocab_size=vocab_size,
                      max_seq_len=64, attention=mech, attn_impl="auto",
                      attention_options={mech: attention.get_mechanism(mech).options(**opts)})
     torch.manual_seed(0)

@@ -82,7 +82,42 @@ def test_import_sizes_no_flavor_has(tmp_path):
 
     random_qwen3(tmp_path / "hf", seed=2, vocab_size=64, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
                  num_attention_heads=6, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True, rope_theta=1e4)
-    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    tok = make_corpus(tmp_path / "corpus")["tokenizer"]  # 63 tokens: fits the 64 embedding rows
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out"), "--tokenizer", tok]) == 0
     model = tomllib.loads((tmp_path / "out" / "config.toml").read_text())["model"]
     assert {k: model[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")} == dict(
         dim=96, n_layers=3, n_heads=6, n_kv_heads=3, head_dim=16, hidden_dim=200)
+
+
+def test_a_folder_without_a_fitting_tokenizer_is_refused(tmp_path, capsys):
+    """Without a tokenizer the config kept the base's (the embedded 4096-token one beside 64 embedding rows): the
+    run failed with a vocabulary error, and an export shipped that tokenizer. Now the import names what to pass."""
+    random_qwen3(tmp_path / "hf", seed=3, vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4)
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "o1")]) == 2
+    assert "no tokenizer.json; pass --tokenizer DIR" in capsys.readouterr().err
+    from tokenizers import Tokenizer, models
+
+    big = tmp_path / "big"
+    big.mkdir()
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0")).save(str(big / "tokenizer.json"))
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "o2"), "--tokenizer", str(big)]) == 2
+    assert "100 tokens, more than the model's 64 embedding rows" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_embedding(qwen3, tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    from scripts import export_hf
+
+    root, _, _ = qwen3
+    out = tmp_path / "imported"
+    assert import_hf.main([str(root / "hf"), str(out)]) == 0
+    big = tmp_path / "big"
+    big.mkdir()
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0")).save(str(big / "tokenizer.json"))
+    capsys.readouterr()
+    assert export_hf.main([str(out / "step-0"), str(tmp_path / "hf_out"), "--tokenizer", str(big)]) == 2
+    assert "100 tokens, more than the model's 64 embedding rows" in capsys.readouterr().err
+    assert not (tmp_path / "hf_out").exists()
