@@ -1,11 +1,11 @@
 """Attention kernel benchmark: training fwd / fwd+bwd and decode (CUDA-graph replay) on one GPU.
 
-    python -m scripts.bench_attention            # full tables (issue 8)
+    python -m scripts.bench_attention            # full tables
     python -m scripts.bench_attention --quick    # T=4096 only, decode B∈{1,32} × L∈{1k,4k,32k}
     python -m scripts.bench_attention --json out.json
     python -m scripts.bench_attention --tune-report   # ms of every candidate config of fwd / dq / dkv (< 2 min)
     python -m scripts.bench_attention --decode-only --quick   # decode table alone (default vs fused merge)
-    python -m scripts.bench_attention --linear --quick        # + the linear family's rows (issue 4), see below
+    python -m scripts.bench_attention --linear --quick        # + the linear family's rows, see below
 
 Training rows: B=4, 16 q heads, 8 kv heads, causal, bf16, T ∈ {1024, 4096, 8192, 16384}, D ∈ {64, 128}.
 FLOP counts (stated, not measured): causal softmax forward = 2·B·HQ·T²·D (two GEMMs, half the square);

@@ -1,6 +1,6 @@
 """Benchmark HLA (second order, AHLA, third order), CALA and their primitive against SDPA softmax and GDN.
 
-Forward and forward+backward milliseconds at B4_T4096_H16_D128 in bf16 by default (issue 5's target: HLA
+Forward and forward+backward milliseconds at B4_T4096_H16_D128 in bf16 by default (the target: HLA
 fwd+bwd <= 2x the GDN path). Rows:
 
 - sdpa:        causal softmax attention (F.scaled_dot_product_attention, flash/cuDNN)

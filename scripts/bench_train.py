@@ -63,7 +63,7 @@ ROWS = {  # name -> (config, extra args)
     "kda_adamw_recompute": ("qwen3_0.6b_kda", ADAMW + ["--attention.sac_save", "false"]),
 }
 
-RATIOS = (  # (row, baseline row, issue 35's target): same optimizer on both sides
+RATIOS = (  # (row, baseline row, the end-to-end target): same optimizer on both sides
     ("softmax_adamw_causal", "stock", 1.05),  # same optimizer and mask
     ("parallax_adamw", "softmax_adamw", 0.82),
     ("parallax", "softmax", 0.82),

@@ -1,11 +1,11 @@
-"""Small-scale replication of the Parallax paper's direction (issue 7): equal-token runs of a ~68M model.
+"""Small-scale replication of the Parallax paper's direction: equal-token runs of a ~68M model.
 
     python -m scripts.replicate --corpus DIR --out DIR [--budget-s 520] [--runs all]
         [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
     python -m scripts.replicate --corpus DIR --out DIR --suite dose|horizon|adamw|context [--seeds 0,1] [--runs ARMS]
         [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3] [--gpus N]
 
-Suites (issue 40: the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
+Suites (the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
 arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/`` with the tokenizer shared in
 ``<out>/tokenizer`` (see :func:`suite_arms`); ``--gpus N`` trains N runs at once, one per GPU:
 

@@ -1,4 +1,4 @@
-"""Run-folder safety (issue #48, docs/failures.md): step folders are trusted by their contents, not their names;
+"""Run-folder safety (docs/failures.md): step folders are trusted by their contents, not their names;
 rotation and resume see exact ``step-N`` folders only; the checkpoint folder is locked; the user's config file and
 a run's tokenizer are never replaced; a missing ``load_step`` is named; SIGTERM/SIGUSR1 save and exit cleanly."""
 

@@ -110,7 +110,7 @@ def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
     """Whether fla-core's *gated* chunk backward (GDN, KDA, GLA, simple GLA, ...) is safe on ``device``.
 
     fla-core 0.6.0 raises in ``chunk_bwd_dqkwg`` on Hopper (sm_90) with 3.4.0 <= Triton < 3.7.1 (a Triton
-    miscompile, fla issue #640). Returns (ok, reason).
+    miscompile; docs/kernels.md, "The delta rule", has the upstream reference). Returns (ok, reason).
     """
     if device.type != "cuda":
         return False, "not a CUDA device"

@@ -124,7 +124,7 @@ class _SyncSpy(torch.Tensor):
 @pytest.mark.parametrize("mask, reads", [("causal", []), ("block_causal", ["tolist"])])
 def test_context_reads_the_device_at_most_once(mask, reads):
     """No host sync per step for causal rows; with packed documents one read (document count and longest
-    document: the size of cu_seqlens depends on the data). Before issue 35 the context read 1 / 3 times."""
+    document: the size of cu_seqlens depends on the data)."""
     model = _tiny("softmax")
     model.model_args.attn_mask_type = mask
     T = 12

@@ -1,5 +1,5 @@
 """Our Triton replacement for fla-core's ``chunk_bwd_kernel_dqkwg`` (the one kernel of the chunked delta-rule
-backward that Triton 3.4 <= v < 3.7.1 miscompiles on Hopper; fla issue #640, fix in fla PR #826).
+backward that Triton 3.4 <= v < 3.7.1 miscompiles on Hopper; docs/kernels.md, "The delta rule").
 
 Per chunk of BT tokens (head h, K-block of BK channels), with fla's chunk tensors: v = v_new (the pseudo-values
 of the forward), h / dh the state and its gradient at the chunk start ([K, V], fla layout ``h = S^T``), dv the

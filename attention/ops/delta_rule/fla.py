@@ -7,7 +7,7 @@
 Same contract as :func:`attention.ops.delta_rule.chunk.chunk_delta_rule` (fla's own: seq-first, h = S^T,
 final state float32). fla is used only when it imports, the tensors are on CUDA, and — for the *gated*
 kernels when a backward is needed — the GPU/Triton pair is safe: fla-core 0.6.0 miscompiles (and for GDN
-refuses) the gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1 (fla issue #640).
+refuses) the gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1 (docs/kernels.md, "The delta rule").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The "fla_hopper" path: fla-core 0.6.0's chunked delta-rule kernels with our dqkwg kernel swapped in.
 
 fla-core 0.6.0 refuses (``chunk_bwd_dqkwg`` raises) the gated backward on Hopper with 3.4 <= Triton < 3.7.1:
-one kernel, ``chunk_bwd_kernel_dqkwg``, is miscompiled there (fla issue #640). This path runs fla's forward
+one kernel, ``chunk_bwd_kernel_dqkwg``, is miscompiled there (docs/kernels.md). This path runs fla's forward
 pieces and fla's backward sub-kernels in the order of fla's ``chunk_gated_delta_rule_bwd`` /
 ``chunk_delta_rule_bwd``, calling :func:`attention.ops.delta_rule.dqkwg.chunk_bwd_dqkwg` (ours, no transposed
 MMA result) instead of fla's:
@@ -12,7 +12,7 @@ MMA result) instead of fla's:
               -> OUR chunk_bwd_dqkwg -> prepare_wy_repr_bwd -> [GDN: reverse chunk-local cumsum of dg]
 
 - g None (DeltaNet): fla's ``delta_rule`` WY kernels (fla 0.6.0 already restricts their Hopper-miscompiled
-  ``prepare_wy_repr_bwd_kernel`` to num_warps=2, fla #984) with our dqkwg (same transposed-MMA pattern);
+  ``prepare_wy_repr_bwd_kernel`` to num_warps=2) with our dqkwg (same transposed-MMA pattern);
 - g [B, T, H] (GDN): fla's ``gated_delta_rule`` kernels with our dqkwg;
 - g [B, T, H, K] (KDA): fla's own KDA forward (``chunk_kda_fwd``, called by :mod:`ops` as fla's
   ``ChunkKDAFunction`` does) and fla's backward pipeline (:func:`kda_bwd`, the order of ``chunk_kda_bwd``) with
