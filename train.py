@@ -23,7 +23,6 @@ import filecmp
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -41,11 +40,13 @@ from torchtitan.train import Trainer
 import attention
 import config as project_config
 from config import DEFAULT_CONFIG, parse_config
+from data.loader import tokenizer_path
 from models import register_train_spec
 from models.args import ModelArgs
 from models.cpu import install_cpu_shim
 from optim.muon import local_shard
 from models.metrics import group_hparams
+from models.run_folder import step_of
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals that end a run after the current step with a checkpoint (schedulers send SIGTERM before killing a job,
@@ -144,17 +145,12 @@ def _existing_dir(folder: str) -> str:
 
 
 def step_folders(folder: str) -> dict[int, str]:
-    """{N: path} of the folders in ``folder`` named exactly ``step-N`` (as torchtitan writes them). torchtitan's
-    own scan matches ``step-(\\d+)`` anywhere in a name, so a user's ``step-4.bak`` or ``step-8 copy`` counted as a
-    step: resumed from, and deleted by ``keep_latest_k`` rotation."""
+    """{N: path} of the folders in ``folder`` named exactly ``step-N`` (:func:`models.run_folder.step_of`): only
+    they are resumed from and rotated by ``keep_latest_k``."""
     if not os.path.isdir(folder):
         return {}
-    found = {}
-    for name in os.listdir(folder):
-        m = re.fullmatch(r"step-(0|[1-9]\d*)", name)
-        if m and os.path.isdir(os.path.join(folder, name)):
-            found[int(m.group(1))] = os.path.join(folder, name)
-    return found
+    paths = (os.path.join(folder, name) for name in os.listdir(folder))
+    return {n: p for p in paths if (n := step_of(p)) is not None and os.path.isdir(p)}
 
 
 def checkpoint_steps(folder: str) -> list[int]:
@@ -162,17 +158,6 @@ def checkpoint_steps(folder: str) -> list[int]:
     last) or a Hugging Face index (``checkpoint.last_save_in_hf``), sorted."""
     return sorted(s for s, path in step_folders(folder).items()
                   if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
-
-
-def tokenizer_folder(job_config) -> str:
-    """The folder of the tokenizer ``model.hf_assets_path`` names ("embedded": the built-in corpus's, built once)."""
-    from data.embedded import build_embedded
-    from data.loader import EMBEDDED
-
-    tok = job_config.model.hf_assets_path
-    if tok == EMBEDDED:
-        return str(build_embedded(job_config.data.cache_dir, job_config.data.embedded_vocab_size))
-    return tok
 
 
 def check_run_tokenizer(dump_folder: str, ck_folder: str, tok: str) -> None:
@@ -278,7 +263,7 @@ class AttnTrainer(Trainer):
     """
 
     def __init__(self, job_config):
-        project_config.validate_config(job_config)
+        """``job_config`` has passed :func:`preflight` (``main`` runs it before anything starts)."""
         install_cpu_shim()
         register_train_spec()
         rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -293,7 +278,7 @@ class AttnTrainer(Trainer):
                 check_writable(ck_folder, "checkpoint.folder")
                 if rank0:
                     self._ck_lock = lock_checkpoint_folder(ck_folder, job_config.job.dump_folder)
-            check_run_tokenizer(job_config.job.dump_folder, ck_folder, tokenizer_folder(job_config))
+            check_run_tokenizer(job_config.job.dump_folder, ck_folder, tokenizer_path(job_config))
             super().__init__(job_config)
             self._bad_step = torch.tensor(NO_BAD_STEP, device=self.device)
             self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -540,8 +525,8 @@ class AttnTrainer(Trainer):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
-        m = re.fullmatch(r"step-(\d+)", os.path.basename(path))
-        if m is None:  # checkpoint.initial_load_path: any name
+        name = step_of(path)
+        if name is None:  # checkpoint.initial_load_path: any name
             return
         stored = {"train_state.step": -1}
         try:
@@ -551,7 +536,7 @@ class AttnTrainer(Trainer):
                          no_dist=True)
         except (Exception, CheckpointException):  # unreadable: the load itself reports it
             return
-        step, name = stored["train_state.step"], int(m.group(1))
+        step = stored["train_state.step"]
         if step not in (-1, name):
             raise ValueError(f"checkpoint {path!r} holds step {step}, not step {name}: it was copied in or renamed "
                              f"from another run. Move it out of {os.path.dirname(path)!r} (or name it step-{step} "
@@ -570,7 +555,7 @@ class AttnTrainer(Trainer):
         dump = cfg.job.dump_folder
         keep_tokenizer = os.path.isfile(os.path.join(dump, TOKENIZER_DIR, "tokenizer.json")) and checkpoint_steps(
             os.path.join(dump, cfg.checkpoint.folder))
-        written = write_run_files(dump, cfg, None if keep_tokenizer else tokenizer_folder(cfg))
+        written = write_run_files(dump, cfg, None if keep_tokenizer else tokenizer_path(cfg))
         if written.name != CONFIG_FILE:
             logger.info(f"{os.path.join(dump, CONFIG_FILE)} is this run's job.config_file and is kept as written; the "
                         f"resolved configuration (command-line overrides included) is in {written}")
@@ -781,7 +766,8 @@ def preflight(job_config) -> None:
 
 
 def run(cfg) -> AttnTrainer:
-    """Build and train the parsed configuration ``cfg``; returns the (closed) trainer."""
+    """Build and train the parsed configuration ``cfg``, which has passed :func:`preflight`; returns the (closed)
+    trainer."""
     trainer = AttnTrainer(cfg)
     try:
         if cfg.checkpoint.create_seed_checkpoint:  # torchtitan's way to share one init across parallelisms

@@ -26,7 +26,7 @@ from torchtitan.models.utils import trunc_normal_
 from attention.base import AttentionArgs, AttentionContext
 from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, mark_adam
 from attention.ops.common import check_impl
-from attention.ops.linear_attn import IMPLS, gated_linear_attention
+from attention.ops.linear_attn import IMPLS, TRITON_CHUNK_SIZES, gated_linear_attention
 from attention.registry import register_attention
 
 
@@ -48,9 +48,9 @@ class LinearFamilyAttention(nn.Module):
         check_impl(args.impl, self.impls, self.mechanism)
         if opts.chunk_size < 1 or opts.chunk_size & (opts.chunk_size - 1):
             raise ValueError(f"attention.{self.mechanism}.chunk_size={opts.chunk_size} must be a power of 2")
-        if args.impl == "triton" and opts.chunk_size not in (16, 32, 64, 128):
+        if args.impl == "triton" and opts.chunk_size not in TRITON_CHUNK_SIZES:
             raise ValueError(f"attention.{self.mechanism}.chunk_size={opts.chunk_size} must be one of "
-                             "[16, 32, 64, 128] with attention.impl='triton'")
+                             f"{list(TRITON_CHUNK_SIZES)} with attention.impl='triton'")
         self.args, self.opts = args, opts
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.key_dim, self.value_dim = key_dim, args.head_dim

@@ -96,11 +96,18 @@ class PackedTextDataset(HuggingFaceTextDataset):
             yield {"input": inputs, "positions": document_positions(inputs, bos, eos)}, labels
 
 
-def build_tokenizer(job_config) -> HuggingFaceTokenizer:
-    """``model.hf_assets_path`` is a folder with ``tokenizer.json`` (e.g. Qwen3's), or "embedded"."""
+def tokenizer_path(job_config) -> str:
+    """The folder ``model.hf_assets_path`` names: itself, or for "embedded" the built-in corpus's tokenizer (built
+    once, cached)."""
     path = job_config.model.hf_assets_path
     if path == EMBEDDED:
-        path = str(build_embedded(job_config.data.cache_dir, job_config.data.embedded_vocab_size))
+        return str(build_embedded(job_config.data.cache_dir, job_config.data.embedded_vocab_size))
+    return path
+
+
+def build_tokenizer(job_config) -> HuggingFaceTokenizer:
+    """``model.hf_assets_path`` is a folder with ``tokenizer.json`` (e.g. Qwen3's), or "embedded"."""
+    path = tokenizer_path(job_config)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"model.hf_assets_path={path!r}: no tokenizer.json there (a Hugging Face tokenizer "
                          f"folder, or \"{EMBEDDED}\" for the built-in corpus's tokenizer)")

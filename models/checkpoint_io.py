@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 
 from models.args import ModelArgs
+from models.run_folder import step_of
 
 def resolve_step_dir(path: str | os.PathLike) -> Path:
     """A DCP folder (with ``.metadata``): ``path`` itself, or the highest ``step-N`` under ``path`` or
@@ -30,8 +30,7 @@ def resolve_step_dir(path: str | os.PathLike) -> Path:
     if (p / ".metadata").is_file():
         return p
     for folder in (p / "checkpoint", p):
-        steps = [(int(m.group(1)), d) for d in folder.glob("step-*") if (m := re.fullmatch(r"step-(\d+)", d.name))
-                 and (d / ".metadata").is_file()]
+        steps = [(n, d) for d in folder.glob("step-*") if (n := step_of(d)) is not None and (d / ".metadata").is_file()]
         if steps:
             return max(steps)[1]
     raise FileNotFoundError(f"{str(path)!r}: not a DCP checkpoint folder (no .metadata) and no step-N folder under "
@@ -65,9 +64,15 @@ def _run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
 
 
 def load_config(argv: list[str] | None, step_dir: Path):
-    """The merged JobConfig of the run of ``step_dir`` (:func:`_run_argv`); for a run with none of its
-    descriptions but an ``attnlab.json`` in the step folder, the default config with that architecture
-    (:func:`_with_architecture`). Raises CheckpointError naming the folders when nothing describes the run."""
+    """The merged JobConfig of the run of ``step_dir`` (:func:`config_and_architecture`)."""
+    return config_and_architecture(argv, step_dir)[0]
+
+
+def config_and_architecture(argv: list[str] | None, step_dir: Path):
+    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`_run_argv`, or, for a run with none of its
+    descriptions but an ``attnlab.json`` in the step folder, that record (the default config set to it by
+    :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
+    Raises CheckpointError naming the folders when nothing describes the run."""
     from config import DEFAULT_CONFIG, parse_config
     from models.hf import SIDECAR, CheckpointError, read_sidecar
 
@@ -81,16 +86,17 @@ def load_config(argv: list[str] | None, step_dir: Path):
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
     cfg = parse_config(argv)
-    if run_argv is None:
-        _with_architecture(cfg, read_sidecar(step_dir))
-    return cfg
+    if run_argv is not None:
+        return cfg, model_args_from_config(cfg)
+    args = read_sidecar(step_dir)
+    _with_architecture(cfg, args)
+    return cfg, args
 
 
 def _with_architecture(cfg, args: ModelArgs) -> None:
     """Set the ``[model]``/``[attention]`` keys of ``cfg`` to the architecture ``args`` (a step folder's
     attnlab.json) and the sequence lengths to its trained context, so the tools read and report that model and
-    not the default config's. (:func:`load_model` builds the model from ``args`` itself: fields no key sets,
-    such as the flavor's RMSNorm eps, are the record's.)"""
+    not the default config's."""
     from models.args import DIMS
 
     m = cfg.model
@@ -156,19 +162,11 @@ def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bo
 def load_model(path: str | os.PathLike, argv: list[str] | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32):
     """(model in eval mode, JobConfig, step folder) for a run folder or step folder ``path``."""
-    from models.hf import read_sidecar
-
     step_dir = resolve_step_dir(path)
-    cfg = load_config(argv, step_dir)
-    described = _run_argv(argv, step_dir) is not None
-    model = build_model(model_args_from_config(cfg) if described else read_sidecar(step_dir), device)
+    cfg, args = config_and_architecture(argv, step_dir)
+    model = build_model(args, device)
     load_weights(model, step_dir)
     return model.to(dtype).eval(), cfg, step_dir
-
-
-def checkpoint_step(step_dir: Path) -> int | None:
-    m = re.fullmatch(r"step-(\d+)", step_dir.name)
-    return int(m.group(1)) if m else None
 
 
 def replace_args(args: ModelArgs, **kw) -> ModelArgs:

@@ -491,12 +491,10 @@ def tokenizer_folder(ckpt, cfg=None) -> Path | None:
         return ckpt.tokenizer
     if cfg is None:
         return None
-    path = cfg.model.hf_assets_path
-    if path == "embedded":
-        from data.embedded import build_embedded
+    from data.loader import tokenizer_path
 
-        return build_embedded(cfg.data.cache_dir, cfg.data.embedded_vocab_size)
-    return Path(path) if (Path(path) / "tokenizer.json").is_file() else None
+    path = Path(tokenizer_path(cfg))
+    return path if (path / "tokenizer.json").is_file() else None
 
 
 # ----------------------------------------------------------------------------- torchtitan's adapter path

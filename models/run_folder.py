@@ -74,8 +74,10 @@ class Checkpoint:
             cfg.model.hf_assets_path = str(self.run / TOKENIZER_DIR)
 
 
-def _step_of(d: Path) -> int | None:
-    m = re.fullmatch(r"step-(\d+)", d.name)
+def step_of(folder: str | os.PathLike) -> int | None:
+    """N of a folder named exactly ``step-N`` (as torchtitan writes them), else None. torchtitan's own scan matches
+    ``step-(\d+)`` anywhere in a name, so a user's ``step-4.bak`` or ``step-8 copy`` would count as a step."""
+    m = re.fullmatch(r"step-(0|[1-9]\d*)", os.path.basename(os.fspath(folder).rstrip(os.sep)))
     return int(m.group(1)) if m else None
 
 
@@ -85,7 +87,7 @@ def run_of(ckpt_dir: Path) -> Path | None:
     ``<run>/checkpoint/step-N``, else to its parent (``OUT/step-0`` of scripts/import_hf.py). Any other folder
     belongs to a run only as ``<run>/checkpoint/<folder>``; None outside a run (e.g. an export)."""
     in_checkpoint = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoint" else None
-    if _step_of(ckpt_dir) is None:
+    if step_of(ckpt_dir) is None:
         return in_checkpoint
     for d in (ckpt_dir.parent, ckpt_dir.parent.parent):
         if (d / CONFIG_FILE).is_file() or (d / TRAIN_ARGS_FILE).is_file():
@@ -115,12 +117,12 @@ def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
         raise FileNotFoundError(f"{str(path)!r}: no such folder (expected a run folder, a step-N folder or a "
                                 "Hugging Face folder)")
     if _is_checkpoint(p):
-        if step is not None and _step_of(p) != step:
+        if step is not None and step_of(p) != step:
             raise FileNotFoundError(f"--step {step} given but {str(path)!r} is itself a checkpoint folder; pass its "
                                     "run folder instead")
-        return Checkpoint(p, run_of(p), _step_of(p))
+        return Checkpoint(p, run_of(p), step_of(p))
     for folder in (p / "checkpoint", p):
-        steps = {s: d for d in folder.glob("step-*") if (s := _step_of(d)) is not None and _is_checkpoint(d)}
+        steps = {s: d for d in folder.glob("step-*") if (s := step_of(d)) is not None and _is_checkpoint(d)}
         if not steps:
             continue
         if step is None:

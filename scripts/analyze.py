@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
     args = ap.parse_args(own)
     from data.loader import build_tokenizer
-    from models.checkpoint_io import checkpoint_step, load_model, run_dir_of
+    from models.checkpoint_io import load_model, run_dir_of
+    from models.run_folder import step_of
     from models.hf import CheckpointError
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt.use_tokenizer(cfg)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)
     res = analyze(model, rows, args.queries)
-    res.update(checkpoint=str(step_dir), step=checkpoint_step(step_dir), attention=cfg.model.attention,
+    res.update(checkpoint=str(step_dir), step=step_of(step_dir), attention=cfg.model.attention,
                layer_pattern=list(cfg.model.layer_pattern), data=args.data)
     out = args.out or str(run_dir_of(step_dir) / "analysis")
     os.makedirs(out, exist_ok=True)

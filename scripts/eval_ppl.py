@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(own)
     from data.loader import build_tokenizer
-    from models.checkpoint_io import checkpoint_step, load_model
+    from models.checkpoint_io import load_model
+    from models.run_folder import step_of
     from models.hf import CheckpointError
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt.use_tokenizer(cfg)
     rows = packed_rows(args.data, cfg, build_tokenizer(cfg), seq_len)
     res = evaluate(model, rows, args.batch_size, args.max_rows, args.device, not args.no_progress)
-    res.update(checkpoint=str(step_dir), step=checkpoint_step(step_dir), data=args.data, seq_len=seq_len,
+    res.update(checkpoint=str(step_dir), step=step_of(step_dir), data=args.data, seq_len=seq_len,
                attention=cfg.model.attention)
     line = json.dumps(res)
     print(line)

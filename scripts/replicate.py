@@ -195,10 +195,11 @@ def chunk_stop(current: int, steps: int, chunk: int, seconds: float | None, fixe
 
 def resumable_step(run_dir: str) -> int:
     """Highest ``step-N`` with DCP metadata under ``<run_dir>/checkpoint`` (0 if none)."""
-    from models.checkpoint_io import checkpoint_step, resolve_step_dir
+    from models.checkpoint_io import resolve_step_dir
+    from models.run_folder import step_of
 
     try:
-        return checkpoint_step(resolve_step_dir(run_dir)) or 0
+        return step_of(resolve_step_dir(run_dir)) or 0
     except FileNotFoundError:
         return 0
 

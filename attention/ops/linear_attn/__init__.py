@@ -33,6 +33,8 @@ from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
 IMPLS = ("auto", "reference", "chunk", "triton", "fla")
+TRITON_CHUNK_SIZES = (16, 32, 64, 128)
+"""The chunk lengths the Triton kernel (``triton_gla.py``) compiles for."""
 
 __all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from attention.ops.common import document_ids
+from attention.ops.linear_attn import TRITON_CHUNK_SIZES
 from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.outputs import empty
 
@@ -281,8 +282,9 @@ def gla_triton(q, k, v, g=None, *, cu_seqlens=None, chunk_size=64):
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log decay (<= 0) or None; cu_seqlens: [N+1] document offsets
     over the flattened B*T tokens (each row boundary a document boundary) or None. Returns o [B, T, H, V]."""
-    if chunk_size not in (16, 32, 64, 128):
-        raise ValueError(f"attention chunk_size={chunk_size} must be one of [16, 32, 64, 128] for the Triton path")
+    if chunk_size not in TRITON_CHUNK_SIZES:
+        raise ValueError(f"attention chunk_size={chunk_size} must be one of {list(TRITON_CHUNK_SIZES)} for the "
+                         "Triton path")
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()  # one dtype for tl.dot
     doc = None
     if cu_seqlens is not None:
