@@ -13,7 +13,8 @@ arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/
   (``attention.parallax.rho_norm_init``); Parallax at ``--best-gain`` with the ρ-norm lr at 1× optimizer.lr
   (``optimizer.lr_mult_patterns``) instead of the norm group's 0.015×;
 - ``horizon`` (1,600 steps, validation every 200): softmax and Parallax at gain 1 and at ``--best-gain`` under
-  Muon; softmax and Parallax (gain 1) under AdamW at each of ``--adamw-lrs``;
+  Muon, and at ``--best-gain`` with the ρ-norm lr at 1×; softmax and Parallax (gain 1) under AdamW at each of
+  ``--adamw-lrs`` (with ``--adamw-warmup N`` steps of linear warmup);
 - ``adamw`` (400 steps, validation every 100): the AdamW lr sweep alone, softmax and Parallax (gain 1) at each
   ``--adamw-lrs``, shorter than the horizon so that the sweep is affordable; the horizon's AdamW pair then runs at
   the lr it picks (``--suite horizon --adamw-lrs LR``);
@@ -111,19 +112,24 @@ def _gain(g: float) -> list[str]:
     return ["--model.attention", "parallax", "--attention.parallax.rho_norm_init", f"{g:g}"]
 
 
-def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list[float]) -> dict[str, list[str]]:
-    """Arm name -> train.py flags of ``suite`` (see the module docstring), in run order."""
+def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list[float],
+               adamw_warmup: int = 0) -> dict[str, list[str]]:
+    """Arm name -> train.py flags of ``suite`` (see the module docstring), in run order; ``adamw_warmup``: linear
+    warmup steps of the AdamW arms (named ``..._wu<N>``; 0 = none, as the Muon arms)."""
     softmax = ["--model.attention", "softmax"]
     if suite == "dose":
         return {"softmax_muon": softmax, **{f"parallax_g{g:g}_muon": _gain(g) for g in gains},
                 f"parallax_g{best_gain:g}_rnormlr1_muon": [*_gain(best_gain), *RHO_NORM_LR_1X]}
     if suite in ("horizon", "adamw"):
         arms = {} if suite == "adamw" else {"softmax_muon": softmax, "parallax_g1_muon": _gain(1.0),
-                                            f"parallax_g{best_gain:g}_muon": _gain(best_gain)}
+                                            f"parallax_g{best_gain:g}_muon": _gain(best_gain),
+                                            f"parallax_g{best_gain:g}_rnormlr1_muon": [*_gain(best_gain), *RHO_NORM_LR_1X]}
         for lr in adamw_lrs:
             adamw = [*ADAMW_NO_LR, "--optimizer.lr", f"{lr:g}"]
-            arms[f"softmax_adamw_lr{lr:g}"] = [*softmax, *adamw]
-            arms[f"parallax_g1_adamw_lr{lr:g}"] = [*_gain(1.0), *adamw]
+            wu = [] if not adamw_warmup else ["--lr_scheduler.warmup_steps", str(adamw_warmup)]
+            tag = f"_wu{adamw_warmup}" if adamw_warmup else ""
+            arms[f"softmax_adamw_lr{lr:g}{tag}"] = [*softmax, *adamw, *wu]
+            arms[f"parallax_g1_adamw_lr{lr:g}{tag}"] = [*_gain(1.0), *adamw, *wu]
         return arms
     if suite == "context":
         arms = {}
@@ -300,6 +306,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--best-gain", type=float, default=0.1,
                     help="--suite: the gain of the 'best gain' arms (set it from the dose suite's result)")
     ap.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3", help="--suite horizon/adamw: the AdamW lrs")
+    ap.add_argument("--adamw-warmup", type=int, default=0,
+                    help="--suite horizon/adamw: linear lr warmup steps of the AdamW arms (0 = none; arms get _wu<N>)")
     ap.add_argument("--gpus", type=int, default=1,
                     help="--suite: train this many runs at once, each on its own GPU (the first N visible ones)")
     ap.add_argument("--chunk-steps", type=int, default=0,
@@ -343,7 +351,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.batch = args.batch or suite.get("batch") or 64
     args.seq_len = args.seq_len or suite.get("seq_len") or 1024
     args.steps = args.steps or suite.get("steps") or 300
-    valid = list(suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs)) if args.suite else list(RUNS)
+    valid = (list(suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs, args.adamw_warmup)) if args.suite
+             else list(RUNS))
     bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in valid]
     if bad:
         ap.error(f"--runs: unknown {bad}; choose from {valid}")
@@ -563,7 +572,7 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
     ``args.gpus`` runs at once (each on its own GPU, in arm order); ``left``: seconds left in this call (None = no
     budget). Returns (rows, background analyses, paths to delete at the end)."""
     spec = SUITES[args.suite]
-    arms = suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs)
+    arms = suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs, args.adamw_warmup)
     chosen = list(arms) if args.runs == "all" else args.runs.split(",")
     k, steps = args.batch * args.seq_len, args.steps
     val_freq = str(spec["val_freq"] or 100000)  # 100000: only steps 1 and `steps` validate

@@ -146,8 +146,13 @@ def test_suite_arms_flags():
     assert dose["parallax_g0.1_rnormlr1_muon"][-2:] == ["--optimizer.lr_mult_patterns", r"\.r_norm\.=1"]
     assert not any("lr_mult" in f for a in list(dose)[:4] for f in dose[a])
     horizon = R.suite_arms("horizon", [], 0.3, [5e-4, 1e-3, 2e-3])
-    assert list(horizon)[:3] == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon"]
-    assert len(horizon) == 3 + 6
+    assert list(horizon)[:4] == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon", "parallax_g0.3_rnormlr1_muon"]
+    assert horizon["parallax_g0.3_rnormlr1_muon"] == [*horizon["parallax_g0.3_muon"], *R.RHO_NORM_LR_1X]
+    assert len(horizon) == 4 + 6
+    assert not any("warmup" in f for a in horizon for f in horizon[a])
+    warm = R.suite_arms("horizon", [], 0.1, [1e-3], adamw_warmup=80)
+    assert list(warm)[4:] == ["softmax_adamw_lr0.001_wu80", "parallax_g1_adamw_lr0.001_wu80"]
+    assert warm["softmax_adamw_lr0.001_wu80"][-2:] == ["--lr_scheduler.warmup_steps", "80"]
     flags = horizon["parallax_g1_adamw_lr0.002"]
     assert flags[flags.index("--optimizer.name") + 1] == "adamw" and flags.count("--optimizer.lr") == 1
     assert flags[flags.index("--optimizer.lr") + 1] == "0.002"
