@@ -1,7 +1,7 @@
 """Plot train and validation perplexity of several runs on one figure.
 
     python -m scripts.plot_ppl RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9] [--x tokens]
-                               [--skip 50]
+                               [--skip 50] [--bands]
 
 Each RUN_DIR is a run's ``job.dump_folder`` holding ``metrics.jsonl`` (written by the trainer). Runs are
 labelled by folder name unless ``--labels`` is given; training curves are drawn solid, validation points dashed
@@ -14,6 +14,10 @@ over the logged curve in the same colour, faint: averaging perplexities would le
 plots against tokens seen: step × the tokens per step, from the records' ``n_tokens_seen`` (torchtitan's count,
 summed over ranks) when they have it, else the run's ``config.toml`` (``training.global_batch_size`` ×
 ``training.seq_len``) or ``--tokens-per-step``. ``--skip N`` leaves out steps ≤ N (the first steps' perplexity dwarfs the rest).
+
+``--bands``: runs whose labels differ only in a ``_s<seed>`` suffix (``scripts.replicate``'s ``<arm>_s<seed>``) are
+one arm, drawn as the mean of their losses (at the steps every seed logged) with a band from the lowest to the
+highest seed, and validation points with min–max error bars.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import statistics
 import sys
 
 
@@ -82,6 +88,50 @@ def tokens_per_step(run_dir: str, override: int = 0) -> int:
     return batch * seq
 
 
+SEED = re.compile(r"_s\d+$")  # a run folder's seed suffix (scripts.replicate names runs <arm>_s<seed>)
+
+
+def _x_scale(run: str, train: dict[int, dict], args) -> float:
+    """Units of the horizontal axis per step: 1 (steps), or the run's tokens per step: from torchtitan's cumulative
+    ``n_tokens_seen`` (global over ranks) when the records have it, else its config.toml / --tokens-per-step."""
+    if args.x == "step":
+        return 1
+    seen = [(s, r["n_tokens_seen"]) for s, r in sorted(train.items()) if r.get("n_tokens_seen")]
+    return seen[-1][1] / seen[-1][0] if seen else tokens_per_step(run, args.tokens_per_step)
+
+
+def draw(ax, label: str, runs: list[str], color: str, args) -> None:
+    """One arm: its training curve (solid) and validation points (dashed, markers). With several runs (seeds)
+    the curves are the mean of the runs' losses at the steps they all logged, under a band from the lowest to the
+    highest run (validation: error bars), all in loss space before ``exp``."""
+    loaded = [load(run) for run in runs]
+    per_step = _x_scale(runs[0], loaded[0][0], args)
+    exp = lambda v: math.exp(min(v, 50.0))  # noqa: E731
+    steps = sorted(set.intersection(*(set(t) for t, _ in loaded)))
+    steps = [s for s in steps if s > args.skip]
+    if steps:
+        raw = [[t[s]["loss"] for s in steps] for t, _ in loaded]
+        curves = [debiased_ema(r, args.smooth, steps) for r in raw]
+        x = [s * per_step for s in steps]
+        if args.smooth:  # the logged values (mean over runs), faint, under the smoothed curve
+            ax.plot(x, [exp(statistics.fmean(c)) for c in zip(*raw)], color=color, alpha=0.25, linewidth=0.8,
+                    label="_raw")
+        ax.plot(x, [exp(statistics.fmean(c)) for c in zip(*curves)], color=color,
+                label=f"{label} train" + (f" (mean of {len(runs)})" if len(runs) > 1 else ""))
+        if len(runs) > 1:
+            ax.fill_between(x, [exp(min(c)) for c in zip(*curves)], [exp(max(c)) for c in zip(*curves)],
+                            color=color, alpha=0.2, linewidth=0)
+    steps = sorted(set.intersection(*(set(v) for _, v in loaded)))
+    steps = [s for s in steps if s > args.skip]
+    if steps:
+        vals = [[v[s] for _, v in loaded] for s in steps]
+        x, y = [s * per_step for s in steps], [exp(statistics.fmean(v)) for v in vals]
+        if len(runs) > 1:
+            ax.errorbar(x, y, yerr=[[m - exp(min(v)) for m, v in zip(y, vals)], [exp(max(v)) - m for m, v in zip(y, vals)]],
+                        fmt="none", ecolor=color, capsize=3, label="_band")
+        ax.plot(x, y, "o--", color=color, label=f"{label} val")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run folders (job.dump_folder) holding metrics.jsonl")
@@ -91,6 +141,8 @@ def main(argv=None) -> None:
                     help="debiased EMA factor β in [0, 1) for the training loss (0 = none)")
     ap.add_argument("--x", choices=("step", "tokens"), default="step", help="horizontal axis")
     ap.add_argument("--skip", type=int, default=0, help="leave out steps <= N")
+    ap.add_argument("--bands", action="store_true",
+                    help="runs whose names differ only in a _s<seed> suffix are one arm: mean curve and min-max band")
     ap.add_argument("--tokens-per-step", type=int, default=0,
                     help="tokens per step for --x tokens (default: from each run's config.toml)")
     args = ap.parse_args(argv)
@@ -106,31 +158,11 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (run, label) in enumerate(zip(args.runs, labels)):
-        train, val = load(run)
-        # tokens per step: from torchtitan's cumulative n_tokens_seen (global over ranks) when the records have
-        # it, else from the run's config.toml / --tokens-per-step
-        seen = [(s, r["n_tokens_seen"]) for s, r in sorted(train.items()) if r.get("n_tokens_seen")]
-        per_step = (1 if args.x == "step" else seen[-1][1] / seen[-1][0] if seen
-                    else tokens_per_step(run, args.tokens_per_step))
-
-        def x_of(step: int) -> float:
-            return step * per_step
-
-        color = f"C{i}"
-        steps = [s for s in sorted(train) if s > args.skip]
-        if steps:
-            raw = [train[s]["loss"] for s in steps]
-            if args.smooth:  # the logged values, faint, under the smoothed curve
-                ax.plot([x_of(s) for s in steps], [math.exp(min(v, 50.0)) for v in raw], color=color, alpha=0.25,
-                        linewidth=0.8, label="_raw")
-            smooth = debiased_ema(raw, args.smooth, steps)
-            ax.plot([x_of(s) for s in steps], [math.exp(min(v, 50.0)) for v in smooth], color=color,
-                    label=f"{label} train")
-        steps = [s for s in sorted(val) if s > args.skip]
-        if steps:
-            ax.plot([x_of(s) for s in steps], [math.exp(min(val[s], 50.0)) for s in steps], "o--", color=color,
-                    label=f"{label} val")
+    groups: dict[str, list[str]] = {}  # label -> run folders (several: the seeds of one arm, with --bands)
+    for run, label in zip(args.runs, labels):
+        groups.setdefault(SEED.sub("", label) if args.bands else label, []).append(run)
+    for i, (label, runs) in enumerate(groups.items()):
+        draw(ax, label, runs, f"C{i}", args)
     ax.set_xlabel("tokens" if args.x == "tokens" else "step")
     if args.x == "step":
         from matplotlib.ticker import MaxNLocator

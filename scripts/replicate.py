@@ -72,6 +72,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import statistics
 import subprocess
@@ -673,7 +674,7 @@ def finish(out: str, results: list[dict], background, cleanup: list[str], log: d
     rows = write_summary(out, results, log, merge)
     ran = [os.path.join(out, r["run"]) for r in rows if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
     if ran:
-        _run([sys.executable, "-m", "scripts.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png")],
+        _run([sys.executable, "-m", "scripts.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png"), "--bands"],
              os.path.join(out, "plot_ppl.log"), 120)
     try:
         plot_diagnostics(out, [r["run"] for r in rows])
@@ -714,7 +715,8 @@ def write_summary(out: str, rows: list[dict], log: dict, merge: bool = False) ->
 
 def report_rows(out: str) -> list[dict]:
     """The table of a suite folder rebuilt from its run folders (``train_args.json``, ``metrics.jsonl``,
-    ``analysis/``), without training: rows in summary.json's order, then the other runs by name."""
+    ``analysis/``), without training: rows in summary.json's order, then the other runs by name. A run that
+    summary.json records but whose folder is elsewhere (a seed trained on another machine) keeps its recorded row."""
     old = {r["run"]: r for r in summary_rows(out)}
     dumps = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(out, "*", "train_args.json")))
     order = {name: i for i, name in enumerate(old)}
@@ -738,7 +740,33 @@ def report_rows(out: str) -> list[dict]:
                        "the suite's command resumes it")
         _read_analysis(row, dump)
         rows.append(row)
-    return rows
+    found = {r["run"]: r for r in rows}  # summary.json's runs whose folder is not here (another machine's) stay
+    return [found.pop(name, r) for name, r in old.items()] + list(found.values())
+
+
+def _recipe(arm: str) -> tuple[str, str, str]:
+    """What an arm is compared within (``suite_arms`` names): its optimizer, warmup tag and mask suffix."""
+    mask = next((m for m in ("_block_causal", "_causal") if arm.endswith(m)), "")
+    warmup = re.search(r"_wu\d+", arm)
+    return ("adamw" if "_adamw" in arm else "muon"), warmup.group() if warmup else "", mask
+
+
+def arm_rows(rows: list[dict]) -> list[dict]:
+    """One row per arm (runs ``<arm>_s<seed>`` that finished), in first-run order: the seeds, and the mean, min and
+    max of the final validation perplexity over them. ``delta``: the arm's mean against the best (lowest-mean)
+    softmax arm with the same optimizer, warmup and mask, in % (None for softmax arms and where there is none)."""
+    arms: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("ok") and r.get("val_ppl") is not None:
+            arms.setdefault(r.get("arm") or r["run"].rpartition("_s")[0], []).append(r)
+    out = [{"arm": arm, "seeds": sorted(r["seed"] for r in rs), "mean": statistics.fmean(r["val_ppl"] for r in rs),
+            "min": min(r["val_ppl"] for r in rs), "max": max(r["val_ppl"] for r in rs)} for arm, rs in arms.items()]
+    for a in out:
+        base = [b["mean"] for b in out if b["arm"].startswith("softmax")
+                and _recipe(b["arm"]) == _recipe(a["arm"])]
+        a["delta"] = (None if a["arm"].startswith("softmax") or not base
+                      else 100 * (a["mean"] / min(base) - 1))
+    return out
 
 
 def plot_diagnostics(out: str, names: list[str]) -> str | None:
@@ -796,6 +824,15 @@ def format_table(rows: list[dict], log: dict | None = None) -> str:
                      f"{fmt(r.get('val_loss'), '9.4f')}{fmt(r.get('cor'), '7.3f')}{fmt(r.get('cpa'), '7.3f')}"
                      f"{fmt(r.get('probe_norm'), '7.2f')}{fmt(r.get('rho_gain'), '7.3f')}"
                      f"{fmt(r.get('srank_wr'), '8.2f')}{fmt(r.get('seconds'), '7.0f')}  {status}")
+    arms = arm_rows(rows) if any("arm" in r for r in rows) else []
+    if any(len(a["seeds"]) > 1 for a in arms):  # seeds side by side: the mean and its spread per arm
+        w = max([18, *(len(a["arm"]) + 1 for a in arms)])
+        head = f"{'arm':<{w}}{'seeds':>8}{'ppl mean':>10}{'min':>8}{'max':>8}{'vs softmax':>12}"
+        lines += ["", head, "-" * len(head)]
+        for a in arms:
+            delta = "-" if a["delta"] is None else f"{a['delta']:+.1f}%"
+            lines.append(f"{a['arm']:<{w}}{','.join(map(str, a['seeds'])):>8}{a['mean']:>10.2f}{a['min']:>8.2f}"
+                         f"{a['max']:>8.2f}{delta:>12}")
     if log:
         lines.append(f"tokens/step {log.get('tokens_per_step') or 0:,}; val tokens {log.get('val_tokens')}; "
                      f"compile {log.get('compile')}; {log.get('device')}; total {log.get('total_s')} s; "

@@ -68,3 +68,22 @@ def test_two_runs_tokens_axis_skip_and_smoothing_in_loss_space(tmp_path, monkeyp
     assert lines["b train"][0] == [3 * 32, 4 * 32, 5 * 32, 6 * 32]
     assert lines["b train"][1] == pytest.approx([math.exp(7.0)] * 4)
     assert lines["a val"] == ([6 * 64], [pytest.approx(math.exp(6.0))])
+
+
+def test_bands_draw_each_arms_mean_and_seed_range(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    runs = [_run(tmp_path, "arm_s0", [4.0, 3.0, 2.0]), _run(tmp_path, "arm_s1", [6.0, 5.0, 4.0]),
+            _run(tmp_path, "other", [5.0, 5.0, 5.0])]
+    drawn, bands = [], []
+    real_plot, real_fill = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.fill_between
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, *a, **kw: drawn.append((kw["label"], list(y))) or real_plot(self, x, y, *a, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between",
+                        lambda self, x, lo, hi, **kw: bands.append((list(lo), list(hi))) or real_fill(self, x, lo, hi, **kw))
+    plot_ppl.main([*map(str, runs), "-o", str(tmp_path / "p.png"), "--bands"])
+    lines = dict(drawn)
+    assert set(lines) == {"arm train (mean of 2)", "arm val", "other train", "other val"}
+    assert lines["arm train (mean of 2)"] == pytest.approx([math.exp(5.0), math.exp(4.0), math.exp(3.0)])
+    assert lines["arm val"] == pytest.approx([math.exp(3.0)])
+    assert bands == [(pytest.approx([math.exp(v) for v in (4, 3, 2)]), pytest.approx([math.exp(v) for v in (6, 5, 4)]))]

@@ -282,6 +282,14 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     assert sorted(r["run"] for r in report) == sorted(runs_before)
     assert all(r["ok"] and r["steps"] == 4 and r["val_ppl"] == pytest.approx(math.exp(5.1)) for r in report)
     assert "parallax_g0.1_muon_s0" in (tmp_path / "out" / "dose" / "table.txt").read_text()
+    # a seed trained elsewhere (recorded in summary.json, no folder here) keeps its row and joins its arm's mean
+    summary = json.load(open(tmp_path / "out" / "dose" / "summary.json"))
+    elsewhere = {**summary["runs"][0], "run": "softmax_muon_s1", "seed": 1, "val_ppl": 2 * summary["runs"][0]["val_ppl"]}
+    summary["runs"].insert(1, elsewhere)
+    json.dump(summary, open(tmp_path / "out" / "dose" / "summary.json", "w"))
+    report = R.main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
+    assert [r["run"] for r in report][:2] == [runs_before[0], "softmax_muon_s1"] and report[1] == elsewhere
+    assert R.arm_rows(report)[0]["mean"] == pytest.approx(1.5 * math.exp(5.1))
 
 
 def test_write_summary_merges_rows_of_other_processes(tmp_path):
@@ -291,3 +299,29 @@ def test_write_summary_merges_rows_of_other_processes(tmp_path):
     assert [(r["run"], r["v"]) for r in rows] == [("b", 1), ("c", 2), ("a", 3)]
     assert R.summary_rows(str(tmp_path)) == rows and json.load(open(tmp_path / "summary.json"))["x"] == 3
     assert R.write_summary(str(tmp_path), [{"run": "z"}], {}) == [{"run": "z"}]  # no merge: the rows given
+
+
+def test_seeds_table_mean_min_max_and_delta_of_means():
+    def row(arm, seed, ppl, ok=True):
+        return {"run": f"{arm}_s{seed}", "arm": arm, "seed": seed, "steps": 10, "tokens": 10, "ok": ok,
+                "val_ppl": ppl, "val_loss": math.log(ppl), "seconds": 1.0}
+
+    rows = [row("softmax_muon", 0, 13.0), row("softmax_muon", 1, 12.8), row("softmax_muon", 2, 13.2),
+            row("parallax_g0.1_muon", 0, 12.6), row("parallax_g0.1_muon", 1, 12.9), row("parallax_g0.1_muon", 2, 12.3),
+            row("parallax_g0.1_muon", 3, 99.0, ok=False),  # unfinished: not in the arm's statistics
+            row("softmax_adamw_lr0.001", 0, 21.0), row("softmax_adamw_lr0.002", 0, 20.0),
+            row("parallax_g1_adamw_lr0.002", 0, 18.0), row("parallax_g1_adamw_lr0.002_wu80", 2, 16.0)]
+    arms = {a["arm"]: a for a in R.arm_rows(rows)}
+    assert arms["parallax_g0.1_muon"]["seeds"] == [0, 1, 2]
+    assert arms["parallax_g0.1_muon"]["mean"] == pytest.approx(12.6)
+    assert (arms["parallax_g0.1_muon"]["min"], arms["parallax_g0.1_muon"]["max"]) == (12.3, 12.9)
+    assert arms["parallax_g0.1_muon"]["delta"] == pytest.approx(100 * (12.6 / 13.0 - 1))  # means, not seed 0
+    assert arms["parallax_g1_adamw_lr0.002"]["delta"] == pytest.approx(100 * (18.0 / 20.0 - 1))  # best AdamW softmax
+    assert arms["softmax_muon"]["delta"] is None and arms["parallax_g1_adamw_lr0.002_wu80"]["delta"] is None
+    lines = R.format_table(rows).splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("arm ")))
+    assert lines[at].split() == ["arm", "seeds", "ppl", "mean", "min", "max", "vs", "softmax"]
+    assert lines[at + 2].split() == ["softmax_muon", "0,1,2", "13.00", "12.80", "13.20", "-"]
+    assert lines[at + 3].split() == ["parallax_g0.1_muon", "0,1,2", "12.60", "12.30", "12.90", "-3.1%"]
+    single = R.format_table([row("softmax_muon", 0, 13.0), row("parallax_g0.1_muon", 0, 12.6)])
+    assert "ppl mean" not in single  # one seed per arm: the run table says it all
