@@ -41,6 +41,9 @@ class RankAlignedLoader:
 
 
 class PackedValidator(Validator):
+    """torchtitan's validator (TrainSpec ``build_validator_fn``) reading the held-out split of ``data.loader``
+    through :class:`RankAlignedLoader`; it also validates at the last training step."""
+
     def __init__(self, job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn, validation_context,
                  maybe_enable_amp, metrics_processor, **_pp):
         from torchtitan.tools import utils
@@ -65,7 +68,3 @@ class PackedValidator(Validator):
     def post_dataloading_process(self, input_dict, labels, model_parts):
         inputs = input_dict["input"]
         return inputs, labels, {k: v for k, v in input_dict.items() if k != "input"}, {}
-
-
-def build_validator(**kw) -> PackedValidator:
-    return PackedValidator(**kw)

@@ -1,5 +1,12 @@
-"""Metrics: torchtitan's processor plus perplexity, per-group lr/wd, progress (step/total, elapsed, ETA),
-``<dump_folder>/metrics.jsonl`` and a wandb run named from ``[metrics] wandb_project``/``wandb_run_name``."""
+"""Training metrics: torchtitan's ``MetricsProcessor`` (its metric names, timing and memory) plus perplexity, the lr
+and weight decay of every parameter group, progress (step/total, elapsed, ETA), ``<dump_folder>/metrics.jsonl`` and a
+wandb run named from ``[metrics] wandb_project``/``wandb_run_name``.
+
+TensorBoard and wandb get torchtitan's names (``loss_metrics/global_avg_loss``, ``throughput(tps)``, ``mfu(%)``,
+``memory/max_reserved(GiB)``, ``validation_metrics/loss``, ...), with this project's additions passed through its
+``extra_metrics``: ``loss_metrics/perplexity``, ``validation_metrics/perplexity``, ``time_metrics/elapsed(s)``,
+``time_metrics/eta(s)``, ``lr/<group>`` and ``wd/<group>``. ``metrics.jsonl`` keeps its short keys for the tools
+that read it (:data:`JSONL_KEYS`)."""
 
 from __future__ import annotations
 
@@ -11,12 +18,29 @@ from typing import Any
 
 import torch
 
-from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, WandBLogger, _get_metrics_rank
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, WandBLogger
 from torchtitan.tools.logging import logger
 
+from trainer.titan import drop_titan_metrics_lines, metrics_rank
 
-class JsonlLogger:
-    """Appends one JSON object per logged step to ``<dump_folder>/metrics.jsonl`` (read by plot_ppl.py)."""
+JSONL_KEYS = {
+    "loss_metrics/global_avg_loss": "loss", "loss_metrics/global_max_loss": "max_loss",
+    "loss_metrics/perplexity": "ppl", "throughput(tps)": "tps", "mfu(%)": "mfu",
+    "time_metrics/elapsed(s)": "elapsed_s", "time_metrics/eta(s)": "eta_s",
+    "validation_metrics/loss": "val_loss", "validation_metrics/perplexity": "val_ppl",
+}
+"""Logged name -> ``metrics.jsonl`` key, for the keys the tools read (``scripts.plot_ppl``, ``scripts.replicate``,
+``scripts.bench_train``, ``scripts.smoke_configs``); the other names are written as logged."""
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, the loss capped at 50 so that a diverging run logs a large number instead of overflowing."""
+    return math.exp(min(loss, 50.0))
+
+
+class JsonlLogger(BaseLogger):
+    """Appends one JSON object per logged step to ``<dump_folder>/metrics.jsonl``, under :data:`JSONL_KEYS`' names
+    (``memory_gib`` repeats ``memory/max_reserved(GiB)``)."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -24,8 +48,11 @@ class JsonlLogger:
         self.f = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Non-finite numbers become ``null`` (JSON has no NaN); the run stops on them (train.py's guard)."""
-        finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        """Non-finite numbers become ``null`` (JSON has no NaN); the run stops on them (trainer.nonfinite)."""
+        record = {JSONL_KEYS.get(k, k): v for k, v in metrics.items()}
+        if "memory/max_reserved(GiB)" in metrics:
+            record["memory_gib"] = metrics["memory/max_reserved(GiB)"]
+        finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.f.write(json.dumps({"step": step, "time": time.time(), **finite}, allow_nan=False) + "\n")
         self.f.flush()
 
@@ -80,17 +107,6 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def group_hparams(optimizers) -> dict[str, float]:
-    """Current lr and weight decay of every parameter group (``group["name"]`` when the builder sets it)."""
-    out = {}
-    for i, opt in enumerate(getattr(optimizers, "optimizers", [])):
-        for j, g in enumerate(opt.param_groups):
-            name = g.get("name", f"{i}.{j}")
-            out[f"lr/{name}"] = float(g["lr"])
-            out[f"wd/{name}"] = float(g.get("weight_decay", 0.0))
-    return out
-
-
 class ProjectWandBLogger(WandBLogger):
     """torchtitan's wandb logger with the project, run name and folder from the config: ``metrics.wandb_project``,
     ``metrics.wandb_run_name`` (empty = the dump folder's name) and ``<dump_folder>/wandb/``. The other
@@ -116,13 +132,24 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-class PerplexityMetrics(MetricsProcessor):
-    """torchtitan's metrics (the same timing and memory keys) plus perplexity, per-group lr/wd, progress and a
-    JSONL file; one line per log step.
+class _LastLogged(BaseLogger):
+    """Keeps the metrics of the last log call (torchtitan's timing and memory, for the console line)."""
 
-    ``hparams``: the trainer sets it to :func:`group_hparams` just before each optimizer step, so the lr/wd
-    logged are the ones that step used (torchtitan steps the scheduler before logging). ``start(step)``: the
-    step training (re)starts from, for elapsed time and ETA."""
+    def __init__(self):
+        self.metrics: dict[str, Any] = {}
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.metrics = metrics
+
+
+class TrainMetrics(MetricsProcessor):
+    """torchtitan's metrics with this project's additions (module docstring) and its own console line per log step:
+    ``step N/total``, loss, perplexity, lr, grad norm, tokens/s, MFU (none on a CPU, where torchtitan's fallback
+    peak is an A100's), memory, elapsed time and ETA.
+
+    ``lr_wd``: the trainer sets it to the optimizers' ``lr_wd()`` at the start of each step, so the lr/wd logged
+    are the ones that step used (torchtitan steps the scheduler before logging). ``start(step)``: the step training
+    (re)starts from, for elapsed time and ETA."""
 
     def __init__(self, job_config, parallel_dims, tag=None):
         wandb = job_config.metrics.enable_wandb
@@ -131,19 +158,28 @@ class PerplexityMetrics(MetricsProcessor):
             super().__init__(job_config, parallel_dims, tag)
         finally:
             job_config.metrics.enable_wandb = wandb
+        if not torch.cuda.is_available():
+            self.gpu_peak_flops = math.nan  # MFU is NaN (null in metrics.jsonl, "n/a" on the console)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank == 0 or wandb:
-            if not isinstance(self.logger, LoggerContainer):
-                self.logger = LoggerContainer()
-        if wandb and (job_config.metrics.save_for_all_ranks or rank == _get_metrics_rank(parallel_dims, job_config)):
-            self.logger.add_logger(ProjectWandBLogger(job_config, tag))
+        loggers = self.logger if isinstance(self.logger, LoggerContainer) else LoggerContainer()  # TensorBoard
+        self._last = _LastLogged()
+        loggers.add_logger(self._last)
+        if wandb and (job_config.metrics.save_for_all_ranks or rank == metrics_rank(parallel_dims, job_config)):
+            loggers.add_logger(ProjectWandBLogger(job_config, tag))
         if rank == 0:
-            self.logger.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
-        self.hparams: dict[str, float] | None = None
+            loggers.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl")))
+        self.logger = loggers
+        drop_titan_metrics_lines()
+        self.lr_wd: dict[str, float] = {}
         self.start(0)
 
     def start(self, step: int) -> None:
         self._t0, self._step0 = time.perf_counter(), step
+
+    @property
+    def logged(self) -> dict[str, Any]:
+        """The metrics of the last ``log`` or ``log_validation`` call, under torchtitan's names."""
+        return self._last.metrics
 
     def _progress(self, step: int) -> tuple[int, float, float]:
         """(the step this process stops at, seconds since ``start``, estimated seconds left)."""
@@ -154,44 +190,26 @@ class PerplexityMetrics(MetricsProcessor):
         return end, elapsed, elapsed / done * max(end - step, 0) if done > 0 else float("nan")
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        dt = time.perf_counter() - self.time_last_log
-        tps = self.ntokens_since_last_log / (dt * self.parallel_dims.non_data_parallel_size)
-        # MFU against the GPU's peak; on a CPU torchtitan's fallback peak is an A100's, so there is no MFU to report
-        mfu = 100 * self.num_flops_per_token * tps / self.gpu_peak_flops if torch.cuda.is_available() else None
-        mem = self.device_memory_monitor.get_peak_stats()
-        loading = self.data_loading_times
-        ppl = math.exp(min(global_avg_loss, 50.0))
         end, elapsed, eta = self._progress(step)
-        hparams = self.hparams or group_hparams(self.optimizers)
-        metrics = {"loss": global_avg_loss, "ppl": ppl, "max_loss": global_max_loss, "grad_norm": grad_norm,
-                   "tps": tps, "tflops": self.num_flops_per_token * tps / 1e12, "mfu": mfu,
-                   "memory_gib": mem.max_reserved_gib, "elapsed_s": elapsed, "eta_s": eta,
-                   # torchtitan's own keys (MetricsProcessor.log), so its dashboards read these files too
-                   "time_metrics/end_to_end(s)": dt / self.job_config.metrics.log_freq,
-                   "time_metrics/data_loading(s)": sum(loading) / len(loading) if loading else 0.0,
-                   "time_metrics/data_loading(%)": 100 * sum(loading) / dt,
-                   "memory/max_active(GiB)": mem.max_active_gib, "memory/max_active(%)": mem.max_active_pct,
-                   "memory/max_reserved(GiB)": mem.max_reserved_gib, "memory/max_reserved(%)": mem.max_reserved_pct,
-                   "memory/num_alloc_retries": mem.num_alloc_retries, "memory/num_ooms": mem.num_ooms,
-                   **(extra_metrics or {}), **hparams}
-        self.logger.log(metrics, step)
-        lr = next((v for k, v in hparams.items() if k.startswith("lr/")), (extra_metrics or {}).get("lr", 0.0))
-        eta_txt = _clock(eta) if math.isfinite(eta) else "?"
+        ppl = perplexity(global_avg_loss)
+        ours = {"loss_metrics/perplexity": ppl, "time_metrics/elapsed(s)": elapsed, "time_metrics/eta(s)": eta,
+                **self.lr_wd}
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **ours})
+        m = self.logged
+        lr = next((v for k, v in m.items() if k.startswith("lr/")), m.get("lr", 0.0))
+        mfu = m["mfu(%)"]
         logger.info(f"step {step:5d}/{end}  loss {global_avg_loss:7.4f}  ppl {ppl:9.2f}  lr {lr:.2e}  "
-                    f"gnorm {grad_norm:6.3f}  tps {tps:8,.0f}  mfu {'  n/a' if mfu is None else f'{mfu:5.2f}'}%  mem {mem.max_reserved_gib:5.2f}GiB  "
-                    f"elapsed {_clock(elapsed)}  eta {eta_txt}")
-        self.ntokens_since_last_log = 0
-        self.data_loading_times.clear()
-        self.time_last_log = time.perf_counter()
-        self.device_memory_monitor.reset_peak_stats()
+                    f"gnorm {grad_norm:6.3f}  tps {m['throughput(tps)']:8,.0f}  "
+                    f"mfu {f'{mfu:5.2f}' if math.isfinite(mfu) else '  n/a'}%  "
+                    f"mem {m['memory/max_reserved(GiB)']:5.2f}GiB  elapsed {_clock(elapsed)}  "
+                    f"eta {_clock(eta) if math.isfinite(eta) else '?'}")
 
     def log_validation(self, loss, step, extra_metrics=None):
-        ppl = math.exp(min(loss, 50.0))
-        self.logger.log({"val_loss": loss, "val_ppl": ppl, **(extra_metrics or {})}, step)
+        ppl = perplexity(loss)
+        super().log_validation(loss, step, {**(extra_metrics or {}), "validation_metrics/perplexity": ppl})
         logger.info(f"validation step {step:5d}  loss {loss:7.4f}  ppl {ppl:9.2f}")
-        self.ntokens_since_last_log = 0
-        self.time_last_log = time.perf_counter()
 
 
-def build_metrics(job_config, parallel_dims, model_args=None, tag=None) -> PerplexityMetrics:
-    return PerplexityMetrics(job_config, parallel_dims, tag)
+def build_metrics(job_config, parallel_dims, model_args=None, tag=None) -> TrainMetrics:
+    """TrainSpec ``build_metrics_processor_fn``."""
+    return TrainMetrics(job_config, parallel_dims, tag)

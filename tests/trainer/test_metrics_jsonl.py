@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from models.metrics import JsonlLogger, read_records
+from trainer.metrics import JsonlLogger, read_records
 from scripts import plot_ppl
 from scripts.tiny_runs import read_metrics
 
