@@ -1,9 +1,9 @@
 """TrainSpec builders: ``build_optimizers`` and ``build_lr_schedulers`` (torchtitan 0.2.2 call shapes).
 
-``[optimizer] name = "muon"``: per model part one :class:`optim.muon.Muon` for the "matrix" group and one
-AdamW (``torch.optim.AdamW`` stepping DTensor shards locally; betas adam_beta1/2, eps adam_eps, decoupled wd) for embed/head/norm/vector with the
-paper's lr multipliers. ``name = "adamw"`` (or "adam"): one AdamW with the same groups, lr for all, weight decay
-off for norm/vector (and embed/head unless ``embed_weight_decay``).
+``build_optimizers`` gives every parameter its role (:mod:`optim.groups`) and builds, per model part, the torch
+optimizers of ``optimizer.name`` (:mod:`optim.registry`: Muon for "matrix" and AdamW for the rest under "muon", one
+AdamW or Adam for every role under "adamw" / "adam"), one param group per role plus the groups of
+``lr_mult_patterns`` and ``lr_warmup_patterns`` matches.
 
 Departures from torchtitan 0.2.2:
 - :class:`MultiOptimizersContainer` holds several optimizers per model part and saves/loads each against its
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,119 +30,42 @@ from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from optim.config import OPTIMIZER_NAMES
 from optim.groups import Route, format_routing_table, route_parameters
-from optim.muon import Muon, local_shard
+from optim.registry import RoleSettings, steppers
 from optim.schedules import Schedule, build_schedule, lr_group_warmup
 
 
-class _ShardLocalStep:
-    """Adam/AdamW that step FSDP2 (DTensor) parameters through their local shards.
-
-    The update is elementwise, so it is the same arithmetic on the same shards, minus DTensor's dispatch of every
-    fused/foreach call, which left stock AdamW on FSDP2 shards host-bound (host time several times its GPU time).
-    Parameters and state stay DTensors, so state dicts and DCP checkpoints are unchanged.
-    """
-
-    def _init_group(self, group, *lists):
-        has_complex = super()._init_group(group, *lists)
-        for lst in lists:
-            lst[:] = [local_shard(t) for t in lst]
-        return has_complex
-
-
-class Adam(_ShardLocalStep, torch.optim.Adam):
-    pass
-
-
-class AdamW(_ShardLocalStep, torch.optim.AdamW):
-    pass
-
-
-def _group_settings(cfg, name: str) -> dict[str, dict[str, Any]]:
-    """lr / weight_decay / optimizer kind per group for optimizer ``name``."""
-    wd, lr = cfg.weight_decay, cfg.lr
-    embed_wd = wd if cfg.embed_weight_decay else 0.0
-    if name == "muon":
-        return {
-            "matrix": dict(opt="muon", lr=lr, weight_decay=wd),
-            "embed": dict(opt="adamw", lr=lr * cfg.adam_embed_lr_mult, weight_decay=embed_wd),
-            "head": dict(opt="adamw", lr=lr * cfg.adam_head_lr_mult, weight_decay=embed_wd),
-            "norm": dict(opt="adamw", lr=lr * cfg.adam_norm_lr_mult, weight_decay=0.0),
-            "vector": dict(opt="adamw", lr=lr * cfg.adam_vector_lr_mult, weight_decay=0.0),
-        }
-    return {
-        "matrix": dict(opt=name, lr=lr, weight_decay=wd),
-        "embed": dict(opt=name, lr=lr, weight_decay=embed_wd),
-        "head": dict(opt=name, lr=lr, weight_decay=embed_wd),
-        "norm": dict(opt=name, lr=lr, weight_decay=0.0),
-        "vector": dict(opt=name, lr=lr, weight_decay=0.0),
-    }
-
-
-def _param_groups(routes: list[Route], settings, cfg, kind: str) -> list[dict]:
+def _param_groups(routes: list[Route], roles: dict[str, RoleSettings], cfg) -> list[dict]:
+    """One param group per group name of ``routes``, in order of first appearance: the role's lr (or optimizer.lr ×
+    MULT for an lr_mult_patterns match) and weight decay, and the extra warmup of lr_warmup_patterns."""
     groups: dict[str, dict] = {}
     for r in routes:
-        s = settings[r.group]
-        if (s["opt"] == "muon") != (kind == "muon"):
-            continue
+        s = roles[r.role]
         g = groups.setdefault(
-            r.group_key,
-            dict(params=[], name=r.group_key, lr=cfg.lr * r.lr_mult[1] if r.lr_mult else s["lr"],
-                 weight_decay=s["weight_decay"],
-                 lr_warmup_steps=cfg.lr_warmup_steps if r.warmup else 0),
+            r.group,
+            dict(params=[], name=r.group, lr=cfg.lr * r.lr_mult[1] if r.lr_mult else s.lr,
+                 weight_decay=s.weight_decay, lr_warmup_steps=cfg.lr_warmup_steps if r.warmup else 0),
         )
         g["params"].append(r.param)
     return list(groups.values())
 
 
-def _adamw_kwargs(cfg, muon: bool, params: list[torch.Tensor]) -> dict:
-    on_cuda = all(p.device.type == "cuda" for p in params)
-    impl = cfg.implementation
-    return dict(
-        betas=(cfg.adam_beta1, cfg.adam_beta2) if muon else (cfg.beta1, cfg.beta2),
-        eps=cfg.adam_eps if muon else cfg.eps,
-        fused=impl == "fused" and on_cuda,
-        foreach=impl == "foreach" or (impl == "fused" and not on_cuda),
-    )
-
-
 class MultiOptimizersContainer(OptimizersContainer):
-    """Several optimizers per model part (Muon + AdamW); checkpoints each against its own part."""
+    """Several optimizers per model part (e.g. Muon + AdamW); checkpoints each against its own part."""
 
     def __init__(self, model_parts: list[nn.Module], cfg) -> None:
-        name = cfg.name.lower()
-        if name not in OPTIMIZER_NAMES:
-            raise ValueError(f"optimizer.name={cfg.name!r}; choose from {list(OPTIMIZER_NAMES)}")
+        plan = steppers(cfg)
         self.model_parts, self.optimizers, self._owner_part = model_parts, [], []
-        self.settings = _group_settings(cfg, name)
         self.routes: list[Route] = []
-        all_params = []
         for model in model_parts:
             routes = route_parameters(model, cfg)
             self.routes += routes
-            all_params += [r.param for r in routes]
-            for opt in self._build_part(routes, cfg, name):
-                self.optimizers.append(opt)
-                self._owner_part.append(model)
-        self._post_init(all_params, {"lr": cfg.lr})
-
-    def _build_part(self, routes: list[Route], cfg, name: str) -> list[torch.optim.Optimizer]:
-        opts = []
-        muon_groups = _param_groups(routes, self.settings, cfg, "muon")
-        if muon_groups:
-            blocks = {r.param: r.blocks for r in routes if r.blocks is not None}
-            opts.append(Muon(
-                muon_groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-                nesterov=cfg.muon_nesterov, ns_coefficients=cfg.muon_ns_coefficients, ns_steps=cfg.muon_ns_steps,
-                ns_dtype=cfg.muon_ns_dtype, eps=cfg.muon_eps, update_scale=cfg.muon_update_scale, blocks=blocks,
-            ))
-        adam_groups = _param_groups(routes, self.settings, cfg, "adam")
-        if adam_groups:
-            params = [p for g in adam_groups for p in g["params"]]
-            cls = Adam if name == "adam" else AdamW
-            opts.append(cls(adam_groups, lr=cfg.lr, **_adamw_kwargs(cfg, name == "muon", params)))
-        return opts
+            for stepper in plan:
+                mine = [r for r in routes if r.role in stepper.roles]
+                if mine:
+                    self.optimizers.append(stepper.make(_param_groups(mine, stepper.roles, cfg), mine))
+                    self._owner_part.append(model)
+        self._post_init([r.param for r in self.routes], {"lr": cfg.lr})
 
     def state_dict(self) -> dict[str, Any]:
         func = functools.partial(get_optimizer_state_dict, options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -175,7 +97,8 @@ class MultiOptimizersContainer(OptimizersContainer):
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims=None, ft_manager=None):
-    """TrainSpec ``build_optimizers_fn``: routes parameters, builds Muon/AdamW, logs the routing table."""
+    """TrainSpec ``build_optimizers_fn``: gives parameters their roles, builds ``optimizer.name``'s optimizers, logs
+    the routing table."""
     if getattr(optimizer_config, "early_step_in_backward", False):
         raise ValueError("optimizer.early_step_in_backward=true is not supported with optimizer groups; set it to false")
     if ft_manager is not None and getattr(ft_manager, "enabled", False):

@@ -11,16 +11,18 @@ from dataclasses import dataclass, field
 from torchtitan.config.job_config import LRScheduler as _TTLRScheduler
 from torchtitan.config.job_config import Optimizer as _TTOptimizer
 
-OPTIMIZER_NAMES = ("muon", "adamw", "adam")
-GROUPS = ("matrix", "embed", "head", "norm", "vector")
+ROLES = ("matrix", "embed", "head", "norm", "vector")
+"""Parameter roles (:mod:`optim.groups`): hidden 2-D matrices, token embeddings, an untied LM head, norm gains, and
+everything else that is not a hidden matrix (biases, gates and decay parameters, conv kernels, scalars)."""
 
 
 @dataclass
 class Optimizer(_TTOptimizer):
-    # name / lr / beta1 / beta2 / eps / weight_decay / implementation come from torchtitan.
-    # With name = "muon": lr and weight_decay are Muon's (2-D hidden matrices); the Adam-style fallback
-    # uses lr × adam_*_lr_mult and adam_beta1/adam_beta2/adam_eps. With name = "adamw": every group uses
-    # lr, beta1, beta2, eps; weight decay is off for norms and vectors (and embeddings unless embed_weight_decay).
+    # name / lr / beta1 / beta2 / eps / weight_decay / implementation come from torchtitan; name is an entry of
+    # optim.registry ("muon", "adamw", "adam", any case). With name = "muon": lr and weight_decay are Muon's (2-D
+    # hidden matrices); the Adam-style fallback uses lr × adam_*_lr_mult and adam_beta1/adam_beta2/adam_eps. With
+    # name = "adamw": every group uses lr, beta1, beta2, eps; weight decay is off for norms and vectors (and
+    # embeddings unless embed_weight_decay).
 
     muon_momentum: float = 0.95
     """Muon momentum μ (EMA form as torch.optim.Muon: B ← μB + (1−μ)G)."""
@@ -49,7 +51,7 @@ class Optimizer(_TTOptimizer):
     """Regexes (re.search on the parameter name) of the projections split per head when muon_per_head;
     the head size is the `head_dim` attribute of the nearest enclosing module (or its `muon_heads` hint)."""
     muon_min_dim: int = 16
-    """2-D weights whose smaller side is below this are treated as stacks of vectors (Adam-style group)."""
+    """2-D weights whose smaller side is below this are treated as stacks of vectors (role "vector", Adam-style)."""
 
     adam_beta1: float = 0.8
     """β1 of Muon's Adam-style fallback."""
@@ -70,27 +72,27 @@ class Optimizer(_TTOptimizer):
     """Apply weight decay to the embeddings (and an untied head). Norms and vectors never get it."""
 
     embed_patterns: list[str] = field(default_factory=lambda: [r"tok_embeddings"])
-    """Regexes (re.search on the parameter name) routed to the "embed" group."""
+    """Regexes (re.search on the parameter name) of parameters with the role "embed"."""
     head_patterns: list[str] = field(default_factory=lambda: [r"^output\."])
-    """Regexes routed to the "head" group (the LM head when it is not tied)."""
+    """Regexes of parameters with the role "head" (the LM head when it is not tied)."""
     norm_patterns: list[str] = field(default_factory=lambda: [r"norm"])
-    """Regexes routed to the "norm" group."""
+    """Regexes of parameters with the role "norm"."""
     vector_patterns: list[str] = field(
         default_factory=lambda: [
             r"\.bias$", r"conv", r"A_log", r"dt_bias", r"r_gate", r"b_proj", r"a_proj", r"gk_proj", r"f_proj",
         ]
     )
-    """Regexes routed to the Adam-style "vector" group (biases, depthwise convs, decay parameters, gates).
-    Tensors that are not 2-D always land here unless a hint says otherwise; full-width output gates
+    """Regexes of parameters with the role "vector" (biases, depthwise convs, decay parameters, gates; Adam-style).
+    Tensors that are not 2-D always have it unless their module declares another role; full-width output gates
     (`g_proj`) are ordinary matrices and go to Muon."""
 
     lr_mult_patterns: list[str] = field(default_factory=list)
     """Per-parameter lr overrides "REGEX=MULT" (re.search on the parameter name, first match wins): a match gets
-    lr = optimizer.lr × MULT instead of its group's multiplier, in its own param group "<group>[REGEX]" (group
-    kind, optimizer and weight decay unchanged). E.g. ["\\.r_norm\\.=1"] trains Parallax's ρ-norm gain at the base
+    lr = optimizer.lr × MULT instead of its group's multiplier, in its own param group "<role>[REGEX]" (role,
+    optimizer and weight decay unchanged). E.g. ["\\.r_norm\\.=1"] trains Parallax's ρ-norm gain at the base
     lr instead of the norm group's adam_norm_lr_mult (0.015× under Muon, Table 2b)."""
     lr_warmup_patterns: list[str] = field(default_factory=list)
-    """Regexes of parameters with an extra lr warmup (own param groups, "<group>_warmup"), e.g. ["\\.wr\\."]
+    """Regexes of parameters with an extra lr warmup (own param groups, "<role>_warmup"), e.g. ["\\.wr\\."]
     when fine-tuning a converted Parallax model whose W_R starts at zero."""
     lr_warmup_steps: int = 0
     """Steps of the extra linear lr warmup of `lr_warmup_patterns` (multiplies the main schedule)."""

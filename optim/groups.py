@@ -1,19 +1,22 @@
-"""Route every parameter to one optimizer group by name patterns, shape rules and module hints.
+"""Give every parameter a role, the optimizer-independent kind of tensor it is; the optimizer (:mod:`optim.registry`)
+maps roles to its param groups.
 
-Groups: "matrix" (2-D hidden weights: Muon, or AdamW with weight decay), "embed", "head", "norm" and
-"vector" (biases, gates, depthwise conv kernels, A_log, dt_bias, scalars: Adam-style, no weight decay).
+Roles (:data:`optim.config.ROLES`): "matrix" (2-D hidden weights), "embed" (token embeddings), "head" (an untied LM
+head), "norm" (norm gains) and "vector" (everything that is not a hidden matrix: biases, gates and decay parameters,
+depthwise conv kernels, thin low-rank factors, scalars).
 
 Precedence, first match wins:
-1. hints: ``param._optim = "<group>"`` (lost when FSDP2 re-wraps parameters, so prefer the module form),
-   or a module attribute ``optim_hints = {"<param name relative to the module>": "<group>"}``;
-   "muon" means "matrix", "adam" means "vector";
+1. declared by a module: attribute ``param_roles = {"<name relative to the module>": "<role>"}``, where a key names
+   a parameter or a submodule (all its parameters; the longest key wins). Declared by name, a role survives FSDP2
+   re-wrapping the parameters;
 2. ``embed_patterns``, ``head_patterns``, ``norm_patterns``, ``vector_patterns`` (``re.search`` on the name,
    with ``_orig_mod.`` / ``_checkpoint_wrapped_module.`` wrappers stripped);
 3. not 2-D → "vector"; 2-D with a side < ``muon_min_dim`` → "vector";
 4. otherwise "matrix".
 
-Independently of the group, ``lr_mult_patterns`` ("REGEX=MULT", first match wins) give a parameter its own
-lr = optimizer.lr × MULT, in its own param group "<group>[REGEX]" (see :func:`parse_lr_mults`).
+A parameter's param group is named after its role. Independently of the role, ``lr_mult_patterns`` ("REGEX=MULT",
+first match wins) give a parameter its own lr = optimizer.lr × MULT, in its own param group "<role>[REGEX]" (see
+:func:`parse_lr_mults`), and ``lr_warmup_patterns`` an extra warmup, in "<role>_warmup".
 
 Muon splits of a "matrix" parameter into independently orthogonalised blocks:
 - module attribute ``muon_blocks = {"<rel name>": [rows...]}`` or ``{"<rel name>": (dim, [sizes...])}``
@@ -32,11 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from optim.config import GROUPS
+from optim.config import ROLES
 from optim.muon import Blocks
 
 _WRAPPERS = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
-_ALIASES = {"muon": "matrix", "adam": "vector", "adamw": "vector"}
 
 
 def clean_name(name: str) -> str:
@@ -48,16 +50,16 @@ def clean_name(name: str) -> str:
 class Route:
     name: str
     param: nn.Parameter
-    group: str
+    role: str
     reason: str
     blocks: Blocks | None = None
     warmup: bool = False
     lr_mult: tuple[str, float] | None = None  # (pattern, multiplier of optimizer.lr) from lr_mult_patterns
 
     @property
-    def group_key(self) -> str:
-        """Param-group name: the group, "[pattern]" for an lr_mult_patterns match, "_warmup" for the extra warmup."""
-        return self.group + (f"[{self.lr_mult[0]}]" if self.lr_mult else "") + ("_warmup" if self.warmup else "")
+    def group(self) -> str:
+        """Param-group name: the role, "[pattern]" for an lr_mult_patterns match, "_warmup" for the extra warmup."""
+        return self.role + (f"[{self.lr_mult[0]}]" if self.lr_mult else "") + ("_warmup" if self.warmup else "")
 
 
 def parse_lr_mults(specs: list[str]) -> list[tuple[re.Pattern, float]]:
@@ -77,21 +79,25 @@ def parse_lr_mults(specs: list[str]) -> list[tuple[re.Pattern, float]]:
     return out
 
 
-def _hint_group(value, where: str) -> str:
-    g = _ALIASES.get(value, value)
-    if g not in GROUPS:
-        raise ValueError(f"optimizer hint {where}={value!r}; choose from {list(GROUPS) + list(_ALIASES)}")
-    return g
-
-
-def _module_hints(model: nn.Module) -> tuple[dict, dict, dict]:
-    groups, blocks, heads = {}, {}, {}
+def _module_dicts(model: nn.Module, attr: str) -> dict[str, tuple[object, str]]:
+    """Every module's dict attribute ``attr`` (keyed by names relative to the module) merged under full names
+    (wrappers stripped): {name: (value, where it is declared)}."""
+    out = {}
     for mname, mod in model.named_modules():
         prefix = clean_name(mname + ".") if mname else ""
-        for attr, out in (("optim_hints", groups), ("muon_blocks", blocks), ("muon_heads", heads)):
-            for rel, v in (getattr(mod, attr, None) or {}).items():
-                out[prefix + rel] = v
-    return groups, blocks, heads
+        for rel, value in (getattr(mod, attr, None) or {}).items():
+            out[prefix + rel] = (value, f"{type(mod).__name__}.{attr}[{rel!r}]")
+    return out
+
+
+def _declared_key(name: str, declared: dict) -> str | None:
+    """The longest declared key that is ``name`` or a dotted prefix of it (None if none is)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in declared:
+            return key
+    return None
 
 
 def _blocks(spec, shape: torch.Size, name: str) -> Blocks:
@@ -115,26 +121,31 @@ def _head_dim_of(model: nn.Module, raw_name: str) -> int | None:
 
 def route_parameters(model: nn.Module, cfg) -> list[Route]:
     """One :class:`Route` per trainable parameter of ``model`` (``cfg``: ``optim.config.Optimizer``)."""
-    hint_groups, hint_blocks, hint_heads = _module_hints(model)
-    pats = [(g, [re.compile(p) for p in getattr(cfg, f"{g}_patterns")]) for g in ("embed", "head", "norm", "vector")]
+    declared = _module_dicts(model, "param_roles")
+    for role, where in declared.values():
+        if role not in ROLES:
+            raise ValueError(f"{where}={role!r}; choose from {list(ROLES)}")
+    hint_blocks = {k: v for k, (v, _) in _module_dicts(model, "muon_blocks").items()}
+    hint_heads = {k: v for k, (v, _) in _module_dicts(model, "muon_heads").items()}
+    pats = [(r, [re.compile(p) for p in getattr(cfg, f"{r}_patterns")]) for r in ("embed", "head", "norm", "vector")]
     per_head = [re.compile(p) for p in cfg.muon_per_head_patterns]
     warm = [re.compile(p) for p in cfg.lr_warmup_patterns]
     mults = parse_lr_mults(cfg.lr_mult_patterns)
-    routes = []
+    routes, used = [], set()
     for raw, p in model.named_parameters():
+        name = clean_name(raw)
+        key = _declared_key(name, declared)
+        used.add(key)
         if not p.requires_grad:
             continue
-        name = clean_name(raw)
-        if getattr(p, "_optim", None) is not None:
-            group, reason = _hint_group(p._optim, f"{name}._optim"), "hint"
-        elif name in hint_groups:
-            group, reason = _hint_group(hint_groups[name], f"optim_hints[{name!r}]"), "hint"
+        if key is not None:
+            role, reason = declared[key][0], "declared"
         else:
-            group, reason = _route_by_rules(name, p, pats, cfg.muon_min_dim)
+            role, reason = _route_by_rules(name, p, pats, cfg.muon_min_dim)
         blocks = None
-        if group == "matrix":
+        if role == "matrix":
             if p.ndim != 2:
-                raise ValueError(f"{name} has shape {tuple(p.shape)}; only 2-D parameters can go to 'matrix'")
+                raise ValueError(f"{name} has shape {tuple(p.shape)}; only 2-D parameters can have the role 'matrix'")
             if cfg.muon_per_head and (name in hint_heads or any(r.search(name) for r in per_head)):
                 hd = hint_heads.get(name) or _head_dim_of(model, raw)
                 if hd:
@@ -144,16 +155,19 @@ def route_parameters(model: nn.Module, cfg) -> list[Route]:
             if blocks is None and name in hint_blocks:
                 blocks = _blocks(hint_blocks[name], p.shape, name)
         lr_mult = next(((r.pattern, m) for r, m in mults if r.search(name)), None)
-        routes.append(Route(name, p, group, reason, blocks, any(r.search(name) for r in warm), lr_mult))
+        routes.append(Route(name, p, role, reason, blocks, any(r.search(name) for r in warm), lr_mult))
+    unused = sorted({declared[k][1] for k in set(declared) - used})
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: names no parameter of its module")
     _check_routes(model, routes)
     return routes
 
 
 def _route_by_rules(name: str, p: torch.Tensor, pats, min_dim: int) -> tuple[str, str]:
-    for group, regexes in pats:
+    for role, regexes in pats:
         for r in regexes:
             if r.search(name):
-                return group, f"/{r.pattern}/"
+                return role, f"/{r.pattern}/"
     if p.ndim != 2:
         return "vector", f"{p.ndim}-D"
     if min(p.shape) < min_dim:
@@ -167,14 +181,14 @@ def _check_routes(model: nn.Module, routes: list[Route]) -> None:
         assert id(r.param) not in seen, f"{r.name} routed twice (also as {seen[id(r.param)]})"
         seen[id(r.param)] = r.name
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    assert trainable == set(seen), "every trainable parameter must land in exactly one group"
+    assert trainable == set(seen), "every trainable parameter must have exactly one role"
 
 
 def format_routing_table(routes: list[Route], lr: dict[str, float], wd: dict[str, float], opt: dict[str, str]) -> str:
     """Compact table: layer indices collapsed to ``*``; one row per (name pattern, shape, group)."""
     rows: OrderedDict = OrderedDict()
     for r in routes:
-        key = (re.sub(r"(?<=\.)\d+(?=\.)", "*", r.name), tuple(r.param.shape), r.group_key, r.reason, r.blocks)
+        key = (re.sub(r"(?<=\.)\d+(?=\.)", "*", r.name), tuple(r.param.shape), r.group, r.reason, r.blocks)
         rows[key] = rows.get(key, 0) + 1
     head = ("parameter", "n", "shape", "group", "optimizer", "lr", "wd", "blocks", "why")
     lines = [head]

@@ -27,6 +27,9 @@ Departures from ``torch.optim.Muon``:
   one ``Shard(0)`` mesh dim plus ``Replicate`` dims fall back to ``full_tensor()`` on every rank.
 - ``blocks``: a parameter may be split along one dim into blocks (fused q|k|v projections, or one block per
   attention head) that are orthogonalised and scaled as separate matrices.
+
+``optimizer.name = "muon"`` (:func:`muon_and_adamw`) steps the "matrix" role with Muon and every other role with
+AdamW at the paper's lr multipliers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from optim.adam import AdamW, adam_stepper
+from optim.dtensor import local_shard
+from optim.registry import RoleSettings, Stepper, register_optimizer
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 POLAR_EXPRESS = (
@@ -326,13 +333,6 @@ class Muon(torch.optim.Optimizer):
         return 1.0 if p in self.blocks else update_scale(p.shape[0], p.shape[1], group["update_scale"])
 
 
-def local_shard(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a plain tensor as is), without ``to_local()``'s autograd Function: the
-    optimizers call it ~3× per matrix per step, and at 0.6B (~200 matrices) ``to_local`` made the sharded Muon
-    step host-bound. Shared with the shard-local Adam/AdamW in :mod:`optim.build`."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _pad_rows(t: Tensor, rows: int) -> Tensor:
     if t.shape[0] == rows:
         return t.contiguous()
@@ -407,3 +407,28 @@ class _Exchange:
                 out[i] = self._recv[off : off + n].view(self.chunks[i], p.shape[1])[: u.shape[0]]
                 off += n
         return out
+
+
+@register_optimizer("muon")
+def muon_and_adamw(cfg) -> list[Stepper]:
+    """Muon at optimizer.lr / weight_decay for "matrix"; AdamW (adam_beta1/adam_beta2/adam_eps) for the other roles
+    at lr × adam_<role>_lr_mult (Table 2b), weight decay on embeddings and an untied head with embed_weight_decay."""
+    lr, wd = cfg.lr, cfg.weight_decay
+    embed_wd = wd if cfg.embed_weight_decay else 0.0
+
+    def make(param_groups: list[dict], routes) -> Muon:
+        return Muon(
+            param_groups, lr=lr, weight_decay=wd, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+            ns_coefficients=cfg.muon_ns_coefficients, ns_steps=cfg.muon_ns_steps, ns_dtype=cfg.muon_ns_dtype,
+            eps=cfg.muon_eps, update_scale=cfg.muon_update_scale,
+            blocks={r.param: r.blocks for r in routes if r.blocks is not None},
+        )
+
+    fallback = {
+        "embed": RoleSettings(lr * cfg.adam_embed_lr_mult, embed_wd),
+        "head": RoleSettings(lr * cfg.adam_head_lr_mult, embed_wd),
+        "norm": RoleSettings(lr * cfg.adam_norm_lr_mult, 0.0),
+        "vector": RoleSettings(lr * cfg.adam_vector_lr_mult, 0.0),
+    }
+    return [Stepper({"matrix": RoleSettings(lr, wd)}, make),
+            adam_stepper(AdamW, cfg, fallback, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)]

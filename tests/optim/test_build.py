@@ -120,9 +120,9 @@ def test_scheduler_state_with_two_optimizer_types():
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 @pytest.mark.parametrize("impl", ["foreach", "for-loop"])
 def test_shard_local_adam_equals_torch(name, impl):
-    """optim.build's Adam/AdamW (stepping DTensor shards locally) are torch's on plain tensors, bit for bit; the
+    """optim.adam's Adam/AdamW (stepping DTensor shards locally) are torch's on plain tensors, bit for bit; the
     FSDP2 side is tests/optim/test_fsdp_muon.py (distributed == 1 process)."""
-    import optim.build as ob
+    import optim.adam as ob
 
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]

@@ -1,4 +1,4 @@
-"""Parameter routing: expected-group tables for the Qwen3 names and every registered mechanism, hints, blocks."""
+"""Parameter roles: expected-role tables for the Qwen3 names and every registered mechanism, declared roles, blocks."""
 
 import re
 
@@ -48,8 +48,8 @@ def _mech(name: str, **opts) -> nn.Module:
     return m.cls(AttentionArgs(**ARGS, impl="auto"), m.options(**opts))
 
 
-def _groups(model, **cfg) -> dict[str, str]:
-    return {r.name: r.group for r in route_parameters(model, Optimizer(**cfg))}
+def _roles(model, **cfg) -> dict[str, str]:
+    return {r.name: r.role for r in route_parameters(model, Optimizer(**cfg))}
 
 
 QWEN_PARALLAX_GATED = {
@@ -66,15 +66,15 @@ QWEN_PARALLAX_GATED = {
 
 
 def test_qwen_parallax_table_tied():
-    assert _groups(TinyQwen([_mech("parallax", rho_gate=True)])) == QWEN_PARALLAX_GATED
+    assert _roles(TinyQwen([_mech("parallax", rho_gate=True)])) == QWEN_PARALLAX_GATED
 
 
 def test_qwen_untied_head():
-    g = _groups(TinyQwen([_mech("softmax")], tied=False))
+    g = _roles(TinyQwen([_mech("softmax")], tied=False))
     assert g["output.weight"] == "head" and g["tok_embeddings.weight"] == "embed"
 
 
-# Expected group of each parameter of each mechanism (names relative to the attention module). Mechanisms
+# Expected role of each parameter of each mechanism (names relative to the attention module). Mechanisms
 # registered later get the property checks of test_every_registered_mechanism only.
 MECHANISM_TABLES = {
     "softmax": {"wq.weight": "matrix", "wk.weight": "matrix", "wv.weight": "matrix", "wo.weight": "matrix",
@@ -95,7 +95,7 @@ MECHANISM_TABLES = {
 def test_mechanism_table(name):
     if name not in REGISTRY:
         pytest.skip(f"{name} is not registered")
-    got = {k.removeprefix("layers.0.attention."): v for k, v in _groups(TinyQwen([_mech(name)])).items()
+    got = {k.removeprefix("layers.0.attention."): v for k, v in _roles(TinyQwen([_mech(name)])).items()
            if k.startswith("layers.0.attention.")}
     assert got == MECHANISM_TABLES[name]
 
@@ -118,35 +118,40 @@ def test_every_registered_mechanism(name):
 
 
 class Fused(nn.Module):
-    """A mechanism author's view: fused q|k|v, a gate vector hinted to Adam, a 2-D conv hinted by name."""
+    """A mechanism author's view: fused q|k|v, a gate (a submodule) and a 2-D mixing matrix declared by role."""
 
     def __init__(self):
         super().__init__()
         self.head_dim = 8
         self.qkv = nn.Linear(32, 32 + 16 + 16, bias=False)
-        self.beta = nn.Linear(32, 32, bias=False)
+        self.beta = nn.Linear(32, 32)
         self.mix = nn.Parameter(torch.zeros(32, 32))
-        self.optim_hints = {"beta.weight": "adam", "mix": "norm"}
+        self.param_roles = {"beta": "vector", "mix": "norm"}
         self.muon_blocks = {"qkv.weight": [32, 16, 16]}
         self.muon_heads = {"qkv.weight": 8}
 
 
-def test_module_hints_and_blocks():
+def test_declared_roles_and_blocks():
     model = nn.ModuleDict({"f": Fused()})
     routes = {r.name: r for r in route_parameters(model, Optimizer())}
-    assert routes["f.beta.weight"].group == "vector" and routes["f.beta.weight"].reason == "hint"
-    assert routes["f.mix"].group == "norm"
-    assert routes["f.qkv.weight"].group == "matrix"
+    assert routes["f.beta.weight"].role == "vector" and routes["f.beta.weight"].reason == "declared"
+    assert routes["f.beta.bias"].role == "vector" and routes["f.beta.bias"].reason == "declared"
+    assert routes["f.mix"].role == "norm"
+    assert routes["f.qkv.weight"].role == "matrix"
     assert routes["f.qkv.weight"].blocks == Blocks(0, (32, 16, 16))
     per_head = {r.name: r for r in route_parameters(model, Optimizer(muon_per_head=True))}
     assert per_head["f.qkv.weight"].blocks == Blocks(0, (8,) * 8)
 
 
-def test_param_hint_and_per_head_default():
+def test_longest_declaration_wins_and_per_head_default():
     model = TinyQwen([_mech("parallax")])
-    model.layers["0"].feed_forward.w2.weight._optim = "adam"
+    model.layers["0"].param_roles = {"feed_forward": "vector"}
+    model.layers["0"].feed_forward.param_roles = {"w2.weight": "matrix"}
     routes = {r.name: r for r in route_parameters(model, Optimizer(muon_per_head=True))}
-    assert routes["layers.0.feed_forward.w2.weight"].group == "vector"
+    assert routes["layers.0.feed_forward.w1.weight"].role == "vector"
+    assert routes["layers.0.feed_forward.w2.weight"].role == "matrix"
+    model.layers["0"].param_roles = {}
+    routes = {r.name: r for r in route_parameters(model, Optimizer(muon_per_head=True))}
     for w, heads in (("wq", 4), ("wk", 2), ("wv", 2), ("wr", 4)):  # head_dim 16 from the attention module
         assert routes[f"layers.0.attention.{w}.weight"].blocks == Blocks(0, (16,) * heads)
     assert routes["layers.0.attention.wo.weight"].blocks is None
@@ -227,12 +232,27 @@ def test_config_errors(cfg, match):
         build_optimizers([TinyQwen([_mech("softmax")])], Optimizer(**cfg))
 
 
-def test_bad_hints():
+def test_bad_declarations():
     model = nn.Linear(32, 32)
-    model.weight._optim = "sgd"
-    with pytest.raises(ValueError, match="optimizer hint"):
+    model.param_roles = {"weight": "adam"}
+    with pytest.raises(ValueError, match=r"Linear.param_roles\['weight'\]='adam'; choose from \['matrix', "):
         route_parameters(model, Optimizer())
-    model.weight._optim = None
-    model.bias._optim = "muon"
+    model.param_roles = {"bias": "matrix"}
     with pytest.raises(ValueError, match="only 2-D"):
         route_parameters(model, Optimizer())
+    model.param_roles = {"wieght": "vector"}
+    with pytest.raises(ValueError, match=r"Linear.param_roles\['wieght'\]: names no parameter of its module"):
+        route_parameters(model, Optimizer())
+
+
+def test_declared_role_survives_new_parameter_objects():
+    """FSDP2 and ``to_empty`` replace the parameter objects: a role declared by name still applies. KDA's low-rank
+    output gate (16 x 64 here, both sides >= muon_min_dim) would otherwise be a "matrix"."""
+    attn = _mech("kda")
+    model = TinyQwen([attn])
+    for lin in attn.g_proj:
+        lin.weight = nn.Parameter(lin.weight.detach().clone())
+    roles = _roles(model)
+    assert roles["layers.0.attention.g_proj.0.weight"] == "vector"
+    attn.param_roles = {}
+    assert _roles(model)["layers.0.attention.g_proj.0.weight"] == "matrix"
