@@ -1,5 +1,26 @@
-"""The kernel layer: one folder per op (a float64 ``naive.py`` reference, chunked PyTorch, Triton kernels), and
-what every op shares (:mod:`attention.ops.common`). Nothing here imports from above ``attention/ops``."""
+"""The kernel layer. Nothing here imports from above ``attention/ops`` (tests/attention/test_layering.py).
+
+One folder per op, ``attention/ops/<op>/``, with the files it has of one vocabulary:
+
+- ``__init__.py``: the public function, which takes ``impl`` (:data:`attention.ops.common.IMPLS`) and dispatches;
+- ``naive.py``: the readable reference, float64 for float64 inputs: the oracle every path is tested against;
+- ``chunk.py``: chunked / blockwise PyTorch, any device, torch.compile-able;
+- ``recurrent.py``: the token-by-token form or decoding step (the decode caches' update);
+- ``triton/``: the op's Triton kernels, their launches and their custom ops;
+- ``fla.py``: the fla-core backend.
+
+What the ops share, at this level:
+
+- ``common.py``: the ``impl`` vocabulary, document ids and masks of packed sequences, the fla-core gate, one-line
+  fallback notices;
+- ``custom_ops.py``: the one way to register an ``attnlab::`` custom op (:func:`~attention.ops.custom_ops.attnlab_op`,
+  :func:`~attention.ops.custom_ops.opaque_op`) and the ops selective activation checkpointing keeps;
+- ``autotune.py``: the Triton kernels' candidate lists (``ATTNLAB_AUTOTUNE``) and their parallel compilation;
+- ``autotune_picks.py`` / ``autotune_picks.json``: the shipped autotune picks, used at a key's first launch;
+- ``fla_launch.py``: ``FastLaunch``, the low-host-cost launcher of fla-core's kernels and ours;
+- ``tiles.py``: the launch order of causal tile kernels (heaviest tiles first, in groups);
+- ``outputs.py``: the Triton ops' output buffers, which the tests fill with NaN before each launch.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +30,7 @@ import pkgutil
 
 
 def sac_save_ops() -> list:
-    """Every forward op declared with :func:`attention.ops.common.keep_under_sac`.
+    """Every forward op registered with ``attnlab_op(..., keep_under_sac=True)`` (``opaque_op``'s included).
 
     Mechanism modules import some op modules only at their first forward, after the activation-checkpointing
     policy is built, so each module of this package is imported here first (a module whose dependency is missing,
@@ -17,6 +38,6 @@ def sac_save_ops() -> list:
     for info in pkgutil.walk_packages(__path__, __name__ + "."):
         with contextlib.suppress(ImportError):
             importlib.import_module(info.name)
-    from attention.ops.common import SAC_SAVE
+    from attention.ops.custom_ops import SAC_SAVE
 
     return list(SAC_SAVE)

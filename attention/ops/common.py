@@ -34,19 +34,6 @@ def check_impl(impl: str, valid: tuple[str, ...], who: str) -> str:
     return impl
 
 
-SAC_SAVE: list = []
-"""Forward custom ops whose outputs selective activation checkpointing keeps instead of recomputing (``[attention]
-sac_save``): without that, the backward of a layer re-runs its Triton attention forward. Each op module declares its
-own with :func:`keep_under_sac`; :func:`attention.ops.sac_save_ops` collects them."""
-
-
-def keep_under_sac(op):
-    """Declare ``op`` (a ``torch.library.custom_op``, which is returned) as one whose output selective activation
-    checkpointing keeps. Use as the decorator above ``@torch.library.custom_op``."""
-    SAC_SAVE.append(op._opoverload)
-    return op
-
-
 def cuda_device_of(t: torch.Tensor):
     """Context that makes ``t``'s GPU current (Triton launches on the current device); a no-op off CUDA."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

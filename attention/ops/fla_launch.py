@@ -25,10 +25,10 @@ and independent of the batch size.
   fla-core), into the autotuner's cache: the autotuner then compiles only that config and times nothing. Without a
   pick it searches, and ``ATTNLAB_RECORD_PICKS`` records its choice.
 - :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
-  (:mod:`attention.ops.delta_rule.kda_intra`) and the softmax/Parallax kernels
-  (:mod:`attention.ops.parallax.kernels.ops`) launch through it too.
+  (:mod:`attention.ops.delta_rule.triton.kda_intra`) and the softmax/Parallax kernels
+  (:mod:`attention.ops.parallax.triton.ops`) launch through it too.
 - :func:`raw` strips fla's entry-point decorators (``inspect.unwrap``); callers pass contiguous tensors on the
-  current CUDA device, which the delta rule's ``triton`` path (``fla_hopper.py``) guarantees.
+  current CUDA device, which the delta rule's ``triton`` path (``delta_rule/triton/pipeline.py``) guarantees.
 
 Only fla-core 0.6.0 is patched (the version whose wrappers were read); another version keeps fla's own path.
 """
@@ -80,7 +80,7 @@ class FastLaunch:
         return lambda *args, **kwargs: self.run(*args, grid=grid, **kwargs)
 
     def run(self, *args, grid, first_launch=None, **kwargs):
-        """``first_launch``: called before the autotuner searches a new key (``attention.ops.parallax.kernels.ops``
+        """``first_launch``: called before the autotuner searches a new key (``attention.ops.parallax.triton.ops``
         compiles the candidates there, in parallel); not called where a shipped pick stands in for the search."""
         kw = dict(zip(self.arg_names, args))
         kw.update(kwargs)

@@ -1,4 +1,5 @@
-"""The kernel layer stands alone: nothing under ``attention/ops`` imports from above it.
+"""The kernel layer stands alone: nothing under ``attention/ops`` imports from above it, and its op folders name
+their files from one vocabulary.
 
 Layering (README, "Layout"): reference → Triton kernel (``attention/ops``) → attention module (``attention/*.py``)
 → model (``models/``) → trainer (``train.py``). Imports are read with ``ast`` (every ``import`` statement,
@@ -11,6 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OPS = REPO / "attention" / "ops"
 ABOVE = ("models", "train", "config", "optim", "data", "scripts")  # top-level packages above the kernel layer
+OP_FILES = {"__init__.py", "naive.py", "chunk.py", "recurrent.py", "fla.py"}
+"""What an op folder ``attention/ops/<op>/`` may hold besides its ``triton/`` package (README, "Adding a mechanism")."""
 
 
 def imported_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
@@ -39,7 +42,7 @@ def reaches_up(module: str) -> bool:
 
 def test_reaches_up_classifies():
     assert reaches_up("attention.base.document_ids") and reaches_up("attention.linear_common.log_once")
-    assert reaches_up("attention.registry") and reaches_up("models.parallelize.SAC_OP_MODULES")
+    assert reaches_up("attention.registry") and reaches_up("models.parallelize.sac_save_list")
     assert reaches_up("train.parse_config") and reaches_up("config.JobConfig")
     assert not reaches_up("attention.ops.common.document_ids") and not reaches_up("torch.nn")
     assert not reaches_up("triton.language") and not reaches_up("fla.ops.kda")
@@ -60,3 +63,19 @@ def test_relative_imports_resolve(tmp_path):
     f.write_text("from . import y\nfrom ..common import z\nfrom ...base import w\n")
     expected = ["attention.ops.x.y", "attention.ops.common.z", "attention.base.w"]
     assert [m for _, m in imported_modules(f, tmp_path)] == expected
+
+
+def test_op_folders_use_one_vocabulary():
+    """Every op folder holds ``__init__.py`` and only ``naive.py`` (required), ``chunk.py``, ``recurrent.py``,
+    ``fla.py`` and a ``triton/`` package (any file names inside it)."""
+    folders = sorted(d for d in OPS.iterdir() if d.is_dir() and d.name != "__pycache__")
+    assert len(folders) >= 10  # the walk found the op folders
+    bad = []
+    for d in folders:
+        files = {f.name for f in d.iterdir() if f.suffix == ".py"}
+        dirs = {f.name for f in d.iterdir() if f.is_dir() and f.name != "__pycache__"}
+        if not {"__init__.py", "naive.py"} <= files or files - OP_FILES or dirs - {"triton"}:
+            bad.append(f"{d.relative_to(REPO)}: {sorted(files | {x + '/' for x in dirs})}")
+        if "triton" in dirs and not (d / "triton" / "__init__.py").exists():
+            bad.append(f"{d.relative_to(REPO)}/triton has no __init__.py")
+    assert not bad, "op folders outside the vocabulary (naive, chunk, recurrent, fla, triton/):\n" + "\n".join(bad)

@@ -11,10 +11,10 @@ from typing import Optional
 
 import torch
 
-from attention.ops.affine.chunked import affine_chunked, causal_linear, segment_mean  # noqa: F401
+from attention.ops.affine.chunk import affine_chunked, causal_linear, segment_mean  # noqa: F401
 from attention.ops.affine.naive import MECHANISMS, naive_affine
 from attention.ops.common import check_impl, doc_bounds
-from attention.ops.opaque import fake_attention_out, opaque_op
+from attention.ops.custom_ops import fake_attention_out, opaque_op
 
 Tensor = torch.Tensor
 
@@ -74,4 +74,4 @@ def affine_attention(
     return _affine_op(q, k, v, lam, cu_seqlens, mechanism, int(cg_iters), bool(jacobi), float(rtol), int(chunk))
 
 
-from attention.ops.affine.decode import AffineState, affine_step  # noqa: E402,F401
+from attention.ops.affine.recurrent import AffineState, affine_step  # noqa: E402,F401

@@ -6,15 +6,16 @@
 - "chunk": :func:`chunk.chunk_delta_rule`, chunked WY/UT form in PyTorch (CPU, any GPU, torch.compile-able);
 - "fla": fla-core 0.6.0 Triton kernels (:mod:`fla`); raises if they cannot run here;
 - "triton": fla-core's kernels with our Triton replacement of the one backward kernel that Triton
-  3.4 <= v < 3.7.1 miscompiles on Hopper (:mod:`fla_hopper`), and for KDA our intra-chunk backward kernel
-  (:mod:`kda_intra`: tensor-core diagonal blocks for any gate; fla's loops over them unless the gate is
-  bounded); any CUDA GPU where fla imports. The op calls this backend "fla_hopper";
+  3.4 <= v < 3.7.1 miscompiles on Hopper (``triton/dqkwg.py``, run in fla's order by ``triton/pipeline.py``), and
+  for KDA our intra-chunk backward kernel (``triton/kda_intra.py``: tensor-core diagonal blocks for any gate;
+  fla's loops over them unless the gate is bounded); any CUDA GPU where fla imports. The op calls this backend
+  "fla_hopper";
 - "auto": "fla" when it can run this call safely (CUDA, importable, gated backward safe); "triton" when
   only fla's gated-backward check fails (Hopper + Triton < 3.7.1); else "chunk", with a one-line log message
   saying why. The same choice is made inside ``torch.compile``.
 
 "fla" and "triton" run through the custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd``
-(:mod:`ops`): opaque to torch.compile, so torchtitan's ``fullgraph=True`` block compile has no graph break.
+(``triton/ops.py``): opaque to torch.compile, so torchtitan's ``fullgraph=True`` block compile has no graph break.
 KDA's ``gate_lower_bound`` (every g >= it, in [-5, 0)) runs fla's KDA kernels with ``safe_gate``; "reference" and
 "chunk" are exact for any g and ignore it.
 """
@@ -27,12 +28,13 @@ import torch
 
 from attention.ops.common import check_impl, fla_gated_backward_ok, log_once
 from attention.ops.delta_rule.chunk import chunk_delta_rule
-from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
+from attention.ops.delta_rule.fla import (check_gate_lower_bound, check_lower_bound_range, fla_delta_rule,
+                                          fla_unavailable_reason)
 from attention.ops.delta_rule.naive import naive_recurrent_delta_rule
-from attention.ops.delta_rule.ops import check_gate_lower_bound, delta_rule_op
+from attention.ops.delta_rule.triton import delta_rule_op
 
 __all__ = ["delta_rule", "chunk_delta_rule", "naive_recurrent_delta_rule", "fla_delta_rule", "delta_rule_op",
-           "select_impl"]
+           "select_impl", "check_lower_bound_range"]
 
 DELTA_RULE_IMPLS = ("auto", "reference", "chunk", "triton", "fla")
 

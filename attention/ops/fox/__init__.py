@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from attention.ops.common import check_impl, document_ids, fla_importable, log_once
-from attention.ops.opaque import fake_attention_out, opaque_op
+from attention.ops.custom_ops import fake_attention_out, opaque_op
 from attention.ops.fox.chunk import chunk_forgetting_attn
 from attention.ops.fox.naive import doc_cumsum, naive_forgetting_attn
 

@@ -4,7 +4,7 @@
 (eq. 3, each factor decayed by its own age), AHLA (eq. 7) and the masked third order (docs/mechanisms.md, "HLA").
 Implementations (``impl``):
 
-- "reference": the token-by-token recurrence (``serial.py``, float64-capable; also the decode state update);
+- "reference": the token-by-token recurrence (``recurrent.py``, float64-capable; also the decode state update);
 - "chunk":  two or three passes (``chunk.py``) of the chunked PyTorch gated linear attention
   (``attention.ops.linear_attn``), supports initial/final states (prefill, decode), any device;
 - "triton": the same passes through that primitive's Triton kernel, forward and backward; training path;
@@ -21,8 +21,8 @@ import torch
 
 from attention.ops.common import check_impl
 from attention.ops.hla.chunk import compose_hla, safe_div_o
+from attention.ops.hla.recurrent import init_state, serial_hla
 from attention.ops.linear_attn import gated_linear_attention
-from attention.ops.hla.serial import init_state, serial_hla
 
 IMPLS = ("auto", "reference", "chunk", "triton")
 ORDERS = (2, 3)
@@ -59,7 +59,7 @@ def hla(
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] per-token log-decay log γ_t ≤ 0 (fixed γ: ``log γ``
     broadcast) or None. No scaling or feature map is applied (scale q, k before calling).
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (state resets at each start).
-    initial_state / final state: the decode state of ``serial.py`` ((S, U) | (P, E) | (S, P, Y), fp32, with V+1
+    initial_state / final state: the decode state of ``recurrent.py`` ((S, U) | (P, E) | (S, P, Y), fp32, with V+1
     columns when ``normalize``). Returns o [B, T, H, V] in q's dtype (and the final state).
     """
     if order not in ORDERS:

@@ -9,7 +9,7 @@ inclusive metric-vector r_t = S_t q_t is itself a gated linear attention with va
 - AHLA:          Z = gla(q, k, v; g)     (Z_t = q_tᵀ P_t)     O = gla(q, k, Z; g)           [= A_γ (A_γ V)]
 - third order:   R = gla(q, k, k; g),  Z = gla(q, k, v; g),   O = gla(q, R, Z; 3g)          [Y = γ³ Y + R_t Z_t]
 
-so the recurrent states of the passes are exactly the decode states of ``serial.py`` ((S, U), (P, E), (S, P, Y)).
+so the recurrent states of the passes are exactly the decode states of ``recurrent.py`` ((S, U), (P, E), (S, P, Y)).
 Normalisation appends a ones column to v (den = the same operator applied to v ≡ 1).
 """
 
@@ -22,7 +22,7 @@ def compose_hla(gla, q, k, v, g=None, *, order=2, variant="symmetric", normalize
                 initial_state=None, output_final_state=False):
     """HLA from a gated-linear-attention primitive ``gla(q, k, v, g, initial_state=, output_final_state=)`` that
     returns (o, final state or None). q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log-decay (≤ 0) or None;
-    ``initial_state`` is the tuple of serial.py (with V+1 columns if normalize).
+    ``initial_state`` is the tuple of ``recurrent.py`` (with V+1 columns if normalize).
     Returns o [B, T, H, V] (and the final state tuple)."""
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], -1)

@@ -8,7 +8,7 @@
 
 - "reference": :func:`naive_recurrent_gla` (token loop, float64-capable, the oracle);
 - "chunk": :func:`chunk_gla` (PyTorch, chunk-local log space, compile-friendly, any device);
-- "triton": the project's Triton kernel (``triton_gla.py``) for scalar or no gates (no per-channel ``gk``); with an
+- "triton": the project's Triton kernel (``triton/``) for scalar or no gates (no per-channel ``gk``); with an
   initial or final state (prefill, decode) it takes the chunk path;
 - "fla":   fla-core 0.6.0 (``chunk_gla`` / ``chunk_simple_gla`` / ``chunk_linear_attn``);
 - "auto":  fla on CUDA when importable and safe for the requested pass, else "chunk".
@@ -28,13 +28,13 @@ from typing import Optional
 import torch
 
 from attention.ops.common import check_impl, fla_gated_backward_ok, fla_importable, log_once
-from attention.ops.opaque import fake_attention_out, opaque_op
+from attention.ops.custom_ops import fake_attention_out, opaque_op
 from attention.ops.linear_attn.chunk import chunk_gla
 from attention.ops.linear_attn.naive import naive_recurrent_gla
 
 IMPLS = ("auto", "reference", "chunk", "triton", "fla")
 TRITON_CHUNK_SIZES = (16, 32, 64, 128)
-"""The chunk lengths the Triton kernel (``triton_gla.py``) compiles for."""
+"""The chunk lengths the Triton kernel (``triton/gla.py``) compiles for."""
 
 __all__ = ["gated_linear_attention", "chunk_gla", "naive_recurrent_gla", "fla_gla", "resolve_impl", "IMPLS"]
 
@@ -140,7 +140,7 @@ def gated_linear_attention(
     path = resolve_impl(impl, q.device, needs_grad, stateful=stateful, per_channel=gk is not None)
     scale = K**-0.5 if scale is None else float(scale)
     if path == "triton":  # rows stay rows: the kernel's sequential state pass runs per (batch, head)
-        from attention.ops.linear_attn.triton_gla import gla_triton
+        from attention.ops.linear_attn.triton import gla_triton
 
         return gla_triton(q if scale == 1.0 else q * scale, k, v, g, cu_seqlens=cu_seqlens, chunk_size=chunk_size), None
     if cu_seqlens is not None and B > 1:  # the other paths take the documents flattened into one row

@@ -3,8 +3,8 @@
 Implementations (``impl``):
 
 - "reference": :func:`naive_lla` (explicit Σ_i and ``torch.linalg.solve``; exact solve, O(T²·D) memory);
-- "chunk":     blockwise PyTorch (``chunked.py``), CG solves, exact hand-written backward, any device;
-- "triton":    the blockwise Triton kernels (``kernels/``), forward and backward with the adjoint solve;
+- "chunk":     blockwise PyTorch (``chunk.py``), CG solves, exact hand-written backward, any device;
+- "triton":    the blockwise Triton kernels (``triton/``), forward and backward with the adjoint solve;
 - "auto":      Triton on CUDA, chunk elsewhere.
 
 All non-reference paths use the λω ridge (shift-invariant, docs/mechanisms.md "LLA"), compute in fp32
@@ -19,10 +19,11 @@ from typing import Optional
 
 import torch
 
-from attention.ops.common import check_impl, doc_bounds, keep_under_sac
-from attention.ops.lla.chunked import lla_bwd_chunked, lla_fwd_chunked
-from attention.ops.lla.decode import lla_decode  # noqa: F401
+from attention.ops.common import check_impl, doc_bounds
+from attention.ops.custom_ops import attnlab_op
+from attention.ops.lla.chunk import lla_bwd_chunked, lla_fwd_chunked
 from attention.ops.lla.naive import cg_solve, naive_lla, relmm, sigma_matvec  # noqa: F401
+from attention.ops.lla.recurrent import lla_decode  # noqa: F401
 
 Tensor = torch.Tensor
 
@@ -50,20 +51,31 @@ def _compute_dtype(q: Tensor, use_triton: bool) -> torch.dtype:
 # One forward per training step: the forward returns the statistics its backward needs (ρ, δ and, on the Triton
 # path, the row max m and ω), as the Parallax and delta-rule ops do. (Through ``opaque_op`` the backward re-ran the
 # whole forward, CG solves included, before its own adjoint solve.) The ops are opaque to torch.compile.
-@keep_under_sac
-@torch.library.custom_op("attnlab::lla_fwd", mutates_args=())
+def _fwd_fake(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c):
+    B, T, HQ, D = q.shape
+    ct = _compute_dtype(q, use_triton)
+    if use_triton:
+        big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
+    else:
+        big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
+    aux = (1 + bool(jacobi), *big) if use_triton else big
+    return (q.new_empty(B, T, HQ, D), q.new_empty(aux, dtype=ct), q.new_empty(big, dtype=ct),
+            q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
+
+
+@attnlab_op("lla_fwd", _fwd_fake, keep_under_sac=True)
 def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], scale: float, cg_iters: int,
             jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int], block_c: Optional[int]
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o in q's dtype [B, T, HQ, D], then for the backward: aux, ρ, δ, m, ω).
 
-    Triton (:func:`kernels.lla_fwd_triton`): aux = k̄ and the Jacobi diagonal [1 + jacobi, B, T, HQ, D], ρ
+    Triton (:func:`triton.lla_fwd_triton`): aux = k̄ and the Jacobi diagonal [1 + jacobi, B, T, HQ, D], ρ
     [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunk: aux = o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in fp32
     (float64 for float64 inputs); m and ω empty."""
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        from attention.ops.lla.kernels import lla_fwd_triton
+        from attention.ops.lla.triton import lla_fwd_triton
 
         out, o, rho, delta, m, om = lla_fwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
                                                    lam.to(torch.float32).contiguous(), ds, scale, cg_iters,
@@ -78,20 +90,12 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
     return out, o, rho, delta, m, om
 
 
-@lla_fwd.register_fake
-def _(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_triton, block_r, block_c):
-    B, T, HQ, D = q.shape
-    ct = _compute_dtype(q, use_triton)
-    if use_triton:
-        big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
-    else:
-        big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
-    aux = (1 + bool(jacobi), *big) if use_triton else big
-    return (q.new_empty(B, T, HQ, D), q.new_empty(aux, dtype=ct), q.new_empty(big, dtype=ct),
-            q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
+def _bwd_fake(do, q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton,
+              block_r, block_c):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
-@torch.library.custom_op("attnlab::lla_bwd", mutates_args=())
+@attnlab_op("lla_bwd", _bwd_fake)
 def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor],
             out: Optional[Tensor], o: Tensor, rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float,
             cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
@@ -101,7 +105,7 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
-        from attention.ops.lla.kernels import lla_bwd_triton
+        from attention.ops.lla.triton import lla_bwd_triton
 
         dq, dk, dv, dlam = lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
                                           lam.to(torch.float32).contiguous(), ds, de, out, o, do, rho,
@@ -116,12 +120,6 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
         dv = dv.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
         dlam = dlam.permute(0, 2, 1)
     return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v), (dlam, lam)))
-
-
-@lla_bwd.register_fake
-def _(do, q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton, block_r,
-      block_c):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
 def _setup_context(ctx, inputs, output):

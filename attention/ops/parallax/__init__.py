@@ -4,7 +4,7 @@
 softmax attention when it is None. ``impl`` selects the implementation:
 
 - "reference": :func:`naive_parallax` (PyTorch, O(T²) memory, any device);
-- "triton":    the streaming Triton kernels (``attention/ops/parallax/kernels``) when present;
+- "triton":    the streaming Triton kernels (``attention/ops/parallax/triton``) when present;
 - "auto":      Triton on CUDA when the kernels are available and take the head dim and dtype, else the
                reference (e.g. head dim 8 in tiny test models: ``tl.dot`` needs K ≥ 16).
 """
@@ -20,8 +20,9 @@ IMPLS = ("auto", "reference", "triton")
 
 
 def _kernels():
+    """The Triton package (``attention.ops.parallax.triton``), or None where Triton does not import."""
     try:
-        from attention.ops.parallax import kernels
+        from attention.ops.parallax import triton as kernels
     except ImportError:
         return None
     return kernels

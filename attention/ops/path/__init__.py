@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from attention.ops.common import check_impl, fla_importable, log_once
-from attention.ops.opaque import fake_attention_out, opaque_op
+from attention.ops.custom_ops import fake_attention_out, opaque_op
 from attention.ops.path.chunk import chunk_path_attn
 from attention.ops.path.naive import naive_path_attn
 

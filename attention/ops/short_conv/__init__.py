@@ -5,7 +5,7 @@ convolution ``y_t = act(Σ_{j<K} w[:, K-1-j] · x_{t-j})`` with zeros before eac
 row start, or the decode state's inputs. ``impl``:
 
 - "reference": :func:`naive_short_conv` (readable PyTorch, float64-capable, the oracle; decode with a state);
-- "triton":    :mod:`attention.ops.short_conv.triton_conv` (a forward and two backward kernels, as ops);
+- "triton":    :mod:`attention.ops.short_conv.triton` (a forward and two backward kernels, as ops);
 - "auto":      "triton" for a CUDA tensor in fp32 / bf16 / fp16 without a decode state, else "reference".
 
 Returns (y [B, T, C], new_state [B, C, K-1] = the last K-1 inputs, state included).
@@ -42,7 +42,7 @@ def short_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None, stat
     state: [B, C, K-1] or None. Returns (y [B, T, C] in x's dtype, new_state [B, C, K-1])."""
     if resolve_impl(impl, x, state) == "reference":
         return naive_short_conv(x, weight, cu_seqlens, state, activation)
-    from attention.ops.short_conv.triton_conv import short_conv_fwd
+    from attention.ops.short_conv.triton import short_conv_fwd
 
     y = short_conv_fwd(x, weight, None if cu_seqlens is None else cu_seqlens.to(torch.int32), activation)
     return y, last_inputs(x, weight.shape[1])

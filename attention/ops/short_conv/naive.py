@@ -1,4 +1,4 @@
-"""The readable reference of the short convolution (the oracle of :mod:`attention.ops.short_conv.triton_conv`).
+"""The readable reference of the short convolution (the oracle of :mod:`attention.ops.short_conv.triton`).
 
 A causal depthwise 1-D convolution over time with an optional SiLU (fla ``ShortConvolution``, no bias):
 

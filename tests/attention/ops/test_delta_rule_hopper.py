@@ -16,7 +16,7 @@ import torch
 from attention.linear_common import l2norm
 from attention.ops.delta_rule import (chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule,
                                       select_impl)
-from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
+from attention.ops.delta_rule.triton.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
 
 
 fla_hopper = functools.partial(delta_rule_op, backend="fla_hopper")  # fla-core with our dqkwg / KDA intra kernels

@@ -1,4 +1,4 @@
-"""The delta-rule custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd`` (``ops.py``).
+"""The delta-rule custom ops ``attnlab::delta_rule_fwd`` / ``attnlab::delta_rule_bwd`` (``triton/ops.py``).
 
 CPU (default suite): the ops route to the PyTorch chunk path on any non-CUDA device, so they are checked here
 without fla or a GPU: ``torch.library.opcheck`` (schema, fake shapes/dtypes, autograd registration, AOT
@@ -26,7 +26,7 @@ import torch
 
 from attention.linear_common import l2norm, log_gate
 from attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
-from attention.ops.delta_rule.ops import delta_rule_bwd, delta_rule_fwd, delta_rule_op
+from attention.ops.delta_rule.triton.ops import delta_rule_bwd, delta_rule_fwd, delta_rule_op
 
 F64 = torch.float64
 LB = -5.0  # KDA's bounded gate: fla's recommended (and lowest safe) lower bound
@@ -261,7 +261,7 @@ def fla_kda_interpreted(monkeypatch):
     from triton.runtime.autotuner import Autotuner, Heuristics
     from triton.runtime.interpreter import _implicit_cvt
 
-    from attention.ops.delta_rule import ops
+    from attention.ops.delta_rule.triton import ops
     from attention.ops.fla_launch import FastLaunch
 
     def interp_range(*args):
@@ -289,10 +289,10 @@ def fla_kda_interpreted(monkeypatch):
 
 def _spy_fla_kda(monkeypatch):
     """Record every call of fla's ``chunk_kda_fwd`` and of the KDA backward pipelines, fla's ``chunk_kda_bwd`` and
-    ours (``fla_hopper.kda_bwd``, fla's argument names) (keyword arguments, result)."""
+    ours (``pipeline.kda_bwd``, fla's argument names) (keyword arguments, result)."""
     from fla.ops.kda import chunk_bwd, chunk_fwd
 
-    from attention.ops.delta_rule import fla_hopper
+    from attention.ops.delta_rule.triton import pipeline
 
     calls = {"fwd": [], "bwd": []}
 
@@ -305,7 +305,7 @@ def _spy_fla_kda(monkeypatch):
 
     monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd", spy("fwd", chunk_fwd.chunk_kda_fwd))
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd", spy("bwd", chunk_bwd.chunk_kda_bwd))
-    monkeypatch.setattr(fla_hopper, "kda_bwd", spy("bwd", fla_hopper.kda_bwd))
+    monkeypatch.setattr(pipeline, "kda_bwd", spy("bwd", pipeline.kda_bwd))
     return calls
 
 
@@ -579,8 +579,8 @@ def test_gpu_compiled_module_matches_eager(name):
 def test_cached_cu_seqlens_per_tensor_object():
     """One int64 copy and one chunk-index computation per packed batch's cu_seqlens, shared by every layer's
     forward and backward; a new tensor or an in-place change recomputes (no stale entry by value or address)."""
-    from attention.ops.delta_rule.dqkwg import chunk_indices_for
-    from attention.ops.delta_rule.ops import cached_cu_seqlens
+    from attention.ops.delta_rule.fla import cached_cu_seqlens
+    from attention.ops.delta_rule.triton.dqkwg import chunk_indices_for
 
     calls = []
 

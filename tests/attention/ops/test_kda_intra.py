@@ -1,4 +1,4 @@
-"""Our KDA intra-chunk backward kernel (:mod:`attention.ops.delta_rule.kda_intra`).
+"""Our KDA intra-chunk backward kernel (:mod:`attention.ops.delta_rule.triton.kda_intra`).
 
 CPU (TRITON_INTERPRET=1, float32): the kernel against float64 autograd through the score matrices it
 differentiates, on T not a multiple of the chunk, packed documents, two channel blocks, outputs poisoned with NaN;
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attention.linear_common import l2norm
-from attention.ops.delta_rule.kda_intra import chunk_kda_bwd_intra
+from attention.ops.delta_rule.triton.kda_intra import chunk_kda_bwd_intra
 from tests.attention.ops.test_delta_rule_hopper import _chunks, _poison
 
 

@@ -1,11 +1,12 @@
 """Gated linear attention ops: chunked PyTorch path vs the recurrent oracle vs an independent loop; the scalar-gated
-Triton path (``triton_gla``; gated_linear, linear, HLA and CALA) vs the float64 chunk path."""
+Triton path (``triton/gla.py``; gated_linear, linear, HLA and CALA) vs the float64 chunk path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.ops.linear_attn import chunk_gla, gated_linear_attention, naive_recurrent_gla, triton_gla
+from attention.ops.linear_attn import chunk_gla, gated_linear_attention, naive_recurrent_gla
+from attention.ops.linear_attn.triton import gla as triton_gla
 
 D64 = torch.float64
 
@@ -228,7 +229,7 @@ def test_triton_gla_tiles_are_square():
 
 
 _AOT = """
-from attention.ops.linear_attn import triton_gla
+from attention.ops.linear_attn.triton import gla as triton_gla
 from scripts.sm90 import compile_sm90
 const = dict(H=16, K=128, V=128, BT=64, BK=64, BV=64, HAS_DOC={has_doc}, PREC="tf32", REVERSE=False)
 ptr = dict(ell="*fp32", doc="*i32", s="*fp32", h="*fp32", dh="*fp32", dG="*fp32")

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.ops.parallax.kernels import ops as kops
-from attention.ops.parallax.kernels import parallax_decode_triton, parallax_triton
+from attention.ops.parallax.triton import ops as kops
+from attention.ops.parallax.triton import parallax_decode_triton, parallax_triton
 from attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
 
 BUDGET = {  # dtype: (forward, gradients)
@@ -320,7 +320,7 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     """The autotuner's list holds TMA / warp-specialised tiles; they survive the prune at D >= 128 only (slower at
     D = 64 on an H100), and never with a probe's BN > 64 at D = 128."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, configs, prune_fwd
+    from attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
 
@@ -338,7 +338,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
     """No TMA / warp-specialised tile below sm_90 (no TMA hardware); on sm_90 a plain tile gives way to its
     TMA + warp-specialised twin (measured faster on H100s, picked only about half the time when both were timed);
     elsewhere both stay. Tiles without a twin stay everywhere."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, configs, prune_fwd
+    from attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
 
@@ -360,7 +360,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
 def test_prune_bwd_tma_twins(capability, monkeypatch):
     """The backward lists' TMA twins stay at D >= 128 on sm_90+ only, and their plain tiles, where listed, stay
     everywhere (the autotuner times both: the twin won at some picks and lost at others)."""
-    from attention.ops.parallax.kernels.common import DKV_SPECS, DQ_SPECS, configs, prune_bwd
+    from attention.ops.parallax.triton.common import DKV_SPECS, DQ_SPECS, configs, prune_bwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
     for specs, names in ((DQ_SPECS, ("BM", "BN")), (DKV_SPECS, ("BN", "BM"))):
@@ -571,7 +571,7 @@ def test_gpu_realistic(case, dtype):
 def test_gpu_every_fwd_candidate(D, monkeypatch):
     """Each forward candidate of the short list and of the tune report's extras (TMA / warp-specialised ones
     included) pinned, probe and softmax, bf16, packed documents, against the float32 reference."""
-    from attention.ops.parallax.kernels.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
+    from attention.ops.parallax.triton.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
     cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
@@ -620,7 +620,7 @@ def test_gpu_tma_launch_in_a_new_thread():
 def test_gpu_every_bwd_candidate(D, monkeypatch):
     """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
     pinned, in pairs, probe and softmax, bf16, packed documents: every gradient against the float32 reference."""
-    from attention.ops.parallax.kernels.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
+    from attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
                                                        prune_bwd)
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate

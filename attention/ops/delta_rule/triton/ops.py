@@ -1,4 +1,5 @@
-"""torch.library custom ops around the fla / fla_hopper delta-rule paths (opaque to torch.compile: no graph break).
+"""The custom ops of the delta rule's fla-core paths, ``impl`` "fla" and "triton" (opaque to torch.compile: no graph
+break).
 
 - ``attnlab::delta_rule_fwd`` (q, k, v, beta, g?, initial_state?, cu_seqlens?, scale, output_final_state,
   backend, chunk_size, gate_lower_bound?) -> (o, final_state, gk, Aqk, Akk)
@@ -16,14 +17,14 @@ Backends (``backend``), on CUDA:
 
 - "fla": fla-core 0.6.0's pipeline with fla's ``chunk_bwd_dqkwg`` (g None / [B, T, H]; ours instead where fla
   refuses its gated backward, so a backend picked for a no-grad trace cannot fail in the backward);
-- "fla_hopper": the same pipeline with our Hopper-safe ``dqkwg`` kernel (:mod:`fla_hopper`);
+- "fla_hopper" (``impl="triton"``): the same pipeline with our Hopper-safe ``dqkwg`` kernel (:mod:`pipeline`);
 - "chunk": the PyTorch chunk path (:func:`chunk.chunk_delta_rule`).
 
 Per-channel gates (g [B, T, H, K], KDA) run what fla's own ``ChunkKDAFunction`` (``chunk_kda``) runs: the
 forward is ``chunk_kda_fwd`` and returns, as gk, Aqk, Akk, what that Function saves besides its inputs (gk: g's
 chunk-local log2 cumsum, [B, T, H, K] float32; Aqk, Akk: [B, T, H, 64] in k's dtype); the backward works on them
 and recomputes w, u, h, v_new as fla's does (no forward is rerun): "fla" runs fla's ``chunk_kda_bwd``,
-"fla_hopper" the same pipeline with our intra-chunk kernel (:func:`fla_hopper.kda_bwd`; tensor-core diagonal
+"fla_hopper" the same pipeline with our intra-chunk kernel (:func:`pipeline.kda_bwd`; tensor-core diagonal
 blocks for any gate). ``gate_lower_bound`` (KDA only, in [-5, 0); the caller guarantees every g >= it, as KDA's
 bounded gate does) runs fla's kernels with ``safe_gate=True, lower_bound=gate_lower_bound``: tensor-core dots on
 the 16x16 diagonal blocks. The chunk path is exact for any g and ignores it.
@@ -38,15 +39,15 @@ Gradients come back in their inputs' dtypes; dg / dh0 are empty tensors when g /
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 
-from attention.ops.common import cuda_device_of, fla_gated_backward_ok, keep_under_sac
+from attention.ops.common import cuda_device_of, fla_gated_backward_ok
+from attention.ops.custom_ops import attnlab_op, autograd_inside_op
 from attention.ops.delta_rule.chunk import chunk_delta_rule
-from attention.ops.delta_rule.fla_hopper import _bwd, _fwd, kda_bwd
-from attention.ops.opaque import autograd_inside_op
+from attention.ops.delta_rule.fla import cached_cu_seqlens, check_gate_lower_bound, is_kda
+from attention.ops.delta_rule.triton.pipeline import _bwd, _fwd, kda_bwd
 
 Tensor = torch.Tensor
 
@@ -71,53 +72,11 @@ def _check(backend: str, q: Tensor, cu_seqlens: Optional[Tensor], g: Optional[Te
     check_gate_lower_bound(g, gate_lower_bound)
 
 
-def check_gate_lower_bound(g: Optional[Tensor], gate_lower_bound: Optional[float]) -> None:
-    """``gate_lower_bound`` is KDA's (a per-channel g [B, T, H, K]) and lies in fla's safe_gate range [-5, 0)."""
-    if gate_lower_bound is None:
-        return
-    if not _is_kda(g):
-        got = "None" if g is None else list(g.shape)
-        raise ValueError(f"delta_rule: gate_lower_bound={gate_lower_bound} is for KDA's per-channel gate "
-                         f"g [B, T, H, K]; got g {got} (DeltaNet / Gated DeltaNet take gate_lower_bound=None)")
-    check_lower_bound_range(gate_lower_bound, "delta_rule: gate_lower_bound")
-
-
-def check_lower_bound_range(lb: float, key: str) -> None:
-    """fla's safe_gate kernels take a lower bound in [-5, 0); ``key`` names the setting in the message."""
-    if not -5.0 <= lb < 0.0:
-        raise ValueError(f"{key}={lb} must be in [-5, 0) (fla's safe_gate range), or unset")
-
-
 def _uses_chunk(backend: str, q: Tensor) -> bool:
     return backend == "chunk" or not q.is_cuda
 
 
 # ---------------------------------------------------------------- fla pieces (CUDA)
-_CU_CACHE: list = []  # [weakref to the caller's cu_seqlens, its _version, int64 copy, chunk indices], newest first
-
-
-def cached_cu_seqlens(cu_seqlens: Tensor, make_indices=None) -> tuple[Tensor, Tensor | None]:
-    """(int64 copy of ``cu_seqlens``, ``make_indices(copy)`` or None), computed once per tensor object.
-
-    Every layer of a packed batch (forward and backward) gets the same ``cu_seqlens`` tensor. fla caches its
-    per-batch helpers (``prepare_chunk_indices``: the lengths read back to the host, a device sync, and one
-    ``arange`` per document; chunk offsets) by the identity of the int64 tensor it is given, so a fresh
-    ``.to(torch.int64)`` per call recomputed them 2 × layers times per step. Keyed by identity (a weak reference)
-    and the version counter, never by address, so a later batch's tensor cannot hit a stale entry.
-    """
-    for entry in _CU_CACHE:
-        ref, version, cu, ci = entry
-        if ref() is cu_seqlens and version == cu_seqlens._version:
-            if ci is None and make_indices is not None:
-                entry[3] = ci = make_indices(cu)
-            return cu, ci
-    cu = cu_seqlens.to(torch.int64)
-    ci = None if make_indices is None else make_indices(cu)
-    _CU_CACHE.insert(0, [weakref.ref(cu_seqlens), cu_seqlens._version, cu, ci])
-    del _CU_CACHE[4:]
-    return cu, ci
-
-
 def _fla_prep(q, k, v, beta, g, h0, cu_seqlens):
     """Contiguous, fla-typed inputs and chunk indices."""
     cu = ci = None
@@ -130,10 +89,6 @@ def _fla_prep(q, k, v, beta, g, h0, cu_seqlens):
     g = None if g is None else g.float().contiguous()
     h0 = None if h0 is None else h0.float().contiguous()
     return q, k, v, beta, g, h0, cu, ci
-
-
-def _is_kda(g: Optional[Tensor]) -> bool:
-    return g is not None and g.dim() == 4
 
 
 def _no_saved(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -201,8 +156,20 @@ def _fla_bwd(do, dht, q, k, v, beta, g, h0, cu_seqlens, scale, backend):
 
 
 # ---------------------------------------------------------------- forward op
-@keep_under_sac
-@torch.library.custom_op("attnlab::delta_rule_fwd", mutates_args=())
+def _fwd_fake(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size,
+              gate_lower_bound=None):
+    B, T, H, K = q.shape
+    o = v.new_empty(B, T, H, v.shape[-1])
+    if not output_final_state:
+        ht = q.new_empty(0, dtype=_state_dtype(q))
+    else:
+        ht = q.new_empty(_n_states(q, cu_seqlens), H, K, v.shape[-1], dtype=_state_dtype(q))
+    if _uses_chunk(backend, q) or not is_kda(g):
+        return o, ht, *_no_saved(q)
+    return o, ht, g.new_empty(g.shape, dtype=torch.float32), k.new_empty(B, T, H, BT), k.new_empty(B, T, H, BT)
+
+
+@attnlab_op("delta_rule_fwd", _fwd_fake, keep_under_sac=True)
 def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
                    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                    output_final_state: bool, backend: str, chunk_size: int,
@@ -212,7 +179,7 @@ def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Te
     if _uses_chunk(backend, q):
         o, ht = chunk_delta_rule(q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens,
                                  chunk_size=chunk_size)
-    elif _is_kda(g):
+    elif is_kda(g):
         o, ht, *saved = _kda_fwd(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state,
                                  gate_lower_bound)
     else:
@@ -222,22 +189,14 @@ def delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Te
     return o, ht, *saved
 
 
-@delta_rule_fwd.register_fake
-def _(q, k, v, beta, g, initial_state, cu_seqlens, scale, output_final_state, backend, chunk_size,
-      gate_lower_bound=None):
-    B, T, H, K = q.shape
-    o = v.new_empty(B, T, H, v.shape[-1])
-    if not output_final_state:
-        ht = q.new_empty(0, dtype=_state_dtype(q))
-    else:
-        ht = q.new_empty(_n_states(q, cu_seqlens), H, K, v.shape[-1], dtype=_state_dtype(q))
-    if _uses_chunk(backend, q) or not _is_kda(g):
-        return o, ht, *_no_saved(q)
-    return o, ht, g.new_empty(g.shape, dtype=torch.float32), k.new_empty(B, T, H, BT), k.new_empty(B, T, H, BT)
-
-
 # ---------------------------------------------------------------- backward op
-@torch.library.custom_op("attnlab::delta_rule_bwd", mutates_args=())
+def _bwd_fake(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size, gk=None, Aqk=None,
+              Akk=None, gate_lower_bound=None):
+    like = lambda t: q.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return tuple(like(t) for t in (q, k, v, beta, g, initial_state))
+
+
+@attnlab_op("delta_rule_bwd", _bwd_fake)
 def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
                    g: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                    backend: str, chunk_size: int, gk: Optional[Tensor] = None, Aqk: Optional[Tensor] = None,
@@ -258,20 +217,13 @@ def delta_rule_bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: T
             got = iter(torch.autograd.grad(outs, need, grads, allow_unused=True))
             res = [None if t is None else next(got) for t in leaves]
         res = [r if r is not None or t is None else torch.zeros_like(t) for r, t in zip(res, leaves)]
-    elif _is_kda(g):
+    elif is_kda(g):
         res = list(_kda_bwd(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, gk, Aqk, Akk,
                             gate_lower_bound, backend))
     else:
         res = list(_fla_bwd(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend))
     ins = (q, k, v, beta, g, initial_state)
     return tuple(q.new_empty(0) if t is None else r.to(t.dtype).contiguous() for r, t in zip(res, ins))
-
-
-@delta_rule_bwd.register_fake
-def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, scale, backend, chunk_size, gk=None, Aqk=None, Akk=None,
-      gate_lower_bound=None):
-    like = lambda t: q.new_empty(0) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    return tuple(like(t) for t in (q, k, v, beta, g, initial_state))
 
 
 def _setup_context(ctx, inputs, output):

@@ -21,13 +21,13 @@ import torch
 import triton
 
 from attention.ops.autotune import compile_candidates
-from attention.ops.common import keep_under_sac
+from attention.ops.custom_ops import attnlab_op
 from attention.ops.fla_launch import FastLaunch
 from attention.ops.outputs import empty, empty_like
-from attention.ops.parallax.kernels.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
-from attention.ops.parallax.kernels.common import INTERPRET
-from attention.ops.parallax.kernels.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
-from attention.ops.parallax.kernels.fwd import LOG2E, _parallax_fwd_kernel
+from attention.ops.parallax.triton.bwd import _parallax_bwd_dkv_kernel, _parallax_bwd_dq_kernel
+from attention.ops.parallax.triton.common import INTERPRET
+from attention.ops.parallax.triton.decode import _parallax_decode_kernel, _parallax_decode_merge_kernel
+from attention.ops.parallax.triton.fwd import LOG2E, _parallax_fwd_kernel
 from attention.ops.tiles import tile_grid
 
 Tensor = torch.Tensor
@@ -188,8 +188,15 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], 
     return dq, dk, dv, dr
 
 
-@keep_under_sac
-@torch.library.custom_op("attnlab::parallax_fwd", mutates_args=(), device_types=None)
+def _fwd_fake(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
+    B, T, HQ, D = q.shape
+    lse = q.new_empty(HQ, B * T, dtype=torch.float32)
+    if r is None:
+        return torch.empty_like(q), lse, q.new_empty(0), lse.new_empty(0)
+    return torch.empty_like(q), lse, torch.empty_like(q), q.new_empty(HQ, B * T, dtype=torch.float32)
+
+
+@attnlab_op("parallax_fwd", _fwd_fake, keep_under_sac=True)
 def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                  max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # requires_grad only: the op's autograd runs this body with grad mode off even when a backward follows, so an
@@ -198,26 +205,16 @@ def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlen
     return _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, needs_grad)
 
 
-@parallax_fwd.register_fake
-def _(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
-    B, T, HQ, D = q.shape
-    lse = q.new_empty(HQ, B * T, dtype=torch.float32)
-    if r is None:
-        return torch.empty_like(q), lse, q.new_empty(0), lse.new_empty(0)
-    return torch.empty_like(q), lse, torch.empty_like(q), q.new_empty(HQ, B * T, dtype=torch.float32)
+def _bwd_fake(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size):
+    dr = torch.empty_like(q) if r is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr
 
 
-@torch.library.custom_op("attnlab::parallax_bwd", mutates_args=())
+@attnlab_op("parallax_bwd", _bwd_fake)
 def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
-
-
-@parallax_bwd.register_fake
-def _(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size):
-    dr = torch.empty_like(q) if r is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr
 
 
 def _save(ctx, inputs: tuple, output: tuple) -> None:
@@ -385,7 +382,11 @@ def decode_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.dev
     return s
 
 
-@torch.library.custom_op("attnlab::parallax_decode", mutates_args=())
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, r, scale, window_size, num_splits, fused_merge=True):
+    return torch.empty_like(q)
+
+
+@attnlab_op("parallax_decode", _decode_fake)
 def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, r: Optional[Tensor],
                        scale: float, window_size: int, num_splits: int, fused_merge: bool = True) -> Tensor:
     B, TQ, HQ, D = q.shape
@@ -424,8 +425,3 @@ def parallax_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
             PDL=pdl, BD=D // grid_m[1], num_warps=1 if INTERPRET else MERGE_CFG["num_warps"],
             **({"launch_pdl": True} if pdl else {}))
     return o
-
-
-@parallax_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, r, scale, window_size, num_splits, fused_merge=True):
-    return torch.empty_like(q)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.parallax.kernels import ops as _ops
-from attention.ops.parallax.kernels.ops import decode_splits, parallax_bwd, parallax_decode_op, parallax_fwd
+from attention.ops.parallax.triton import ops as _ops
+from attention.ops.parallax.triton.ops import decode_splits, parallax_bwd, parallax_decode_op, parallax_fwd
 
 __all__ = ["parallax_triton", "parallax_decode_triton", "parallax_fwd", "parallax_bwd", "decode_splits"]
 
@@ -33,7 +33,7 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 def autotuned_kernels() -> dict:
     """The training kernels' Triton autotuners by pass ("fwd", "dq", "dkv"), for tools that report the autotuner's
     pick per key (``.cache``) or compile candidates offline (``.fn``)."""
-    from attention.ops.parallax.kernels import bwd, fwd
+    from attention.ops.parallax.triton import bwd, fwd
 
     return {"fwd": fwd._parallax_fwd_kernel, "dq": bwd._parallax_bwd_dq_kernel, "dkv": bwd._parallax_bwd_dkv_kernel}
 

@@ -35,10 +35,11 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from attention.ops.autotune import INTERPRET, candidates
+from attention.ops.autotune import candidates
 from attention.ops.common import cuda_device_of
+from attention.ops.custom_ops import attnlab_op
 from attention.ops.outputs import empty
 
 Tensor = torch.Tensor
@@ -252,25 +253,15 @@ def conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor]
 # ---------------------------------------------------------------------------------------------------------- ops
 # On a GPU the pair is a ``torch.library.triton_op``: a compiled graph traces into it and inductor launches the
 # kernels from its generated code (no Python per call; a custom op's dispatch and launch cost per call is more than
-# the forward kernel's GPU time). Triton's interpreter cannot run on the fake tensors that tracing uses, so there
-# (TRITON_INTERPRET=1, the CPU tests) the same bodies are an opaque custom op with a fake implementation.
-def _op(name: str, fake):
-    def register(fn):
-        if not INTERPRET:
-            return triton_op(name, mutates_args=())(fn)
-        op = torch.library.custom_op(name, mutates_args=())(fn)
-        op.register_fake(fake)
-        return op
-    return register
-
-
-@_op("attnlab::short_conv_fwd", lambda x, weight, cu_seqlens, activation: x.new_empty(x.shape))
+# the forward kernel's GPU time). Under TRITON_INTERPRET=1 (the CPU tests) the same bodies are opaque custom ops.
+@attnlab_op("short_conv_fwd", lambda x, weight, cu_seqlens, activation: x.new_empty(x.shape), triton=True)
 def short_conv_fwd(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor], activation: bool) -> Tensor:
     return conv_fwd(x, weight, cu_seqlens, activation)
 
 
-@_op("attnlab::short_conv_bwd",
-     lambda dy, x, weight, cu_seqlens, activation: (x.new_empty(x.shape), weight.new_empty(weight.shape)))
+@attnlab_op("short_conv_bwd",
+            lambda dy, x, weight, cu_seqlens, activation: (x.new_empty(x.shape), weight.new_empty(weight.shape)),
+            triton=True)
 def short_conv_bwd(dy: Tensor, x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor],
                    activation: bool) -> tuple[Tensor, Tensor]:
     return conv_bwd(dy, x, weight, cu_seqlens, activation)

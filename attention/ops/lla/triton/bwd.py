@@ -1,7 +1,7 @@
 """LLA backward: pass A and the adjoint CG start, pass B (dq, dλ), and the dk/dv kernel (docs/kernels.md, "LLA").
 
 The adjoint solve between A and B is ``cg._cg_step_kernel`` on the forward's Σ_c (its k̄ and Jacobi diagonal are
-kept from the forward). The math is the one of ``chunked.py``, whose docstring derives it.
+kept from the forward). The math is the one of ``attention/ops/lla/chunk.py``, whose docstring derives it.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.lla.kernels.cg import _cg_start
-from attention.ops.lla.kernels.common import (_BN, _LT, _RQ, _TAU, _UQ, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile,
+from attention.ops.lla.triton.cg import _cg_start
+from attention.ops.lla.triton.common import (_BN, _LT, _RQ, _TAU, _UQ, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile,
                                               _kv_weights, _q_tile, _rows, _store_kv)
 
 

@@ -27,7 +27,7 @@ result is exact for any gate: a gate bounded by fla's ``lower_bound`` >= -5 neve
 and always takes the dots.
 
 Written for this project (MIT); follows the structure of fla's ``chunk_kda_bwd_kernel_intra`` so it drops into
-fla's KDA backward pipeline (:func:`attention.ops.delta_rule.fla_hopper.kda_bwd`).
+fla's KDA backward pipeline (:func:`attention.ops.delta_rule.triton.pipeline.kda_bwd`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import triton.language as tl
 from packaging.version import Version
 
 from attention.ops.autotune import INTERPRET, candidates
-from attention.ops.delta_rule.dqkwg import chunk_grid
+from attention.ops.delta_rule.triton.dqkwg import chunk_grid
 
 __all__ = ["chunk_kda_bwd_intra", "SPAN_MAX"]
 

@@ -1,10 +1,11 @@
-"""The "fla_hopper" path: fla-core 0.6.0's chunked delta-rule kernels with our dqkwg kernel swapped in.
+"""The ``triton`` path (the custom op's backend "fla_hopper"): fla-core 0.6.0's chunked delta-rule kernels with
+our dqkwg kernel swapped in.
 
 fla-core 0.6.0 refuses (``chunk_bwd_dqkwg`` raises) the gated backward on Hopper with 3.4 <= Triton < 3.7.1:
 one kernel, ``chunk_bwd_kernel_dqkwg``, is miscompiled there (docs/kernels.md). This path runs fla's forward
 pieces and fla's backward sub-kernels in the order of fla's ``chunk_gated_delta_rule_bwd`` /
-``chunk_delta_rule_bwd``, calling :func:`attention.ops.delta_rule.dqkwg.chunk_bwd_dqkwg` (ours, no transposed
-MMA result) instead of fla's:
+``chunk_delta_rule_bwd``, calling :func:`attention.ops.delta_rule.triton.dqkwg.chunk_bwd_dqkwg` (ours, no
+transposed MMA result) instead of fla's:
 
     forward : [GDN: chunk_local_cumsum (log2)] -> WY form (w, u, A) -> chunk_gated_delta_rule_fwd_h (h, v_new)
               -> chunk_fwd_o
@@ -14,10 +15,10 @@ MMA result) instead of fla's:
 - g None (DeltaNet): fla's ``delta_rule`` WY kernels (fla 0.6.0 already restricts their Hopper-miscompiled
   ``prepare_wy_repr_bwd_kernel`` to num_warps=2) with our dqkwg (same transposed-MMA pattern);
 - g [B, T, H] (GDN): fla's ``gated_delta_rule`` kernels with our dqkwg;
-- g [B, T, H, K] (KDA): fla's own KDA forward (``chunk_kda_fwd``, called by :mod:`ops` as fla's
+- g [B, T, H, K] (KDA): fla's own KDA forward (``chunk_kda_fwd``, called by ``ops.py`` as fla's
   ``ChunkKDAFunction`` does) and fla's backward pipeline (:func:`kda_bwd`, the order of ``chunk_kda_bwd``) with
-  our intra-chunk kernel (:mod:`attention.ops.delta_rule.kda_intra`: tensor-core diagonal blocks for any gate,
-  where fla's runs a 16-step loop unless the gate has a lower bound). fla's 0.6.0 KDA backward never calls
+  our intra-chunk kernel (:mod:`attention.ops.delta_rule.triton.kda_intra`: tensor-core diagonal blocks for any
+  gate, where fla's runs a 16-step loop unless the gate has a lower bound). fla's 0.6.0 KDA backward never calls
   ``chunk_bwd_dqkwg`` (it has its own fused ``chunk_kda_bwd_kernel_wy_dqkg_fused``, whose Hopper autotune list
   already drops BK=32 at 4 warps and to which :mod:`attention.ops.fla_launch` adds 8-warp configs), is not
   refused by fla, and contains no dot on a transposed dot result; its correctness on Hopper + Triton 3.6 is
@@ -33,8 +34,8 @@ import types
 
 import torch
 
-from attention.ops.delta_rule.dqkwg import chunk_bwd_dqkwg
-from attention.ops.delta_rule.kda_intra import chunk_kda_bwd_intra
+from attention.ops.delta_rule.triton.dqkwg import chunk_bwd_dqkwg
+from attention.ops.delta_rule.triton.kda_intra import chunk_kda_bwd_intra
 
 BT = 64
 
@@ -43,7 +44,7 @@ BT = 64
 def _fla() -> types.SimpleNamespace:
     """fla's entry points without their decorators (host time: :mod:`attention.ops.fla_launch`, whose launch
     proxies ``fla_importable`` installs). Callers run inside ``torch.cuda.device(q.device)`` with contiguous
-    inputs (:func:`attention.ops.delta_rule.ops._fla_prep`)."""
+    inputs (:func:`attention.ops.delta_rule.triton.ops._fla_prep`)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.delta_rule import wy_fast as dr_wy

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.lla.kernels.common import _BN, _QP, _RID, _RZ, _THR, _q_tile, _rows, _sigma_pass
+from attention.ops.lla.triton.common import _BN, _QP, _RID, _RZ, _THR, _q_tile, _rows, _sigma_pass
 
 
 @triton.jit

@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.lla.kernels.cg import _cg_start
-from attention.ops.lla.kernels.common import _BN, _centre, _out_pass, _q_tile, _rows, _stats_pass
+from attention.ops.lla.triton.cg import _cg_start
+from attention.ops.lla.triton.common import _BN, _centre, _out_pass, _q_tile, _rows, _stats_pass
 
 
 @triton.jit

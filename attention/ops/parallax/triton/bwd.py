@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import (_col_phases, _row_phases, _row_program, _tile_descriptor,
+from attention.ops.parallax.triton.common import (_col_phases, _row_phases, _row_program, _tile_descriptor,
                                                    dkv_configs, dq_configs, prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 

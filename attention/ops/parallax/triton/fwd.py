@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.kernels.common import (_row_phases, _row_program, _tile_descriptor, fwd_configs,
+from attention.ops.parallax.triton.common import (_row_phases, _row_program, _tile_descriptor, fwd_configs,
                                                    prune_fwd)
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)

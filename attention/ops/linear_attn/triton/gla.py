@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from attention.ops.common import document_ids
+from attention.ops.custom_ops import fake_attention_out, opaque_op
 from attention.ops.linear_attn import TRITON_CHUNK_SIZES
-from attention.ops.opaque import fake_attention_out, opaque_op
 from attention.ops.outputs import empty
 
 Tensor = torch.Tensor

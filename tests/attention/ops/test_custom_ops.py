@@ -1,4 +1,6 @@
-"""attention.ops.opaque: an untraceable eager function as a custom op pair that compiles with fullgraph=True."""
+"""attention.ops.custom_ops: ``attnlab_op`` registers an ``attnlab::`` op (once, with its fake, optionally kept
+under selective activation checkpointing); ``opaque_op`` makes an untraceable eager function a custom op pair that
+compiles with fullgraph=True."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from attention.ops.opaque import REGISTERED, opaque_op
+from attention.ops.custom_ops import REGISTERED, SAC_SAVE, attnlab_op, opaque_op
 
 Tensor = torch.Tensor
 
@@ -28,10 +30,36 @@ def _fake(x, w, idx, scale, reps):
 op = opaque_op("test_untraceable", _untraceable, _fake)
 
 
+def _scale_fake(x, s):
+    return torch.empty_like(x)
+
+
+@attnlab_op("test_scale", _scale_fake, keep_under_sac=True, triton=True)
+def _scale(x: Tensor, s: float) -> Tensor:
+    return x * s
+
+
+@attnlab_op("test_scale_kept_off", _scale_fake)
+def _scale_recomputed(x: Tensor, s: float) -> Tensor:
+    return x * s
+
+
+def test_attnlab_op_namespace_fake_and_sac_declaration():
+    """One namespace; ``keep_under_sac`` puts the op on the save list, its absence leaves it off; under the
+    interpreter (the CPU tests) ``triton=True`` is a custom op with the fake (a triton_op needs a GPU)."""
+    assert REGISTERED["test_scale"] is _scale and torch.ops.attnlab.test_scale.default is _scale._opoverload
+    assert _scale._opoverload in SAC_SAVE and _scale_recomputed._opoverload not in SAC_SAVE
+    torch.testing.assert_close(_scale(torch.ones(3), 2.0), torch.full((3,), 2.0))
+    torch.library.opcheck(_scale, (torch.randn(2, 3), 0.5), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_registered_and_rejects_a_second_registration():
-    assert REGISTERED["test_untraceable"] is op
+    assert REGISTERED["test_untraceable"] is op and REGISTERED["test_untraceable_bwd"] is not None
+    assert op._opoverload in SAC_SAVE  # its backward recomputes the forward: the output is kept
     with pytest.raises(ValueError, match="already registered"):
         opaque_op("test_untraceable", _untraceable, _fake)
+    with pytest.raises(ValueError, match="attnlab::test_scale is already registered"):
+        attnlab_op("test_scale", _scale_fake)(_scale_recomputed)
 
 
 @pytest.mark.parametrize("with_idx", [True, False])

@@ -6,11 +6,11 @@ import torch
 import triton
 
 from attention.ops.autotune import candidates
-from attention.ops.lla.kernels import common
-from attention.ops.lla.kernels.bwd import _bwd_a_kernel, _bwd_b_kernel, _bwd_kv_kernel
-from attention.ops.lla.kernels.cg import _cg_step_kernel
-from attention.ops.lla.kernels.common import LOG2E, N_ROWS, _cfg, _launch, _strides
-from attention.ops.lla.kernels.fwd import _out_kernel, _stats_kernel
+from attention.ops.lla.triton import common
+from attention.ops.lla.triton.bwd import _bwd_a_kernel, _bwd_b_kernel, _bwd_kv_kernel
+from attention.ops.lla.triton.cg import _cg_step_kernel
+from attention.ops.lla.triton.common import LOG2E, N_ROWS, _cfg, _launch, _strides
+from attention.ops.lla.triton.fwd import _out_kernel, _stats_kernel
 from attention.ops.outputs import empty, empty_like
 from attention.ops.tiles import tile_grid
 
