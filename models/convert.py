@@ -1,11 +1,13 @@
 """softmax → Parallax conversion with W_R = 0 (Parallax paper §5; docs/mechanisms.md): with ρ = RMSNorm(0) = 0 Parallax reduces
 to softmax attention, so the converted model computes exactly the same function. Used by
-scripts/convert_to_parallax.py and scripts/import_hf.py."""
+scripts/convert_to_parallax.py and scripts/import_hf.py, with the training-config entries that rebuild a converted
+or imported architecture (:func:`config_overrides`, :func:`finetune_command`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 
 import torch
 
@@ -119,3 +121,71 @@ def convert_from_arguments(args, sd, a, progress: bool = False):
         layers = parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers))
     return layers, *convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
                                   a.rho_norm_init)
+
+
+FINETUNE_CONFIG = "configs/convert_finetune_parallax.toml"
+"""The fine-tuning recipe of a converted checkpoint (W_R's own lr warmup), relative to the checkout's root."""
+
+
+def flavor_and_dims(args) -> tuple[str, dict[str, int]]:
+    """(the flavor closest to ``args``'s sizes, ``[model]`` dimension overrides for the sizes it differs in).
+    The flavor must share ``args``'s RMSNorm eps, which no config key overrides."""
+    from models.args import DIMS, FLAVORS
+
+    same_eps = {n: a for n, a in FLAVORS.items() if a.norm_eps == args.norm_eps}
+    if not same_eps:
+        raise CheckpointError(f"no model.flavor has this checkpoint's RMSNorm eps {args.norm_eps}; flavors: "
+                              + ", ".join(f"{n} {a.norm_eps}" for n, a in FLAVORS.items()))
+
+    def differs(flavor):
+        return {f: getattr(args, f) for f in DIMS if getattr(flavor, f) != getattr(args, f)}
+
+    name = min(same_eps, key=lambda n: len(differs(same_eps[n])))
+    return name, differs(same_eps[name])
+
+
+def config_overrides(args) -> dict[str, dict]:
+    """The training-config entries that rebuild the architecture ``args`` on top of any config, as nested sections:
+    ``{"model": {...}, "attention": {mechanism: {option: value}}}``. ``[model]``: the closest flavor
+    (:func:`flavor_and_dims`, for the RMSNorm eps no key sets) with every size given explicitly (a config's own size
+    overrides never apply), vocabulary, RoPE base, tying, mechanism and layer pattern (empty when every layer is the
+    same); ``[attention.<mechanism>]``: every option of each mechanism used (tuples as lists, None, which has no TOML
+    form, left out). The mask type and sequence length stay the config's: they follow how the data is packed, not
+    the weights."""
+    from models.args import DIMS
+
+    flavor, _ = flavor_and_dims(args)
+    mechs = args.layer_mechanisms()
+    model = dict(flavor=flavor, **{f: getattr(args, f) for f in DIMS}, vocab_size=args.vocab_size,
+                 rope_theta=args.rope_theta, tie_embeddings=args.enable_weight_tying, attention=mechs[0],
+                 layer_pattern=mechs if len(set(mechs)) > 1 else [])
+    attn = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(opts).items()
+                   if v is not None}
+            for name, opts in args.attention_options.items() if name in set(mechs)}
+    return {"model": model, "attention": attn}
+
+
+def config_flags(sections: dict, prefix: str = "--") -> list[str]:
+    """train.py's ``--section.key value`` flags of nested config entries (``{"model": {"flavor": "debug"}}`` →
+    ``["--model.flavor", "debug"]``): booleans as true/false, lists comma-joined; empty lists are left out (the
+    config's default, no pattern)."""
+    out = []
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            out += config_flags(value, f"{prefix}{key}.")
+        elif value != []:
+            text = (str(value).lower() if isinstance(value, bool) else
+                    ",".join(map(str, value)) if isinstance(value, list) else str(value))
+            out += [f"{prefix}{key}", text]
+    return out
+
+
+def finetune_command(args, checkpoint, tokenizer=None) -> str:
+    """The train.py command line that fine-tunes the converted DCP ``checkpoint`` of architecture ``args`` with
+    :data:`FINETUNE_CONFIG`: its model loaded through ``checkpoint.initial_load_path``, the architecture set by
+    :func:`config_overrides` (sizes, vocabulary, layer pattern, ``rope_on_rho``, ``rho_gate``, …) and, when given,
+    the tokenizer folder the weights were trained with as ``model.hf_assets_path``."""
+    flags = ["--checkpoint.initial_load_path", str(checkpoint), *config_flags(config_overrides(args))]
+    if tokenizer is not None:
+        flags += ["--model.hf_assets_path", str(tokenizer)]
+    return shlex.join(["python", "train.py", "--job.config_file", FINETUNE_CONFIG, *flags])

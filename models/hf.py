@@ -11,11 +11,13 @@ Two on-disk formats hold a model:
   layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
   ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
   adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
-  ``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights), and its
+  ``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights). Every exported
   ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact). When every layer is
   softmax (any options) or Parallax, the folder also holds a standalone remote-code model
   (``models/hf_remote``: configuration + modeling files, ``auto_map`` in config.json), so
-  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it.
+  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it. config.json is written and read
+  through transformers' config classes (:func:`hf_config`, :func:`args_from_hf_config`); the tokenizer is saved with
+  transformers and encodes as the training data path does (:func:`save_hf_tokenizer`).
 
 The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map`` (dense entries).
 """
@@ -35,7 +37,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 import attention
 from models.args import ModelArgs
 from models.model import Transformer
-from models.run_folder import new_folder, save_tokenizer
+from models.run_folder import new_folder
 
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -342,44 +344,94 @@ def has_remote_code(args: ModelArgs) -> bool:
     return not is_plain_qwen3(args) and set(args.layer_mechanisms()) <= set(REMOTE_CODE_MECHANISMS)
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json: Qwen3Config fields, plus the full architecture under "attnlab" (and ``auto_map`` to the
-    remote-code model when it implements every layer)."""
-    plain = is_plain_qwen3(args)
-    remote = {"auto_map": {"AutoConfig": "configuration_attnlab.AttnLabConfig",
-                           "AutoModelForCausalLM": "modeling_attnlab.AttnLabForCausalLM"}} if has_remote_code(args) else {}
-    return {**remote,
-        "architectures": ["Qwen3ForCausalLM" if plain else "AttnLabForCausalLM"],
-        "model_type": "qwen3" if plain else "attnlab",
-        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "tie_word_embeddings": args.enable_weight_tying,
-        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-        "use_cache": True, "initializer_range": 0.02, "torch_dtype": str(dtype).removeprefix("torch."),
-        "attnlab": args_to_dict(args),
-    }
+QWEN3_TO_ARGS = {"vocab_size": "vocab_size", "hidden_size": "dim", "intermediate_size": "hidden_dim",
+                 "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+                 "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
+                 "tie_word_embeddings": "enable_weight_tying"}
+"""``Qwen3Config`` fields that are :class:`ModelArgs` fields as they are (``head_dim`` and the RoPE base of
+``rope_parameters`` are read with transformers' fallbacks in :func:`args_from_hf_config`)."""
+
+QWEN3_FIXED = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
+"""``Qwen3Config`` fields this model has one value of: any other value changes the computation (the activation, a
+bias on q/k/v/o, dropout while training), so a config.json with it is refused."""
+
+QWEN3_INERT = ("initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "use_sliding_window",
+               "sliding_window", "max_window_layers", "_name_or_path", "architectures", "chunk_size_feed_forward",
+               "dtype", "id2label", "label2id", "is_encoder_decoder", "model_type", "output_attentions",
+               "output_hidden_states", "problem_type", "return_dict", "transformers_version")
+"""``Qwen3Config`` fields that do not change the logits of weights already trained: initialisation, caching, token
+ids, output options, storage dtype. The sliding-window fields act only through ``layer_types`` (transformers
+derives it from them), which is checked instead."""
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32):
+    """config.json as a transformers config object (``save_pretrained`` writes it), with the full architecture under
+    ``"attnlab"`` (read back exactly by :func:`args_from_hf_config`): a ``Qwen3Config`` for a plain Qwen3 model
+    (transformers ignores the extra key); otherwise the remote-code ``AttnLabConfig`` (``model_type = "attnlab"``)
+    with the same Qwen3 fields for tools that read them, and ``auto_map`` to the remote-code model when it implements
+    every layer."""
+    from transformers import Qwen3Config
+
+    qwen3 = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+                 num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                 head_dim=args.head_dim, max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps,
+                 rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+                 tie_word_embeddings=args.enable_weight_tying, dtype=dtype, attnlab=args_to_dict(args))
+    if is_plain_qwen3(args):
+        return Qwen3Config(architectures=["Qwen3ForCausalLM"], **qwen3)
+    from models.hf_remote.configuration_attnlab import AttnLabConfig
+
+    cfg = AttnLabConfig(architectures=["AttnLabForCausalLM"], **qwen3)
+    if has_remote_code(args):
+        cfg.auto_map = {"AutoConfig": "configuration_attnlab.AttnLabConfig",
+                        "AutoModelForCausalLM": "modeling_attnlab.AttnLabForCausalLM"}
+    return cfg
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """The architecture of a config.json (``cfg``, as parsed): an export's ``"attnlab"`` record, or a Qwen3 config read
+    by transformers' own ``Qwen3Config`` (its defaults, and both RoPE layouts it reads: ``rope_theta`` +
+    ``rope_scaling`` of older files, ``rope_parameters`` of newer ones). Every field that would change the
+    computation away from this model's is refused, naming the key: non-default RoPE types (yarn, linear, dynamic,
+    …), sliding-window layers, another activation, attention bias or dropout, quantization, and any ``Qwen3Config``
+    field not classified here (:data:`QWEN3_TO_ARGS`, :data:`QWEN3_FIXED`, :data:`QWEN3_INERT`) that is set away
+    from its default, as new library versions may add."""
     if "attnlab" in cfg:
         return args_from_dict(cfg["attnlab"])
     if cfg.get("model_type") != "qwen3":
         raise CheckpointError(f"config.json model_type={cfg.get('model_type')!r}: only Qwen3 (dense) Hugging Face "
                               "checkpoints and folders exported by scripts/export_hf.py are supported")
-    if cfg.get("use_sliding_window") or cfg.get("rope_scaling") or cfg.get("attention_bias"):
-        raise CheckpointError("config.json uses sliding windows, rope_scaling or attention bias, which this model lacks")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json hidden_act={cfg['hidden_act']!r}; only 'silu' is supported")
-    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
-    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-                     n_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                     hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-                     norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-                     max_seq_len=cfg.get("max_position_embeddings", 4096),
-                     enable_weight_tying=cfg.get("tie_word_embeddings", False), attention="softmax",
+    from transformers import Qwen3Config
+
+    if cfg.get("quantization_config") is not None:
+        raise CheckpointError("config.json quantization_config: quantized checkpoints are not supported; use the "
+                              "unquantized weights")
+    try:
+        qc = Qwen3Config.from_dict(cfg)
+    except Exception as e:  # transformers' validation: missing RoPE keys, wrong types
+        raise CheckpointError(f"config.json: transformers cannot read it ({' '.join(str(e).split())})") from e
+    rope = qc.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        raise CheckpointError(f"config.json {key}: rope_type {rope['rope_type']!r} is not supported (this model has "
+                              "the default RoPE, base rope_theta, only)")
+    for key, value in QWEN3_FIXED.items():
+        if getattr(qc, key) != value:
+            raise CheckpointError(f"config.json {key}={getattr(qc, key)!r}: not supported (this model has {value!r})")
+    sliding = [i for i, t in enumerate(qc.layer_types) if t != "full_attention"]
+    if sliding:
+        key = "layer_types" if cfg.get("layer_types") is not None else "use_sliding_window"
+        raise CheckpointError(f"config.json {key}: layers {sliding} are {qc.layer_types[sliding[0]]!r}, which this "
+                              "model lacks (full attention only)")
+    default = Qwen3Config()
+    known = set(QWEN3_TO_ARGS) | set(QWEN3_FIXED) | set(QWEN3_INERT) | {"head_dim", "rope_parameters", "layer_types"}
+    unknown = [k for k in default.to_dict() if k not in known and getattr(qc, k) != getattr(default, k)]
+    if unknown:
+        raise CheckpointError(f"config.json {unknown[0]}={getattr(qc, unknown[0])!r}: a Qwen3 setting this importer "
+                              "does not know, which may change the computation; not supported")
+    return ModelArgs(**{a: getattr(qc, k) for k, a in QWEN3_TO_ARGS.items()},
+                     head_dim=qc.head_dim or qc.hidden_size // qc.num_attention_heads,  # transformers' fallback
+                     rope_theta=float(rope["rope_theta"]), attention="softmax",
                      attention_options={"softmax": attention.get_mechanism("softmax").options()})
 
 
@@ -408,19 +460,49 @@ def load_hf_state(folder, progress: bool = False, args: ModelArgs | None = None)
     return args, from_hf(hf, args)
 
 
+def save_hf_tokenizer(src, dst) -> None:
+    """Write the tokenizer of folder ``src`` (tokenizer.json [+ tokenizer_config.json], as ``model.hf_assets_path``
+    names) into ``dst`` with transformers' ``PreTrainedTokenizerFast.save_pretrained``, encoding as the training data
+    path does.
+
+    The tokenizer saved is the one training builds (torchtitan's ``HuggingFaceTokenizer``, as
+    :func:`data.loader.build_tokenizer`: tokenizer.json plus the special tokens of tokenizer_config.json). Training
+    encodes every document as BOS + text + EOS, adding the BOS (when the config names one) unless the tokenizer's own
+    post-processor already does; the saved tokenizer then gets a post-processor that prepends it, so
+    ``AutoTokenizer.from_pretrained(dst)(text).input_ids`` are a training document's ids up to its closing EOS (a
+    prompt is an unfinished document; lm-eval's contexts start as training rows do). ``generation_config.json`` is
+    copied when ``src`` has one."""
+    from tokenizers import processors
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    src, dst = Path(src), Path(dst)
+    trained = HuggingFaceTokenizer(str(src))
+    tok = trained.tokenizer
+    if trained.bos_id is not None and not trained.hf_adds_bos:
+        bos = trained.bos_token
+        prepend = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                                special_tokens=[(bos, trained.bos_id)])
+        tok.post_processor = prepend if tok.post_processor is None else processors.Sequence([tok.post_processor,
+                                                                                              prepend])
+    PreTrainedTokenizerFast.from_pretrained(str(src), tokenizer_object=tok).save_pretrained(str(dst))
+    if (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", dst / "generation_config.json")
+
+
 def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.dtype = torch.float32,
             tokenizer_dir=None, progress: bool = False) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (+ the tokenizer files of ``tokenizer_dir`` when it has a
-    tokenizer.json) atomically into ``folder``, with ordinary permissions."""
+    """Write ``config.json`` (:func:`hf_config`) + ``model.safetensors`` (+ the tokenizer of ``tokenizer_dir`` when it
+    has a tokenizer.json, :func:`save_hf_tokenizer`) atomically into ``folder``, with ordinary permissions."""
     from safetensors.torch import save_file
 
     hf = {k: v.detach().to(dtype).contiguous().clone()
           for k, v in progress_bar(to_hf(sd, args).items(), "convert", progress)}
     with new_folder(folder) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+        hf_config(args, dtype).save_pretrained(str(tmp))
         if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-            save_tokenizer(tokenizer_dir, tmp)
+            save_hf_tokenizer(tokenizer_dir, tmp)
         if has_remote_code(args):
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)

@@ -14,7 +14,9 @@ nothing.
 A DCP folder records no architecture: it is read from the run's ``config.toml``, else the folder's
 ``attnlab.json`` (the trainer writes one into every step folder, mask type included), else inferred from tensor
 shapes (pass ``--rope-theta`` / ``--norm-eps`` / ``--attn-mask-type`` when the run changed them). The DCP output
-is a model-only checkpoint for ``checkpoint.initial_load_path`` (see configs/convert_finetune_parallax.toml).
+is a model-only checkpoint for ``checkpoint.initial_load_path``: the tool prints the train.py command that fine-tunes
+it with configs/convert_finetune_parallax.toml, with the converted architecture (flavor and sizes, vocabulary,
+layer pattern, ``rope_on_rho``, ``rho_gate``, …) and the run's tokenizer as flags.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from models.convert import add_conversion_arguments, convert_from_arguments, max_logit_diff
+from models.convert import add_conversion_arguments, convert_from_arguments, finetune_command, max_logit_diff
 from models.hf import CheckpointError, save_dcp_state, save_hf
 
 
@@ -64,13 +66,13 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError) as e:
         print(f"convert_to_parallax: error: {e}", file=sys.stderr)
         return 2
-    pattern = new_args.layer_mechanisms()
     print(f"wrote {fmt} checkpoint {dst}: layers {layers[0]}-{layers[-1]} ({len(layers)}/{args.n_layers}) now "
           f"Parallax with W_R = 0; max |Δlogits| = {diff:.2e}")
     if fmt == "dcp":
-        lp = "" if len(set(pattern)) == 1 else " --model.layer_pattern " + ",".join(pattern)
-        print(f"fine-tune: python train.py --job.config_file configs/convert_finetune_parallax.toml "
-              f"--checkpoint.initial_load_path {dst}{lp}")
+        try:
+            print(f"fine-tune: {finetune_command(new_args, dst, src.tokenizer)}")
+        except CheckpointError as e:  # no flavor has the checkpoint's RMSNorm eps
+            print(f"fine-tune: no train.py command rebuilds this model ({e})")
     return 0
 
 

@@ -13,12 +13,17 @@ it, so every lm-eval task and option applies unchanged; the equivalent direct co
 as in transformers: any other folder's code would run with this process's rights.
 The default tasks are the Parallax paper's (LAMBADA and WikiText perplexity; BoolQ, HellaSwag, PIQA, ARC-e/c,
 WinoGrande, OpenBookQA, SciQ zero-shot); lm-eval downloads their data from the Hugging Face Hub on first use.
+Offline (the Hub does not answer, or ``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``), tasks run from local copies
+only: data in the datasets cache (``$HF_HOME``, default ~/.cache/huggingface, e.g. copied from a machine that
+loaded it) or task YAMLs with local ``dataset_path``/``data_files`` under ``--include-path``; a task whose data is
+neither is named in one line before anything is exported, instead of lm-eval retrying the connection.
 Prints one line per task and metric and writes lm-eval's results JSON to ``-o``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -64,6 +69,61 @@ def trust_remote_code(folder: Path, allowed: bool) -> bool:
                           "project's exported model (models/hf_remote); pass --trust-remote-code to run it anyway")
 
 
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face Hub answers one HEAD request, through huggingface_hub's own HTTP session (its
+    endpoint, proxies and offline mode apply)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no network, DNS failure, proxy refusal, offline mode: the Hub cannot be used
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def hub_offline(enable: bool = True):
+    """With ``enable``, ``datasets`` and ``huggingface_hub`` run in their offline mode inside the block, as if
+    ``HF_HUB_OFFLINE=1`` had been set before they were imported: data in the local cache loads, anything else fails
+    at once with a ConnectionError instead of retrying the connection for a minute. Both flags are restored after."""
+    if not enable:
+        yield
+        return
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def check_tasks_offline(tasks: list[str], task_manager) -> None:
+    """Load every task of ``tasks`` that ``task_manager`` knows (a task, group or tag name, or a task YAML), data
+    included, under :func:`hub_offline`; the first whose data is neither local nor in the datasets cache is a
+    CheckpointError naming the task, what it could not reach, and how to run it from a local copy. Names lm-eval does
+    not know are left to lm-eval, which names them itself."""
+    from models.hf import CheckpointError
+
+    known = set(task_manager.all_tasks)
+    for name in tasks:
+        if name not in known and not Path(name).is_file():
+            continue
+        try:
+            with hub_offline():
+                task_manager.load(name)
+        except ConnectionError as e:
+            raise CheckpointError(
+                f"task {name} needs the network ({' '.join(str(e).split())}) and the Hugging Face Hub cannot be "
+                "reached; to run it from a local copy, load its dataset once where there is network, copy the "
+                "datasets cache ($HF_HOME, default ~/.cache/huggingface) here and set HF_DATASETS_OFFLINE=1, or "
+                "point the task at local files (a task YAML with dataset_path: json and dataset_kwargs: data_files, "
+                "passed with --include-path)") from None
+
+
 def main(argv=None) -> dict | int:
     from models.run_folder import add_checkpoint_arguments, resolve
 
@@ -88,15 +148,21 @@ def main(argv=None) -> dict | int:
     except ImportError:
         print("eval_downstream: error: lm-eval is not installed (pip install lm-eval)", file=sys.stderr)
         return 2
+    import datasets.config
     import torch
 
     from models.hf import CheckpointError, has_remote_code, is_hf_folder, is_plain_qwen3, load_tool_checkpoint, \
         save_hf, tokenizer_folder
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with tempfile.TemporaryDirectory(prefix="eval_downstream_") as tmp:
+    tasks = a.tasks.split(",")
+    offline = datasets.config.HF_HUB_OFFLINE or not hub_reachable()
+    with tempfile.TemporaryDirectory(prefix="eval_downstream_") as tmp, hub_offline(offline):
         try:
             ckpt = resolve(a.ckpt, a.step)
+            task_manager = TaskManager(include_path=a.include_path)
+            if offline:
+                check_tasks_offline(tasks, task_manager)
             if is_hf_folder(ckpt.path) and a.config is None:
                 folder = ckpt.path
             else:
@@ -116,8 +182,8 @@ def main(argv=None) -> dict | int:
             return 2
         res = lm_eval.simple_evaluate(
             model="hf", model_args={"pretrained": str(folder), "trust_remote_code": trust, "dtype": a.dtype},
-            tasks=a.tasks.split(","), num_fewshot=a.num_fewshot, batch_size=a.batch_size, device=device,
-            limit=a.limit, task_manager=TaskManager(include_path=a.include_path))
+            tasks=tasks, num_fewshot=a.num_fewshot, batch_size=a.batch_size, device=device, limit=a.limit,
+            task_manager=task_manager)
     for task, metrics in res["results"].items():
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not key.startswith("alias") and "stderr" not in key:

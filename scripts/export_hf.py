@@ -4,8 +4,9 @@
 
 CKPT is a run folder (latest step, or ``--step N``), a ``checkpoint/step-N`` folder or an HF folder. The
 architecture comes from ``--config`` (a training TOML), else the run's ``config.toml``, else the folder's
-``attnlab.json``, else the tensor shapes (softmax/Parallax). The tokenizer copied is ``--tokenizer``, else the
-run's ``tokenizer/`` or the config's ``model.hf_assets_path``. An all-softmax Qwen3 model becomes a plain
+``attnlab.json``, else the tensor shapes (softmax/Parallax). The tokenizer written is ``--tokenizer``, else the
+run's ``tokenizer/`` or the config's ``model.hf_assets_path``, saved by transformers so that it prepends the BOS
+training prepends to every document (``models.hf.save_hf_tokenizer``). An all-softmax Qwen3 model becomes a plain
 ``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
 other mechanisms add their own tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in
 config.json, read back exactly by ``models.hf.load_checkpoint`` (scripts/generate.py and

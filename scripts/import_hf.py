@@ -10,7 +10,7 @@ HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf
 - ``step-0/``: the weights as a model-only DCP checkpoint (+ ``attnlab.json``);
 - ``tokenizer/``: the tokenizer files of HF_DIR, or of ``--tokenizer DIR`` (required when HF_DIR has no
   tokenizer.json; its vocabulary must fit the checkpoint's embedding rows);
-- ``config.toml``: ``--base`` with ``[model]`` (the closest flavor plus dimension overrides, vocabulary, RoPE
+- ``config.toml``: ``--base`` with ``[model]`` (the closest flavor with every size given, vocabulary, RoPE
   base, tying, mechanism), ``[attention.*]`` and ``[checkpoint] initial_load_path = OUT/step-0`` set, so
   ``train.py`` starts from these weights; ``job.dump_folder`` is ``--dump-folder`` (default ``OUT/run``).
 
@@ -22,7 +22,6 @@ must rebuild exactly the imported architecture. Any failure writes nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -31,42 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def flavor_and_dims(args) -> tuple[str, dict[str, int]]:
-    """(the flavor closest to ``args``'s sizes, ``[model]`` dimension overrides for the sizes it differs in).
-    The flavor must share ``args``'s RMSNorm eps, which no config key overrides."""
-    from models.args import DIMS, FLAVORS
-    from models.hf import CheckpointError
+def run_config(base: dict, args, step0: Path, tokenizer: Path, dump_folder: str) -> dict:
+    """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``: the
+    architecture's ``[model]`` and ``[attention.*]`` entries (``models.convert.config_overrides``), the tokenizer,
+    ``[checkpoint] initial_load_path`` and the dump folder."""
+    from models.convert import config_overrides
 
-    same_eps = {n: a for n, a in FLAVORS.items() if a.norm_eps == args.norm_eps}
-    if not same_eps:
-        raise CheckpointError(f"no model.flavor has this checkpoint's RMSNorm eps {args.norm_eps}; flavors: "
-                              + ", ".join(f"{n} {a.norm_eps}" for n, a in FLAVORS.items()))
-
-    def differs(flavor):
-        return {f: getattr(args, f) for f in DIMS if getattr(flavor, f) != getattr(args, f)}
-
-    name = min(same_eps, key=lambda n: len(differs(same_eps[n])))
-    return name, differs(same_eps[name])
-
-
-def _toml_value(v):
-    """Options dataclass values as TOML values (tuples → lists; None has no TOML form and is left out)."""
-    return list(v) if isinstance(v, tuple) else v
-
-
-def run_config(base: dict, args, flavor: str, step0: Path, tokenizer: Path, dump_folder: str,
-               dims: dict[str, int] | None = None) -> dict:
-    """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``
-    (``flavor`` plus the ``[model]`` dimension overrides ``dims``)."""
     cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    mechs = args.layer_mechanisms()
-    model = cfg.setdefault("model", {})
-    model.update(flavor=flavor, **(dims or {}), vocab_size=args.vocab_size, rope_theta=args.rope_theta,
-                 tie_embeddings=args.enable_weight_tying, attention=mechs[0],
-                 layer_pattern=mechs if len(set(mechs)) > 1 else [], hf_assets_path=str(tokenizer))
-    attn = cfg.setdefault("attention", {})
-    for name, opts in args.attention_options.items():
-        attn[name] = {k: _toml_value(v) for k, v in dataclasses.asdict(opts).items() if v is not None}
+    arch = config_overrides(args)
+    cfg.setdefault("model", {}).update(arch["model"], hf_assets_path=str(tokenizer))
+    cfg.setdefault("attention", {}).update(arch["attention"])
     ckpt = cfg.setdefault("checkpoint", {})
     ckpt.update(enable=True, initial_load_path=str(step0), initial_load_model_only=True, initial_load_in_hf=False)
     cfg.setdefault("job", {})["dump_folder"] = dump_folder
@@ -79,7 +52,7 @@ def main(argv=None) -> int:
     import tomli as tomllib  # a dependency on every Python (tomllib is 3.11+)
 
     from models.convert import add_conversion_arguments, conversion_options_given, convert_from_arguments, \
-        max_logit_diff
+        flavor_and_dims, max_logit_diff
     from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
         save_dcp_state
     from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, new_folder, save_tokenizer
@@ -124,8 +97,7 @@ def main(argv=None) -> int:
         with new_folder(out) as tmp:
             save_dcp_state(sd, tmp / "step-0", args)
             save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
-            cfg = run_config(base, args, flavor, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"),
-                             dims)
+            cfg = run_config(base, args, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"))
             (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
             # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
             rebuilt = args_from_job_config(tmp / CONFIG_FILE, ["--checkpoint.initial_load_path", str(tmp / "step-0"),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -10,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from attention.parallax import ParallaxOptions
+from models.args import FLAVORS
 from models.hf import build_model, load_checkpoint, load_dcp_state
 from scripts import convert_to_parallax as conv
 from scripts import export_hf
-from tests.utils import make_corpus, run_train, tiny_args
+from tests.utils import REPO, make_corpus, run_train, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,39 @@ def _convert(*argv) -> int:
     return conv.main([*map(str, argv), "--no-progress"])
 
 
-def test_convert_same_loss_then_finetune(trained):
+def _finetune_flags(capsys) -> list[str]:
+    """The train.py flags of the fine-tune command the converter printed (after ``python train.py``)."""
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fine-tune: "))
+    argv = shlex.split(line.removeprefix("fine-tune: "))
+    assert argv[:2] == ["python", "train.py"], line
+    return argv[2:]
+
+
+def _check_finetune_command(flags, dst, tokenizer):
+    """The printed command as train.py takes it: it parses, passes the trainer's preflight, and builds exactly the
+    converted architecture (what the step folder's attnlab.json records) with the run's tokenizer."""
+    from config import parse_config
+    from models.checkpoint_io import model_args_from_config
+    from models.hf import args_to_dict, read_sidecar
+    from train import preflight
+    from trainer.checkpoint import architecture_changes
+
+    cfg = parse_config(flags)
+    preflight(cfg)
+    assert cfg.job.config_file == "configs/convert_finetune_parallax.toml"
+    assert cfg.checkpoint.initial_load_path == str(dst) and cfg.model.hf_assets_path == str(tokenizer)
+    assert architecture_changes(args_to_dict(read_sidecar(dst)), args_to_dict(model_args_from_config(cfg))) == {}
+    return cfg
+
+
+def test_convert_same_loss_then_finetune(trained, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the printed command runs from the checkout's root
     root, corpus, src = trained
     dst = root / "converted" / "step-0"  # a new folder under a missing parent, as in the README's command
     assert _convert(src, dst) == 0
+    flags = _finetune_flags(capsys)
+    cfg = _check_finetune_command(flags, dst, src.parent.parent / "tokenizer")
+    assert cfg.model.flavor == "debug" and cfg.model.vocab_size == 64  # not the recipe's 0.6B and 151936
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a_px, sd_px = load_checkpoint(dst)
     assert set(a_px.layer_mechanisms()) == {"parallax"} and a_px.vocab_size == 64
@@ -63,11 +94,12 @@ def test_convert_same_loss_then_finetune(trained):
     # default paths (SDPA for softmax, the Parallax reference on CPU): equal to float32 rounding
     torch.testing.assert_close(_loss(a_sm, sd_sm, tokens, "auto"), _loss(a_px, sd_px, tokens, "auto"), rtol=0, atol=1e-6)
 
-    # fine-tune 10 steps from the converted folder through checkpoint.initial_load_path, W_R with its own warmup
+    # fine-tune 10 steps from the converted folder with the printed command's model and checkpoint flags (the tiny
+    # corpus and CPU settings of debug_cpu.toml instead of the recipe's c4 and GPU settings), W_R with its own warmup
     ft = root / "ft"
-    run_train(tiny_args(corpus, ft, 10, 16, 2, "--model.attention", "parallax", "--checkpoint.initial_load_path",
-                        str(dst), "--optimizer.lr_warmup_patterns", r"\.wr\.", "--optimizer.lr_warmup_steps", "5",
-                        "--checkpoint.interval", "10"))
+    printed = flags[flags.index("--checkpoint.initial_load_path"):]
+    run_train(tiny_args(corpus, ft, 10, 16, 2, *printed, "--optimizer.lr_warmup_patterns", r"\.wr\.",
+                        "--optimizer.lr_warmup_steps", "5", "--checkpoint.interval", "10"))
     sd_ft = load_dcp_state(ft / "checkpoint" / "step-10")
     for i in range(a_px.n_layers):
         assert torch.count_nonzero(sd_ft[f"layers.{i}.attention.wr.weight"]) > 0
@@ -78,12 +110,17 @@ def test_convert_same_loss_then_finetune(trained):
     assert first["loss"] < 3.5
 
 
-def test_top_half_with_gate_and_hf_source(trained):
+def test_top_half_with_gate_and_hf_source(trained, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the printed command runs from the checkout's root
     root, corpus, src = trained
     tokens = _batch(corpus)
     dst = root / "top"
     assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho",
                     "--rho-norm-init", "1") == 0
+    # the printed fine-tune command carries the layer pattern, rho_gate and rope_on_rho of this conversion
+    cfg = _check_finetune_command(_finetune_flags(capsys), dst, src.parent.parent / "tokenizer")
+    assert cfg.model.layer_pattern == ["softmax", "softmax", "parallax", "parallax"]
+    assert (cfg.attention.parallax.rho_gate, cfg.attention.parallax.rope_on_rho) == (True, False)
     _, a_sm, sd_sm = load_checkpoint(src)
     _, a, sd = load_checkpoint(dst)
     assert a.layer_mechanisms() == ["softmax", "softmax", "parallax", "parallax"]
@@ -162,3 +199,20 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
 
     monkeypatch.setattr(models.convert, "convert_state", broken)
     _fails(capsys, src, match="disagrees with the source", dst=tmp_path / "o6")
+
+
+def test_a_model_no_flavor_fits_converts_and_says_why_there_is_no_command(tmp_path, capsys):
+    """No model.flavor has an RMSNorm eps of 1e-5 and no config key sets it: the conversion is written, and instead of
+    a command that would rebuild another model the tool says why there is none."""
+    from models.hf import save_dcp_state
+    from tests.models.test_hf import _args, _model
+
+    args = _args(["softmax"] * 2)
+    assert args.norm_eps == 1e-5
+    save_dcp_state(_model(args).state_dict(), tmp_path / "step-1", args)
+    assert _convert(tmp_path / "step-1", tmp_path / "px") == 0
+    out = capsys.readouterr().out.splitlines()
+    flavors = ", ".join(f"{n} {a.norm_eps}" for n, a in FLAVORS.items())
+    assert out[-1] == ("fine-tune: no train.py command rebuilds this model (no model.flavor has this checkpoint's "
+                       f"RMSNorm eps 1e-05; flavors: {flavors})")
+    assert (tmp_path / "px" / ".metadata").is_file()

@@ -65,14 +65,16 @@ def test_lm_eval_runs_a_run_folder_offline_and_agrees_with_our_model(tmp_path, m
     got = res["results"]["tiny_lambada"]
     assert json.loads((tmp_path / "out.json").read_text())["results"]["tiny_lambada"]["acc,none"] == got["acc,none"]
 
-    # the same numbers from our model: log p(last word | the words before), greedy-correct or not
-    from tokenizers import Tokenizer
+    # the same numbers from our model on each document as training tokenizes it (BOS first, the exported
+    # tokenizer prepends it too): log p(last word | the words before), greedy-correct or not
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    tok = Tokenizer.from_file(str(run / "tokenizer" / "tokenizer.json"))
+    tok = HuggingFaceTokenizer(str(run / "tokenizer"))
     lls, hits = [], []
     with torch.no_grad():
         for d in docs:
-            ids = tok.encode(d).ids
+            ids = tok.encode(d, add_bos=True, add_eos=False)
+            assert ids[0] == tok.bos_id
             logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].double(), -1)
             lls.append(float(logp[-1, ids[-1]]))
             hits.append(int(logp[-1].argmax()) == ids[-1])
@@ -86,3 +88,49 @@ def test_mechanisms_transformers_cannot_run_fail_clearly(tmp_path, capsys):
     save_dcp_state(build_model(args).state_dict(), tmp_path / "step-1", args)
     assert eval_downstream.main([str(tmp_path / "step-1"), "--tasks", "x"]) == 2
     assert "transformers cannot run" in capsys.readouterr().err
+
+
+HUB_TASK = """
+task: tiny_hub
+dataset_path: attnlab-tests/no-such-dataset
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{text}}"
+doc_to_target: "{{text}}"
+"""
+
+
+def test_offline_a_task_that_needs_the_network_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """Without a network lm-eval retried the Hub for about a minute, then printed a 40-line ConnectionError. Now the
+    Hub is probed once, tasks load offline from local copies, and one that needs the Hub is named in one line, with
+    how to run it from a local copy, before the checkpoint is exported or lm-eval evaluates anything."""
+    import socket
+    import time
+
+    import datasets.config
+    import lm_eval
+    from huggingface_hub import constants
+
+    def no_network(*a, **k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    calls = []
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: calls.append(kw))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(HUB_TASK)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, vocab_size=64,
+                     max_seq_len=64, attention="softmax",
+                     attention_options={"softmax": attention.get_mechanism("softmax").options()})
+    save_dcp_state(build_model(args).state_dict(), tmp_path / "step-1", args)
+    flags = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    start = time.monotonic()
+    assert eval_downstream.main([str(tmp_path / "step-1"), "--tasks", "tiny_hub", "--include-path",
+                                 str(tmp_path / "tasks")]) == 2
+    assert time.monotonic() - start < 30  # lm-eval's own retries took about a minute
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "task tiny_hub needs the network" in err[0] and "attnlab-tests/no-such-dataset" in err[0]
+    assert "HF_DATASETS_OFFLINE=1" in err[0] and "--include-path" in err[0]
+    assert not calls  # nothing evaluated
+    assert (datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE) == flags  # offline mode only inside the tool

@@ -121,3 +121,19 @@ def test_export_refuses_a_tokenizer_larger_than_the_embedding(qwen3, tmp_path, c
     assert export_hf.main([str(out / "step-0"), str(tmp_path / "hf_out"), "--tokenizer", str(big)]) == 2
     assert "100 tokens, more than the model's 64 embedding rows" in capsys.readouterr().err
     assert not (tmp_path / "hf_out").exists()
+
+
+def test_a_config_field_that_changes_the_computation_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """RoPE scaling in transformers' current layout (rope_parameters) used to import silently, with logits that
+    differed from transformers'."""
+    random_qwen3(tmp_path / "hf", seed=4, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                  "rope_theta": 1e4})
+    tok = make_corpus(tmp_path / "corpus")["tokenizer"]
+    capsys.readouterr()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out"), "--tokenizer", tok]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["import_hf: error: config.json rope_parameters: rope_type 'yarn' is not supported (this model has "
+                   "the default RoPE, base rope_theta, only)"]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,190 @@
+"""Every command of the README's ```bash blocks is accounted for here: run as written (``RUN``, in a scratch copy of
+the checkout, marked ``slow``: they train for minutes on a CPU), or listed with the reason it is not run (``CHECKED``:
+a GPU, the network, a long run, or inputs that stand for the user's own; ``NOT_CHECKED``: not a train.py or tool
+command, or its input is written by an earlier command). In the default suite every ``RUN`` and ``CHECKED`` command's
+flags are accepted as written: ``python train.py`` / ``torchrun … train.py`` ones by train.py's config parser and its
+preflight (nothing built or written), ``python -m scripts.X`` ones by the tool's own argparse parser. A README command
+in no table, or a table entry no longer in the README, fails."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.utils import REPO
+
+RUN = {
+    "python train.py": "trains the embedded default, minutes on a CPU",
+    "python -m scripts.train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
+    "python train.py --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer --model.vocab_size 2048 "
+    "--data.val_every 2 --validation.local_batch_size 2 --training.steps 60 --job.dump_folder runs/my_text":
+        "the docs/ block",
+    "python -m scripts.eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
+}
+"""Run as written, in README order (each block's commands read what the ones before wrote)."""
+
+NETWORK, GPU = "needs the network", "needs a GPU"
+HF_DOWNLOAD = f"{NETWORK} (the Qwen3-0.6B download)"
+USER_RUN = "runs/x, runs/my_run and their data stand for the user's run (tests/scripts/ runs the tool on tiny ones)"
+CHECKED = {
+    "python -m scripts.fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
+    "python train.py --training.dataset allenai/c4 --data.hub_subset en --model.hf_assets_path assets/hf/Qwen3-0.6B "
+    "--model.vocab_size 151936 --training.steps 100 --job.dump_folder runs/c4": f"{NETWORK} (streams allenai/c4)",
+    "torchrun --nproc_per_node=8 train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml": "needs 8 GPUs",
+    "torchrun --nproc_per_node=1 train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml "
+    "--training.global_batch_size 8 --training.steps 20": f"{GPU} (the 0.6B model)",
+    "python train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml": f"{GPU} (the 0.6B model)",
+    "python -m scripts.smoke_configs --data DATA --tokenizer TOKDIR --local-batch 1 --seq 2048":
+        f"{GPU}; DATA and TOKDIR stand for the user's corpus and tokenizer",
+    "python -m scripts.smoke_configs --data DATA --tokenizer TOKDIR --nproc 4 --only qwen3_0.6b_*": "needs 4 GPUs",
+    "python -m scripts.plot_ppl runs/softmax runs/parallax -o ppl.png --smooth 0.9 --x tokens --skip 50":
+        "needs two training runs (tests/scripts/test_plot_ppl.py plots tiny ones)",
+    "python -m scripts.convert_to_parallax runs/qwen3_0.6b/checkpoint/step-20000 runs/converted/step-0":
+        "needs a trained 0.6B run (tests/scripts/test_convert_to_parallax.py converts a tiny one)",
+    "python -m scripts.convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
+    "python -m scripts.convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
+        "SRC and DST stand for the user's folders",
+    "python train.py --job.config_file configs/convert_finetune_parallax.toml --checkpoint.initial_load_path "
+    "runs/converted/step-0": f"{GPU} and {NETWORK} (fine-tunes the converted 0.6B model on c4)",
+    "python -m scripts.export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
+        f"{USER_RUN}; tests/scripts/test_hf_round_trip.py exports a trained run",
+    "python -m scripts.export_hf runs/my_run/checkpoint/step-N hf_out --config configs/my_run.toml": USER_RUN,
+    "python -m scripts.import_hf assets/hf/Qwen3-0.6B runs/qwen3_parallax --parallax [--top-half --rho-gate] --base "
+    "configs/convert_finetune_parallax.toml": f"{HF_DOWNLOAD}; tests/scripts/test_hf_round_trip.py imports one",
+    "python -m scripts.train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
+        "my_text/ stands for the user's files (the docs/ block runs the same commands)",
+    "python train.py --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path my_text/":
+        "my_text/ stands for the user's files (the docs/ block runs the same commands)",
+    "python -m scripts.generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
+    "--top-k 50 --top-p 0.95": "needs an export (hf_out) of a trained run",
+    "python -m scripts.generate runs/my_run [--step N] --prompt ...": USER_RUN,
+    "python -m scripts.eval_ppl runs/x --data val.jsonl.gz [--step N]": USER_RUN,
+    "python -m scripts.eval_ppl runs/x --data val.jsonl.gz --by-position": USER_RUN,
+    "python -m scripts.passkey runs/x [--lengths 1024,4096] [--depths 0,0.5,1]": USER_RUN,
+    "python -m scripts.analyze runs/x --data val.jsonl.gz": USER_RUN,
+    "python -m scripts.eval_downstream runs/x [--tasks lambada_openai,wikitext] [--limit 200]":
+        f"{USER_RUN}; {NETWORK} for the tasks' data",
+    "python -m scripts.synthetic --attention softmax,parallax,gdn --sweep quick":
+        "trains every mechanism on every synthetic task: long on a CPU",
+    "python -m scripts.replicate --corpus CORPUS_DIR --steps 160":
+        f"{GPU} (~68M-parameter runs); CORPUS_DIR is the user's",
+}
+
+NOT_CHECKED = {
+    "pip install torch==2.13.0 -e .[test]": f"{NETWORK}; installs the environment the tests run in",
+    "pip install -e .[eval]": f"{NETWORK}; installs lm-eval",
+    "python -m pytest -q": "the test suite itself, this file included",
+    "python -m pytest -q -m gpu": "the GPU tests",
+    "python -m pytest -q -m slow": "the slow tests, this file's run-as-written test included",
+    "scripts/wheelhouse.sh wheels 3.12 manylinux_2_28_x86_64 --cuda cu130":
+        f"{NETWORK} (downloads wheels); tests/scripts/test_wheelhouse.py checks the script",
+    "scripts/wheelhouse.sh wheels-small 3.11 manylinux_2_28_x86_64 --cpu --no-torch":
+        f"{NETWORK} (downloads wheels); tests/scripts/test_wheelhouse.py checks the script",
+    "bash wheels/install.sh": "installs the wheel folder the wheelhouse command writes",
+    "hf download Qwen/Qwen3-0.6B --local-dir assets/hf/Qwen3-0.6B": HF_DOWNLOAD,
+    "python train.py --job.config_file runs/qwen3_parallax/config.toml":
+        "its config.toml is written by the import_hf command before it (tests/scripts/test_hf_round_trip.py trains "
+        "from one)",
+}
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """{command as text: its argv} of every command in the README's ```bash blocks, in order: continuation lines
+    joined, ``#`` comments dropped, ``&&`` / ``;`` separating commands. The text is the argv joined by spaces."""
+    text = (REPO / "README.md").read_text()
+    out = {}
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+            lex.whitespace_split = True
+            argv = []
+            for tok in [*lex, ";"]:
+                if tok not in (";", "&&"):
+                    argv.append(tok)
+                elif argv:
+                    out[" ".join(argv)] = argv
+                    argv = []
+    return out
+
+
+def test_every_readme_command_is_run_or_listed_with_a_reason():
+    commands = set(readme_commands())
+    tables = [RUN, CHECKED, NOT_CHECKED]
+    listed = set().union(*tables)
+    assert sum(map(len, tables)) == len(listed), "a command is in two tables"
+    assert not commands - listed, f"README commands neither run nor listed here: {sorted(commands - listed)}"
+    assert not listed - commands, f"listed here but no longer in the README: {sorted(listed - commands)}"
+    assert all(CHECKED.values()) and all(NOT_CHECKED.values()), "every command not run needs its reason"
+
+
+def _as_written(argv: list[str]) -> list[str]:
+    """A command's arguments with the README's notation resolved: optional ``[...]`` parts given, placeholder N = 1."""
+    args = [a.removeprefix("[").removesuffix("]") for a in argv]
+    return ["1" if a == "N" else a for a in args]
+
+
+class _Parsed(Exception):
+    """Raised once a tool's argparse parser accepted its arguments: the tool stops before doing any work."""
+
+
+def _check_train_flags(flags: list[str]) -> None:
+    """train.py's configuration of ``flags``, parsed and preflighted as train.py's main does (nothing built)."""
+    from config import DEFAULT_CONFIG, parse_config
+    from train import preflight
+
+    if not any(f.split("=")[0] in ("--job.config_file", "--job.config-file") for f in flags):
+        flags = ["--job.config_file", DEFAULT_CONFIG, *flags]
+    preflight(parse_config(flags))
+
+
+def _check_tool_flags(module: str, args: list[str], monkeypatch) -> None:
+    """``scripts.X``'s ``main(args)`` up to its argparse parser accepting ``args``; stopped there."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(_Parsed):
+        importlib.import_module(module).main(args)
+
+
+@pytest.mark.parametrize("command", sorted({**RUN, **CHECKED}))
+def test_readme_command_flags_are_accepted(command, monkeypatch, capsys):
+    argv = _as_written(readme_commands()[command])
+    monkeypatch.chdir(REPO)  # the README's commands run from the checkout's root
+    try:
+        if "train.py" in argv:  # python train.py … / torchrun … train.py …
+            _check_train_flags(argv[argv.index("train.py") + 1:])
+        else:
+            assert argv[:2] == ["python", "-m"] and argv[2].startswith("scripts."), command
+            _check_tool_flags(argv[2], argv[3:], monkeypatch)
+    except SystemExit as e:  # a parser rejected an argument (its message is on stderr)
+        raise AssertionError(f"{command}: exit {e.code}: {capsys.readouterr().err.strip()}") from None
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path):
+    """The ``RUN`` commands through a shell, in a scratch copy of the checkout (links to its files, so what they write,
+    runs/ and .cache/, lands in the copy), each exiting 0."""
+    for entry in REPO.iterdir():
+        if entry.name not in ("runs", ".cache", ".git"):
+            (tmp_path / entry.name).symlink_to(entry)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    commands = readme_commands()
+    for command in [c for c in commands if c in RUN]:
+        argv = commands[command]
+        argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv  # this environment's interpreter
+        proc = subprocess.run(shlex.join(argv), shell=True, cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=1800, executable="/bin/bash")
+        assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert (tmp_path / "runs" / "debug_cpu" / "metrics.jsonl").is_file()
+    assert (tmp_path / "runs" / "my_text" / "checkpoint").is_dir()
