@@ -42,6 +42,18 @@ def document_positions(tokens: torch.Tensor, bos_id: int | None, eos_id: int | N
     return idx - torch.cummax(torch.where(start, idx, 0), dim=0).values
 
 
+def document_lengths(positions: torch.Tensor) -> list[int]:
+    """Lengths of the documents of a batch of packed rows, in order, from their per-document ``positions``
+    [B, T] (a document starts where the position is 0 and at every row start, as the ``block_causal`` mask
+    splits them); they sum to B·T. What ``models.args.ModelArgs.training_flops`` takes for a document-masked
+    step."""
+    B, T = positions.shape
+    starts = positions.reshape(-1) == 0
+    starts[::T] = True
+    first = starts.nonzero().flatten().cpu()
+    return torch.cat([first, torch.tensor([B * T])]).diff().tolist()
+
+
 class PackedTextDataset(HuggingFaceTextDataset):
     """torchtitan's stateful packing dataset with per-document positions, any ``datasets`` source, and a
     ``repeatable`` mode for validation (every pass reads the same documents from the start)."""

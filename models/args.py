@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -15,7 +17,7 @@ from torchtitan.protocols.train_spec import BaseModelArgs
 class ModelArgs(BaseModelArgs):
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("depth_init",)
     """Fields that only set initial weights (the per-layer init std): a resume loads the weights, so it may change
-    them (train.INIT_ONLY_FIELDS)."""
+    them (trainer.checkpoint.INIT_ONLY_FIELDS)."""
 
     dim: int = 1024
     n_layers: int = 28
@@ -57,17 +59,34 @@ class ModelArgs(BaseModelArgs):
         self.attention_options = {name: getattr(a, name) for name in set(self.layer_mechanisms())}
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameters and training FLOPs per token.
+        """Total parameters and training FLOPs per token of a causal row of ``seq_len`` tokens (one document):
+        :meth:`training_flops` of ``[seq_len]`` over seq_len. Under ``block_causal`` a step's documents are shorter
+        and its attention does less; :meth:`training_flops` of the step's document lengths counts that."""
+        nparams = sum(p.numel() for p in model.parameters())
+        return nparams, self.training_flops(model, [seq_len]) // seq_len
 
-        FLOPs = 6·(non-embedding parameters + the LM head's V·dim, which is a real matmul even when tied)
-        + 3·Σ_layers attention.flops_per_token(seq_len) (each mechanism counts its own token mixing).
+    def training_flops(self, model: nn.Module, doc_lens: Iterable[int]) -> int:
+        """Training (forward + backward) FLOPs of one step over documents of ``doc_lens`` tokens each (a causal
+        row of T tokens is one document of T; under ``block_causal`` every document of every row, lengths summing
+        to the step's tokens):
+
+        6·(non-embedding parameters + the LM head's V·dim, a real matmul even when tied)·Σ L
+        + 3·Σ_layers Σ_documents L·attention.flops_per_token(L)
+
+        (each mechanism counts its own token mixing per document: a causal softmax document of L tokens does
+        L·(L+1)/2 query-key pairs).
         """
+        lens = Counter(int(n) for n in doc_lens)
+        if not lens or min(lens) < 1:
+            raise ValueError(f"document lengths must be >= 1, got {sorted(lens)[:5]}")
         nparams = sum(p.numel() for p in model.parameters())
         n_embed = model.tok_embeddings.weight.numel()
         head = self.vocab_size * self.dim
         dense = nparams - n_embed + (head if self.enable_weight_tying else 0)
-        mixing = sum(layer.attention.flops_per_token(seq_len) for layer in model.layers.values())
-        return nparams, int(6 * dense + 3 * mixing)
+        tokens = sum(n * c for n, c in lens.items())
+        mixing = sum(c * n * layer.attention.flops_per_token(n) for layer in model.layers.values()
+                     for n, c in lens.items())
+        return 6 * dense * tokens + 3 * mixing
 
 
 def _flavor(**kw) -> ModelArgs:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import os
 import re
 import shlex
@@ -95,10 +96,12 @@ def run(cmd: list[str], log: Path, repo: Path) -> str:
 
 
 def summarize(records: list[dict], warmup: int) -> dict:
+    """Medians of the steps after ``warmup`` (MFU is NaN where the run logged none: on a CPU), peak memory, last
+    loss."""
     rows = [r for r in records if r["step"] > warmup]
     if not rows:
         return {}
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    med = lambda k: statistics.median(math.nan if r[k] is None else r[k] for r in rows)  # noqa: E731
     return {"tps": med("tps"), "mfu": med("mfu"), "mem": max(r["memory_gib"] for r in rows), "loss": rows[-1]["loss"]}
 
 
@@ -122,7 +125,7 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     if not fp8:
         cmd += ["--model.converters", ""]
     run(cmd + profiling(args), out / f"{dump.name}.log", repo)
-    from models.metrics import read_records
+    from trainer.metrics import read_records
 
     path = dump / "metrics.jsonl"
     records = read_records(path) if path.exists() else []

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from scripts import analyze, eval_ppl, synthetic
+from scripts import analyze, eval_ppl, passkey, synthetic
 from tests.utils import read_metrics, run_train, tiny_args
 
 
@@ -234,3 +234,169 @@ def test_analyze_records_rho_gain_and_probe_norm_per_layer(parallax_run, corpus)
         hd = model.layers[str(layer["layer"])].attention.head_dim
         assert layer["activations"]["probe_norm"]["mean"] == pytest.approx(math.sqrt(hd) * g, rel=1e-3)
     assert res["summary"]["rho_gain"] == pytest.approx(0.25 * (1 + 2 + 3 + 4) / 4)
+
+
+def test_position_edges_are_log_spaced_up_to_the_length():
+    assert eval_ppl.position_edges(1) == [0, 1]
+    assert eval_ppl.position_edges(16) == [0, 1, 2, 4, 8, 16]
+    assert eval_ppl.position_edges(17) == [0, 1, 2, 4, 8, 16, 17]
+    assert eval_ppl.position_edges(32768)[-3:] == [8192, 16384, 32768]
+
+
+@pytest.mark.parametrize("mask", ["block_causal", "causal"])
+def test_eval_ppl_by_position_matches_per_token_losses(parallax_run, corpus, mask, capsys):
+    """Rows of 32 tokens hold 17-token documents cut anywhere. Each bucket's loss is the mean loss of the tokens
+    whose context (their document's prefix under block_causal, their row's prefix under causal) has a length in
+    it, computed here from a forward pass over each document (block_causal) or row (causal) alone."""
+    import itertools
+
+    from data.loader import build_tokenizer
+    from models.checkpoint_io import load_model
+
+    flags = ["--model.attn_mask_type", mask]
+    res = eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--seq-len", "32", "--batch-size", "2",
+                         "--max-rows", "3", "--by-position", "--no-progress", "--", *flags])
+    model, cfg, _ = load_model(parallax_run, flags)
+    edges = eval_ppl.position_edges(32)
+    sums, counts = [0.0] * (len(edges) - 1), [0] * (len(edges) - 1)
+    for x, pos, y in itertools.islice(eval_ppl.packed_rows(corpus["val"], cfg, build_tokenizer(cfg), 32), 3):
+        starts = [t for t in range(32) if t == 0 or (mask == "block_causal" and int(pos[t]) == 0)]
+        for a, b in zip(starts, starts[1:] + [32]):  # a document (or the row) on its own, positions from 0
+            with torch.no_grad():
+                nll = -torch.log_softmax(model(x[None, a:b])[0].double(), -1)[torch.arange(b - a), y[a:b]]
+            for seen, loss in enumerate(nll.tolist()):
+                k = max(i for i in range(len(edges) - 1) if edges[i] <= seen)
+                sums[k] += loss
+                counts[k] += 1
+    assert [b["tokens"] for b in res["by_position"]] == counts and sum(counts) == res["tokens"] == 96
+    for b, s, n in zip(res["by_position"], sums, counts):
+        assert b["start"] < b["end"] and b["loss"] == pytest.approx(s / n, rel=1e-4)
+    assert sum(sums) / 96 == pytest.approx(res["loss"], rel=1e-5)
+    if mask == "block_causal":  # 17-token documents: few tokens see 16 or more tokens of their own document
+        assert counts[-1] < 16
+    out = capsys.readouterr().out
+    assert f"loss by context position ({mask} mask, seq_len 32)" in out and "      16-31 " in out
+
+
+@pytest.mark.parametrize("flags,message", [(["--edges", "0,8"], "--edges needs --by-position"),
+                                           (["--by-position", "--edges", "1,8"], "must start at 0 and increase"),
+                                           (["--by-position", "--edges", "0,a"], "not a comma list of integers")])
+def test_eval_ppl_bad_edges(parallax_run, corpus, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--no-progress", *flags])
+    assert message in capsys.readouterr().err
+
+
+WORD_TEMPLATE = passkey.Template(intro="w1 w2 w3", filler=" w4 w5 w6 w7 w8", needle=" w9 w10{key} w11{key} w12",
+                                 question=" w13 w14", alphabet=tuple(f"w{i}" for i in range(20, 60)), key_len=3,
+                                 separator=" ")
+
+
+def _word_encoder(corpus):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{corpus['tokenizer']}/tokenizer.json")
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def _contains(ids: list[int], part: list[int]) -> int:
+    return sum(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+@pytest.mark.parametrize("length", [20, 41, 64])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_prompt_holds_the_key_at_its_depth(corpus, length, depth):
+    encode = _word_encoder(corpus)
+    symbols = ["w23", "w45", "w31"]
+    pieces = passkey.tokenize(encode, 0, symbols, WORD_TEMPLATE)
+    key = encode(" w23 w45 w31")
+    needle = encode(" w9 w10") + key + encode(" w11") + key + encode(" w12")
+    assert pieces.key == key and len(key) == 3 and pieces.needle == needle
+    assert pieces.min_length == 4 + 10 + 2 + 3 - 1  # BOS + intro, needle, question, key; the last key token unread
+    p = passkey.build_prompt(pieces, length, depth)
+    assert len(p.ids) == length + 1 and p.ids[0] == 0 and p.ids[-3:] == key == p.key
+    assert _contains(p.ids, key) == 3  # twice in the needle, once as the answer
+    assert p.ids[p.needle_at:p.needle_at + 10] == needle
+    filler = length - pieces.min_length
+    before = p.needle_at - 4  # filler tokens before the needle: whole 5-token passages, about depth · filler
+    assert before % 5 == 0 or before == filler
+    assert abs(before - depth * filler) <= 2.5
+    with pytest.raises(ValueError, match="shorter than the passkey prompt's 18 tokens"):
+        passkey.build_prompt(pieces, pieces.min_length - 1, depth)
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts the next token of ``truth`` [B, T + 1] at every position (logit 5 on it, 0 elsewhere), except
+    that at the (row, position) pairs of ``wrong`` it predicts token 0."""
+
+    def __init__(self, truth: torch.Tensor, vocab: int, wrong: list[tuple[int, int]]):
+        super().__init__()
+        self.truth, self.vocab, self.wrong = truth, vocab, wrong
+        self.norm, self.output = torch.nn.Identity(), torch.nn.Identity()
+
+    def forward(self, tokens):
+        nxt = self.truth[:, 1:tokens.shape[1] + 1].clone()
+        assert torch.equal(tokens, self.truth[:, :tokens.shape[1]])  # the model reads the prompt as given
+        for b, t in self.wrong:
+            nxt[b, t] = 0
+        return self.output(self.norm(5.0 * torch.nn.functional.one_hot(nxt, self.vocab).float()))
+
+
+def test_passkey_scoring_counts_only_an_exact_continuation():
+    """Prompts of 8 tokens with keys of 2 and 3 tokens: a wrong prediction inside a key misses it, one just
+    before the key (a prompt token, not scored) does not; the log-probability sums the key's tokens only."""
+    ids = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 5, 6, 7, 8, 9, 13, 14, 15]]  # L = 8, + the key's last token
+    prompts = [passkey.Prompt(ids[0], [11, 12], 0), passkey.Prompt(ids[1], [13, 14, 15], 0)]
+    truth = torch.tensor(ids)
+    one = float(torch.log_softmax(torch.tensor([5.0] + [0.0] * 19), 0)[0])  # log p of a right token
+    zero = float(torch.log_softmax(torch.tensor([5.0] + [0.0] * 19), 0)[1])  # log p of the key when 0 is predicted
+    for wrong, hits, logps in [
+        ([], [True, True], [2 * one, 3 * one]),
+        ([(0, 5)], [True, True], [2 * one, 3 * one]),  # row 0 predicts its token 6 (w10) wrong: not the key
+        ([(1, 5)], [True, False], [2 * one, 2 * one + zero]),  # row 1's key starts at token 6, predicted at 5
+        ([(0, 7)], [False, True], [one + zero, 3 * one]),  # the key's last token
+    ]:
+        h, lp = passkey.score(_Oracle(truth, 20, wrong), prompts)
+        assert h == hits and lp == pytest.approx(logps), wrong
+
+
+def test_passkey_scoring_agrees_with_greedy_decoding(parallax_run):
+    """With the trained model, a prompt whose key is the model's own greedy continuation (models.decode) scores as
+    retrieved with the log-probability decoding saw; the same prompt with its key's last token changed misses."""
+    from models.checkpoint_io import load_model
+    from models.decode import generate
+
+    model, _, _ = load_model(parallax_run)
+    prefix = torch.tensor([[0, 7, 8, 9, 10, 11, 12, 13, 30, 31, 32, 5, 6],
+                           [0, 40, 41, 42, 3, 4, 5, 50, 51, 52, 53, 8, 9]])
+    res = generate(model, prefix, 3, greedy=True, keep_logits=True)
+    keys = res.tokens[:, -3:]
+    good = [passkey.Prompt(row, row[-3:], 0) for row in res.tokens.tolist()]
+    hits, logps = passkey.score(model, good)
+    expect = [sum(float(torch.log_softmax(res.step_logits[i][b], -1)[keys[b, i]]) for i in range(3)) for b in range(2)]
+    assert hits == [True, True] and logps == pytest.approx(expect, rel=1e-4)
+    bad = [passkey.Prompt(p.ids[:-1] + [(p.ids[-1] + 1) % 64], p.ids[-3:-1] + [(p.ids[-1] + 1) % 64], 0) for p in good]
+    assert passkey.score(model, bad)[0] == [False, False]
+
+
+def test_passkey_tool_on_a_run(parallax_run, capsys, tmp_path):
+    """The default English prompt does not fit the run's 16 tokens: one line naming --lengths; with --lengths the
+    table and JSON have a cell per (length, depth), lengths past training noted as extrapolation."""
+    with pytest.raises(SystemExit):
+        passkey.main([str(parallax_run)])
+    assert "pass --lengths" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        passkey.main([str(parallax_run), "--lengths", "47", "--depths", "0,1"])
+    assert "--lengths '47': 47 is shorter than the passkey prompt's 48 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        passkey.main([str(parallax_run), "--lengths", "64", "--depths", "0,1.5"])
+    assert "--depths '0,1.5': every depth must be in [0, 1]" in capsys.readouterr().err
+    out = tmp_path / "pk.json"
+    res = passkey.main([str(parallax_run), "--lengths", "48,64", "--depths", "0,0.5", "--samples", "2",
+                        "--batch-size", "2", "-o", str(out)])
+    printed = capsys.readouterr()
+    assert "test extrapolation" in printed.err
+    assert [(r["length"], r["depth"]) for r in res["results"]] == [(n, d) for n in (48, 64) for d in (0, 0.5)]
+    assert all(0 <= r["accuracy"] <= 1 and r["logprob"] <= 0 for r in res["results"])
+    assert res["attention"] == "parallax" and res["train_seq_len"] == 16 and json.loads(out.read_text()) == res
+    assert "depth 0.50" in printed.out and printed.out.splitlines()[-1] == json.dumps(res)
