@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import attention
 from attention.registry import REGISTRY
 from optim import config as optim_config
+from optim.registry import get_optimizer
 
 
 @dataclass
@@ -59,7 +60,8 @@ class Model:
 
 
 def _attention_section() -> type:
-    """``[attention]``: ``impl`` plus one sub-table per registered mechanism, built from the registry."""
+    """``[attention]``: ``impl`` plus one sub-table per registered mechanism, built from the registry as it is when
+    called (by :func:`parse_config`), so a mechanism registered after this module was imported has its table too."""
     fields = [("impl", str, field(default="auto")), ("sac_save", bool, field(default=True))]
     fields += [(name, mech.options, field(default_factory=mech.options)) for name, mech in sorted(REGISTRY.items())]
     cls = dataclasses.make_dataclass("Attention", fields)
@@ -75,9 +77,6 @@ def _attention_section() -> type:
             each op per step). benchmarks/README.md has both for GDN and KDA.
     """
     return cls
-
-
-Attention = _attention_section()
 
 
 @dataclass
@@ -130,17 +129,19 @@ class Metrics:
     """wandb run name; empty = the name of ``job.dump_folder``."""
 
 
-JobConfig = dataclasses.make_dataclass(
-    "JobConfig",
-    [("model", Model, field(default_factory=Model)),
-     ("attention", Attention, field(default_factory=Attention)),
-     ("data", Data, field(default_factory=Data)),
-     ("training", Training, field(default_factory=Training)),
-     ("checkpoint", Checkpoint, field(default_factory=Checkpoint)),
-     ("metrics", Metrics, field(default_factory=Metrics)),
-     ("optimizer", optim_config.Optimizer, field(default_factory=optim_config.Optimizer)),
-     ("lr_scheduler", optim_config.LRScheduler, field(default_factory=optim_config.LRScheduler))],
-)
+def job_config_class() -> type:
+    """The project's sections as one dataclass (merged into torchtitan's by :func:`parse_config`)."""
+    section = _attention_section()
+    return dataclasses.make_dataclass("JobConfig", [
+        ("model", Model, field(default_factory=Model)),
+        ("attention", section, field(default_factory=section)),
+        ("data", Data, field(default_factory=Data)),
+        ("training", Training, field(default_factory=Training)),
+        ("checkpoint", Checkpoint, field(default_factory=Checkpoint)),
+        ("metrics", Metrics, field(default_factory=Metrics)),
+        ("optimizer", optim_config.Optimizer, field(default_factory=optim_config.Optimizer)),
+        ("lr_scheduler", optim_config.LRScheduler, field(default_factory=optim_config.LRScheduler)),
+    ])
 
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "debug_cpu.toml")
@@ -251,7 +252,7 @@ def parse_config(argv: list[str]):
             finally:
                 m.hf_assets_path = EMBEDDED
 
-    merged = merge_config_classes(TitanJobConfig, JobConfig)
+    merged = merge_config_classes(TitanJobConfig, job_config_class())
     argv = bool_values_as_flags(list(argv), merged)
     manager = Manager(config_cls=merged)
     toml_values = manager._maybe_load_toml(argv)
@@ -393,6 +394,7 @@ def validate_config(job_config) -> None:
         (f"model.layer_pattern[{i}]", n) for i, n in enumerate(m.layer_pattern)
     ]:
         attention.get_mechanism(name, key)
+    get_optimizer(job_config.optimizer.name)
     if m.attn_mask_type not in ("causal", "block_causal"):
         raise ValueError(f"model.attn_mask_type={m.attn_mask_type!r}; choose from ['causal', 'block_causal']")
     if args.n_heads % args.n_kv_heads:

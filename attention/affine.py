@@ -10,7 +10,7 @@ Means run over the query's document (states reset at document starts). Same Qwen
 (q/k RMSNorm, RoPE, GQA); for affine_linear the q projection is the probe ρ (RMSNorm'd like Parallax's).
 mesa/affine_mesa solve by CG with a learnable ridge λ (per head or per token, like ``lla``) and an exact
 implicit gradient. Kernels: chunked PyTorch ("auto"/"chunk") or the explicit reference ("reference").
-Decoding keeps running sums (``attention/ops/affine/decode.py``).
+Decoding keeps running sums (``attention/ops/affine/recurrent.py``).
 """
 
 from __future__ import annotations
@@ -134,10 +134,10 @@ class _AffineBase(QKVAttentionBase):
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> AffineCache:
         return AffineCache(AffineState.zeros(batch_size, self.n_kv_heads, self.head_dim, device))
 
-    def _linear_flops(self, calls: int) -> int:
+    def _linear_flops(self, calls: int, seq_len: int) -> int:
         # one chunked linear-attention pass per token and head: intra-chunk scores and outputs (2·C·D
         # multiply-adds) plus the D×D state read and update (2·D²), 2 FLOPs each.
-        C, D = self.opts.chunk_size, self.head_dim
+        C, D = min(self.opts.chunk_size, seq_len), self.head_dim
         return calls * self.n_heads * 2 * (2 * C * D + 2 * D * D)
 
 
@@ -193,7 +193,7 @@ class AffineLinearAttention(_AffineBase):
         return q * self.head_dim**-0.5 if self.opts.rho_scale else q
 
     def flops_per_token(self, seq_len: int) -> int:
-        return self._linear_flops(1)
+        return self._linear_flops(1, seq_len)
 
 
 class _MesaBase(_AffineBase):
@@ -208,7 +208,7 @@ class _MesaBase(_AffineBase):
         return dict(cg_iters=self.opts.cg_iters, jacobi=self.opts.jacobi, rtol=self.opts.cg_rtol)
 
     def flops_per_token(self, seq_len: int) -> int:
-        return self._linear_flops(self.opts.cg_iters + 1)
+        return self._linear_flops(self.opts.cg_iters + 1, seq_len)
 
 
 @register_attention("mesa", options=MesaOptions, description="MesaNet (uniform weights): S H⁻¹ q with a CG ridge solve")

@@ -16,8 +16,11 @@ Every mechanism module implements
   projections use ``init_std`` (depth-scaled), input projections 0.02 (torchtitan's convention). Under FSDP the
   parameters are sharded DTensors: write them in place (``nn.init``, ``fill_``, ``uniform_``) or, for values
   computed as a whole tensor, through :func:`copy_full_`;
-- ``flops_per_token(seq_len) -> int``: forward FLOPs per token of the parameter-free token mixing
-  (matmuls with weights are counted by the model as 6·N); the model multiplies by 3 for fwd+bwd;
+- ``flops_per_token(seq_len) -> int``: forward FLOPs per token of the parameter-free token mixing, averaged over
+  the tokens of one causal sequence (one document) of ``seq_len`` tokens: the work the mask leaves, so a
+  softmax query sees (seq_len + 1) / 2 keys on average (:func:`causal_pairs`); chunked forms count the chunk
+  blocks they compute. Matmuls with weights are counted by the model as 6·N; the model multiplies this by 3
+  for fwd+bwd and sums it over documents (``models.args.ModelArgs.training_flops``);
 - ``init_cache(batch_size, max_len, device, dtype)`` (optional): a cache object for decoding.
   During decoding ``ctx.cache`` is this layer's cache and ``ctx.positions`` holds absolute positions.
 """
@@ -118,6 +121,14 @@ class AttentionContext:
         cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
         return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
                                 max_position=T)
+
+
+def causal_pairs(seq_len: int, window: int = 0) -> int:
+    """(query, key) pairs a causal mask keeps over one sequence of ``seq_len`` tokens: query i (1-based) sees keys
+    1..i, or only the last ``window`` of them when ``window`` > 0, so Σ_i min(i, window); seq_len·(seq_len+1)/2
+    without a window."""
+    w = min(window, seq_len) if window > 0 else seq_len
+    return w * (w + 1) // 2 + (seq_len - w) * w
 
 
 @torch.no_grad()

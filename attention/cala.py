@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attention.ops.cala import local_context, normalized_linear_attention
 from attention.ops.common import check_impl
 from attention.registry import register_attention
@@ -147,7 +147,8 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
         return CALACache(q=torch.zeros(shape, device=device, dtype=dtype), k=torch.zeros(shape, device=device, dtype=dtype), n=0)
 
     def flops_per_token(self, seq_len: int) -> int:
-        # Local step: two softmax streams over w keys (scores + values, 2 FLOPs per MAC); global step: the chunked
-        # linear attention, 2C(F+D) + 4FD per token (C = 64).
-        D, Fd, w, C = self.head_dim, self.feature_dim, min(self.opts.window_size, seq_len), min(64, seq_len)
-        return self.n_heads * (2 * 2 * 2 * w * D + 2 * C * (Fd + D + 1) + 4 * Fd * (D + 1))
+        # Local step: two softmax streams (scores + values, 2 FLOPs per MAC) over the keys of a causal window of w
+        # (min(i, w) for the i-th token); global step: the chunked linear attention, 2C(F+D) + 4FD per token (C = 64).
+        D, Fd, C = self.head_dim, self.feature_dim, min(64, seq_len)
+        local = 2 * 2 * 2 * D * causal_pairs(seq_len, self.opts.window_size) // seq_len
+        return self.n_heads * (local + 2 * C * (Fd + D + 1) + 4 * Fd * (D + 1))

@@ -27,7 +27,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
-from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm, mark_adam
+from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm
 from attention.ops.common import check_impl
 from attention.ops.delta_rule import DELTA_RULE_IMPLS, delta_rule
 from attention.registry import register_attention
@@ -82,7 +82,7 @@ class DeltaRuleAttention(nn.Module):
         self.k_proj = nn.Linear(args.dim, self.key_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, self.value_dim, bias=False)
         self.b_proj = nn.Linear(args.dim, H, bias=False)
-        mark_adam(self.b_proj.weight)
+        self.param_roles = {"b_proj": "vector"}  # β per head: not a hidden matrix (optim.groups)
         if opts.use_short_conv:
             self.conv_q = ShortConvolution(self.key_dim, opts.conv_size)
             self.conv_k = ShortConvolution(self.key_dim, opts.conv_size)
@@ -106,7 +106,6 @@ class DeltaRuleAttention(nn.Module):
     def init_weights(self, init_std: float) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.b_proj):
             trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        mark_adam(self.b_proj.weight)
         for m in (self.g_proj.modules() if self.g_proj is not None else ()):
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, mean=0.0, std=0.02)

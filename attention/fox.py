@@ -19,8 +19,8 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope
-from attention.linear_common import GatedRMSNorm, mark_adam
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, causal_pairs
+from attention.linear_common import GatedRMSNorm
 from attention.ops.common import check_impl
 from attention.ops.fox import IMPLS, forgetting_attention, fox_decode
 from attention.registry import register_attention
@@ -30,7 +30,7 @@ from attention.registry import register_attention
 class FoxOptions:
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("forget_bias_init",)
     """Options that only set initial weights (the forget gate's bias): a resume loads them, so it may change them
-    (train.INIT_ONLY_FIELDS)."""
+    (trainer.checkpoint.INIT_ONLY_FIELDS)."""
 
     qk_norm: bool = False
     """RMSNorm on q and k per head (FoX Pro)."""
@@ -72,6 +72,7 @@ class ForgettingAttention(QKVAttentionBase):
         self.opts = opts
         H, D = args.n_heads, args.head_dim
         self.f_proj = nn.Linear(args.dim, H, bias=True)
+        self.param_roles = {"f_proj": "vector"}  # forget gate per head: not a hidden matrix (optim.groups)
         self.out_gate = nn.Linear(args.dim, H * D, bias=False) if out_gate else None
         self.o_norm = GatedRMSNorm(D, eps=args.norm_eps, activation="sigmoid") if out_norm else None
 
@@ -82,7 +83,6 @@ class ForgettingAttention(QKVAttentionBase):
         nn.init.constant_(self.f_proj.bias, self.opts.forget_bias_init)
         if self.o_norm is not None:
             self.o_norm.reset_parameters()
-        mark_adam(self.f_proj.weight, self.f_proj.bias)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> FoxCache:
         kv = lambda: torch.zeros(batch_size, max_len, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
@@ -90,7 +90,8 @@ class ForgettingAttention(QKVAttentionBase):
         return FoxCache(kv(), kv(), torch.zeros(batch_size, max_len, self.n_heads, device=device, dtype=cdt))
 
     def flops_per_token(self, seq_len: int) -> int:
-        return 2 * 2 * self.n_heads * self.head_dim * seq_len  # as softmax attention (torchtitan convention)
+        # as softmax attention: q·k and p·v over the causal keys (the block mask skips the tiles above the diagonal)
+        return 2 * 2 * self.n_heads * self.head_dim * causal_pairs(seq_len) // seq_len
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, T, _ = x.shape

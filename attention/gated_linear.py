@@ -62,12 +62,10 @@ class GatedLinearAttention(LinearFamilyAttention):
             self.dt_bias = nn.Parameter(torch.empty(H))
         if opts.gate == "retnet":
             self.register_buffer("log_gamma", torch.empty(H), persistent=False)
-
-    def adam_params(self):
-        extra = list(self.a_proj.parameters()) if self.a_proj is not None else []
-        if self.opts.gate == "mamba2":
-            extra += [self.A_log, self.dt_bias]
-        return super().adam_params() + extra
+        # the gate's parameters are not hidden matrices (optim.groups)
+        self.param_roles = {"a_proj": "vector"} if self.a_proj is not None else {}
+        if opts.gate == "mamba2":
+            self.param_roles.update(A_log="vector", dt_bias="vector")
 
     def _init_extra(self) -> None:
         if self.a_proj is not None:

@@ -6,7 +6,7 @@ DeltaNet (``deltanet.py``) plus a scalar decay per head and token, parameterised
 ``GatedDeltaNet`` layer: ``log gamma_t = -exp(A_log) * softplus(a_proj x_t + dt_bias)`` with
 ``A ~ U(0, 16)``, ``dt ~ LogUniform(1e-3, 1e-1)`` (``dt_bias = softplus^{-1}(dt)``). Output:
 ``RMSNorm(o) * swish(g_proj x)`` then ``o_proj``. ``A_log``, ``dt_bias``, ``a_proj``, ``b_proj`` and the conv
-kernels are routed to the Adam group (``p._optim = "adam"``).
+kernels have the role "vector" (``param_roles``, :mod:`optim.groups`): not hidden matrices, so never Muon's.
 
 Departures from fla's layer defaults (head_dim 256, 6 heads, expand_v 2): heads and head dim default to the
 model's (Qwen3 0.6B: 16 x 128) with expand_v 1, keeping the parameter count near softmax attention's; all
@@ -23,7 +23,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.deltanet import DeltaNetOptions, DeltaRuleAttention
-from attention.linear_common import log_gate, mark_adam, reset_A_log_, reset_dt_bias_
+from attention.linear_common import log_gate, reset_A_log_, reset_dt_bias_
 from attention.registry import register_attention
 
 
@@ -50,11 +50,10 @@ class GatedDeltaNetAttention(DeltaRuleAttention):
         self.a_proj = nn.Linear(args.dim, H, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H))
-        mark_adam(self.a_proj.weight, self.A_log, self.dt_bias)
+        self.param_roles.update(a_proj="vector", A_log="vector", dt_bias="vector")
 
     def reset_gate_parameters(self) -> None:
         trunc_normal_(self.a_proj.weight, mean=0.0, std=0.02)
-        mark_adam(self.a_proj.weight)
         reset_A_log_(self.A_log, *self.opts.A_init_range)
         reset_dt_bias_(self.dt_bias, self.opts.dt_min, self.opts.dt_max)
 

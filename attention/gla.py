@@ -24,7 +24,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
-from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, mark_adam
+from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution
 from attention.ops.common import check_impl
 from attention.ops.linear_attn import IMPLS, TRITON_CHUNK_SIZES, gated_linear_attention
 from attention.registry import register_attention
@@ -74,10 +74,6 @@ class LinearFamilyAttention(nn.Module):
     def feature_map(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
-    def adam_params(self) -> list[nn.Parameter]:
-        """Parameters that are not hidden matrices (gates, A_log, dt_bias, conv kernels)."""
-        return [c.weight for c in self.convs.values()] if self.convs is not None else []
-
     def _init_extra(self) -> None:
         pass
 
@@ -92,7 +88,6 @@ class LinearFamilyAttention(nn.Module):
         if self.o_norm is not None:
             self.o_norm.reset_parameters()
         self._init_extra()
-        mark_adam(*self.adam_params())
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> RecurrentCache:
         V = self.value_dim + (1 if self.normalize else 0)
@@ -190,9 +185,7 @@ class GLAAttention(LinearFamilyAttention):
         self._build(args, opts, key_dim, output_norm=True, output_gate=opts.output_gate)
         self.gk_proj = nn.Sequential(nn.Linear(args.dim, opts.gate_low_rank_dim, bias=False),
                                      nn.Linear(opts.gate_low_rank_dim, self.n_heads * key_dim, bias=True))
-
-    def adam_params(self):
-        return super().adam_params() + list(self.gk_proj.parameters())
+        self.param_roles = {"gk_proj": "vector"}  # low-rank gate: not hidden matrices (optim.groups)
 
     def _init_extra(self) -> None:
         trunc_normal_(self.gk_proj[0].weight, mean=0.0, std=0.02)

@@ -13,7 +13,7 @@ Departures from the paper (which has no experiments and prescribes no module): q
 head (or RMSNorm'd and scaled by D^-1/2) because unnormalised HLA grows like t²|q|²|k|²; an RMSNorm
 per head on the output (as GLA/RetNet) and an optional sigmoid output gate; optional RoPE; GQA by repeating
 k and v over the query heads. Optional normalisation divides by the same operator applied to v ≡ 1 with a
-sign-safe ε. Decoding keeps the compact states of ``serial.py`` in the cache.
+sign-safe ε. Decoding keeps the compact states of ``attention/ops/hla/recurrent.py`` in the cache.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torchtitan.models.utils import trunc_normal_
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, copy_full_
 from attention.ops.common import check_impl
 from attention.ops.hla import IMPLS, hla, init_state
-from attention.ops.hla.serial import hla_step
+from attention.ops.hla.recurrent import hla_step
 from attention.registry import register_attention
 
 DECAYS = ("none", "fixed", "learnable")
@@ -67,7 +67,7 @@ class HLAOptions:
 
 @dataclass
 class HLACache:
-    """Decode state: the tuple of ``attention.ops.hla.serial`` ((S, U) | (P, E) | (S, P, Y)), fp32 [B, H, *, *]."""
+    """Decode state: the tuple of ``attention.ops.hla.recurrent`` ((S, U) | (P, E) | (S, P, Y)), fp32 [B, H, *, *]."""
 
     state: tuple
 
@@ -100,6 +100,7 @@ class HigherOrderLinearAttention(QKVAttentionBase):
         self.g_proj = nn.Linear(args.dim, args.n_heads * D, bias=False) if opts.output_gate else None
         if opts.decay == "learnable":
             self.decay_log = nn.Parameter(torch.empty(args.n_heads))  # log γ = −exp(decay_log)
+            self.param_roles = {"decay_log": "vector"}  # a scalar per head, not a hidden matrix (optim.groups)
         elif opts.decay == "fixed":
             self.register_buffer("log_gamma", torch.empty(args.n_heads), persistent=False)
 
@@ -120,7 +121,6 @@ class HigherOrderLinearAttention(QKVAttentionBase):
             self.o_norm.reset_parameters()
         if self.opts.decay == "learnable":
             copy_full_(self.decay_log, torch.log(-torch.log(self._init_gammas())))
-            self.decay_log._optim = "adam"  # a scalar per head, not a hidden matrix
         elif self.opts.decay == "fixed":
             self.log_gamma.copy_(torch.log(self._init_gammas()))
 

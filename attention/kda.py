@@ -27,8 +27,8 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.deltanet import DeltaNetOptions, DeltaRuleAttention
-from attention.linear_common import log_gate, mark_adam, reset_A_log_, reset_dt_bias_
-from attention.ops.delta_rule.ops import check_lower_bound_range
+from attention.linear_common import log_gate, reset_A_log_, reset_dt_bias_
+from attention.ops.delta_rule import check_lower_bound_range
 from attention.registry import register_attention
 
 
@@ -47,8 +47,8 @@ class KDAOptions(DeltaNetOptions):
     gate_lower_bound: float | None = None
     """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
     gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA forward use tensor cores on the diagonal
-    blocks (safe_gate); our backward kernel (``attention/ops/delta_rule/kda_intra.py``) does so for either gate, so
-    the two gates cost about the same."""
+    blocks (safe_gate); our backward kernel (``attention/ops/delta_rule/triton/kda_intra.py``) does so for either
+    gate, so the two gates cost about the same."""
 
 
 @register_attention("kda", options=KDAOptions,
@@ -69,9 +69,9 @@ class KDAAttention(DeltaRuleAttention):
         self.a_proj = nn.Sequential(nn.Linear(args.dim, r, bias=False), nn.Linear(r, H * K, bias=False))
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H * K))
-        mark_adam(*self.a_proj.parameters(), self.A_log, self.dt_bias)
+        self.param_roles.update(a_proj="vector", A_log="vector", dt_bias="vector")
         if self.g_proj is not None:
-            mark_adam(*self.g_proj.parameters())
+            self.param_roles["g_proj"] = "vector"  # low-rank output gate: thin factors, not hidden matrices
 
     @property
     def rank(self) -> int:
@@ -84,14 +84,10 @@ class KDAAttention(DeltaRuleAttention):
     def reset_gate_parameters(self) -> None:
         for lin in self.a_proj:
             trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        mark_adam(*self.a_proj.parameters())
-        if self.g_proj is not None:
-            mark_adam(*self.g_proj.parameters())
         if self.gate_lower_bound is None:
             reset_A_log_(self.A_log, *self.opts.A_init_range)
         else:  # A = 1 (fla): sigmoid(A * dt_bias) in [1e-3, 0.1]; A ~ U(1, 16) can underflow it to 0 (no decay, no grad)
             nn.init.zeros_(self.A_log)
-            mark_adam(self.A_log)
         reset_dt_bias_(self.dt_bias, self.opts.dt_min, self.opts.dt_max)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:

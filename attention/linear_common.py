@@ -10,10 +10,6 @@ What is here, and where it comes from (fla-core 0.6.0's layers; docs/mechanisms.
   ``lower_bound``, fla's bounded KDA gate ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``) and the
   initialisers of ``A_log`` (:func:`reset_A_log_`) and ``dt_bias`` (:func:`reset_dt_bias_`), which draw the whole
   tensor and write it through :func:`attention.base.copy_full_` (FSDP-sharded parameters included).
-- :func:`mark_adam`: the optimizer hint ``p._optim = "adam"`` for parameters that are not hidden matrices
-  (conv kernels, ``A_log``, ``dt_bias``, β and gate projections). The hint is lost when a parameter is
-  re-wrapped (``to_empty``, FSDP), so modules call it again in ``init_weights``; the names (``conv*``,
-  ``A_log``, ``dt_bias``, ``b_proj``, ``a_proj``/``g_proj``) are the fallback the optimizer can match.
 - :class:`RecurrentCache`: per-layer decode cache (conv states + recurrent state).
 
 The ``impl`` vocabulary, the fla-core gate, the document helpers and the fallback notices every op shares are in
@@ -34,13 +30,6 @@ from attention.ops.short_conv import short_conv
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def mark_adam(*params: nn.Parameter) -> None:
-    """Hint for the optimizer builder: route these parameters to the Adam-style group (no Muon)."""
-    for p in params:
-        if p is not None:
-            p._optim = "adam"
-
-
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float64 for float64 tensors (tests), float32 otherwise."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -75,7 +64,6 @@ def reset_A_log_(p: torch.Tensor, low: float = 0.0, high: float = 16.0) -> None:
     """``A ~ U(low, high)``, ``A_log = log A`` (GDN: U(0,16); KDA: U(1,16)). Clamped away from A = 0."""
     A = torch.empty(p.shape, dtype=torch.float32, device=p.device).uniform_(low, high).clamp_min_(1e-4)
     copy_full_(p, torch.log(A))
-    mark_adam(p)
 
 
 @torch.no_grad()
@@ -84,7 +72,6 @@ def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, d
     u = torch.rand(p.shape, dtype=torch.float32, device=p.device)
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min_(dt_floor)
     copy_full_(p, dt + torch.log(-torch.expm1(-dt)))
-    mark_adam(p)
 
 
 # ----------------------------------------------------------------------------------------------- cache
@@ -111,8 +98,10 @@ class ShortConvolution(nn.Module):
     ``y_t = act(sum_{j=0}^{K-1} w[:, K-1-j] * x_{t-j})``, where inputs from before the token's document
     start (``cu_seqlens``) or before the sequence start count as zero, or come from the decode state.
 
-    weight: [C, kernel_size] (``kernel_size - 1`` is the oldest lag); routed to Adam (``_optim``).
+    weight: [C, kernel_size] (``kernel_size - 1`` is the oldest lag); role "vector" (not a hidden matrix).
     """
+
+    param_roles = {"weight": "vector"}
 
     def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu"):
         super().__init__()
@@ -120,14 +109,12 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"ShortConvolution activation={activation!r}; choose from [None, 'silu', 'swish']")
         self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
-        mark_adam(self.weight)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         # nn.Conv1d's default (kaiming_uniform a=sqrt(5)) for a depthwise kernel: U(-1/sqrt(K), 1/sqrt(K)).
         bound = 1.0 / math.sqrt(self.kernel_size)
         self.weight.uniform_(-bound, bound)
-        mark_adam(self.weight)
 
     def forward(
         self,

@@ -11,7 +11,7 @@ Departures from the softmax baseline (same Qwen3 projections ``wq wk wv wo q_nor
 
 Kernels (``[attention] impl``): "auto" (Triton on CUDA, else the blockwise PyTorch path), "reference", "chunk",
 "triton". Decoding keeps a KV cache (LLA has no recurrent state) and uses a single-pass D×D-accumulator decode
-(``attention/ops/lla/decode.py``).
+(``attention/ops/lla/recurrent.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attention.ops.common import check_impl
 from attention.ops.lla import IMPLS as LLA_IMPLS
 from attention.ops.lla import lla_attention, lla_decode
@@ -156,7 +156,8 @@ class LocalLinearAttention(QKVAttentionBase):
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     def flops_per_token(self, seq_len: int) -> int:
-        # Key-tile GEMMs per query (non-causal count like softmax's 2): statistics 2 (+1 Jacobi),
-        # 3 per CG iteration (q·k recomputed, p·k, (w⊙pk)·k), output 3 (q·k, ρ·k, s·v).
+        # Key-tile GEMMs per (query, key) pair the causal mask keeps (the kernels skip masked tiles), softmax's
+        # being 2: statistics 2 (+1 Jacobi), 3 per CG iteration (q·k recomputed, p·k, (w⊙pk)·k), output 3 (q·k,
+        # ρ·k, s·v).
         gemms = 5 + 3 * self.opts.cg_iters + (1 if self.opts.jacobi else 0)
-        return 2 * gemms * self.n_heads * self.head_dim * seq_len
+        return 2 * gemms * self.n_heads * self.head_dim * causal_pairs(seq_len) // seq_len

@@ -19,8 +19,8 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
-from attention.linear_common import ShortConvolution, l2norm, mark_adam
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
+from attention.linear_common import ShortConvolution, l2norm
 from attention.ops.common import check_impl
 from attention.ops.fox import fox_decode
 from attention.ops.path import IMPLS, householder_update_, path_attention
@@ -78,12 +78,12 @@ class PathAttention(QKVAttentionBase):
         self.w_conv = ShortConvolution(HKV * D, opts.conv_size, "silu") if opts.use_w_shortconv else None
         self.bt_proj = nn.Linear(args.dim, HKV, bias=True)
         self.f_proj = nn.Linear(args.dim, H, bias=True) if opts.use_forget_gate else None
-
-    def _adam(self):
-        ps = list(self.bt_proj.parameters()) + (list(self.f_proj.parameters()) if self.f_proj is not None else [])
-        if self.opts.use_low_rank_w:
-            ps += list(self.w_proj.parameters())  # thin low-rank factors, not hidden matrices
-        return ps + ([self.w_conv.weight] if self.w_conv is not None else [])
+        # β and forget gates, and the thin low-rank factors of w: not hidden matrices (optim.groups)
+        self.param_roles = {"bt_proj": "vector"}
+        if self.f_proj is not None:
+            self.param_roles["f_proj"] = "vector"
+        if opts.use_low_rank_w:
+            self.param_roles["w_proj"] = "vector"
 
     def init_weights(self, init_std: float) -> None:
         super().init_weights(init_std)
@@ -95,7 +95,6 @@ class PathAttention(QKVAttentionBase):
                 nn.init.zeros_(lin.bias)
         if self.w_conv is not None:
             self.w_conv.reset_parameters()
-        mark_adam(*self._adam())
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> PathCache:
         kv = lambda: torch.zeros(batch_size, max_len, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)  # noqa: E731
@@ -105,8 +104,8 @@ class PathAttention(QKVAttentionBase):
 
     def flops_per_token(self, seq_len: int) -> int:
         # softmax attention's q·k and p·v, plus the rank-m key/query transforms (about 2 more GEMMs of
-        # the same size in the blockwise form).
-        return 2 * 2 * 2 * self.n_heads * self.head_dim * seq_len
+        # the same size in the blockwise form), over the causal (query, key) pairs.
+        return 2 * 2 * 2 * self.n_heads * self.head_dim * causal_pairs(seq_len) // seq_len
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, T, _ = x.shape

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase
+from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attention.ops.common import check_impl, visibility_mask
 from attention.ops.parallax import parallax_attention, parallax_decode
 from attention.registry import register_attention
@@ -155,6 +155,6 @@ class SoftmaxAttention(QKVAttentionBase):
         return None
 
     def flops_per_token(self, seq_len: int) -> int:
-        # torchtitan's convention (non-causal count, comparable with its stock MFU): q·k and p·v,
-        # 2 FLOPs per multiply-add, over seq_len keys.
-        return 2 * 2 * self.n_heads * self.head_dim * seq_len
+        # q·k and p·v, 2 FLOPs per multiply-add, over the keys the causal (sliding-window) mask leaves: (seq_len+1)/2
+        # per query on average without a window. Not torchtitan's count, which takes every query over all seq_len.
+        return 2 * 2 * self.n_heads * self.head_dim * causal_pairs(seq_len, self.opts.window_size) // seq_len

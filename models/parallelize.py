@@ -25,9 +25,9 @@ def sac_save_list(attention_ops: bool = True) -> set:
     sac_save``), the attention forward ops that declare themselves (:func:`attention.ops.sac_save_ops`).
 
     Without them the backward re-runs every layer's Triton attention forward (two forwards per step), while
-    softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.opaque``) recompute their
-    forward in their own backward; saving their output spares a third run. Saving keeps the ops' outputs in
-    activation memory instead (benchmarks/README.md has GDN's and KDA's time and memory both ways)."""
+    softmax's ``_varlen_attn`` is on torchtitan's list. The opaque ops (``attention.ops.custom_ops.opaque_op``)
+    recompute their forward in their own backward; saving their output spares a third run. Saving keeps the ops'
+    outputs in activation memory instead (benchmarks/README.md has GDN's and KDA's time and memory both ways)."""
     ops = set(_op_sac_save_list)
     if attention_ops:
         ops.update(sac_save_ops())

@@ -61,7 +61,7 @@ Factory = Callable[..., "Callable[[], torch.Tensor] | None"]
 # ------------------------------------------------------------------ training columns
 def _ours(probe: bool) -> Factory:
     def make(q, k, v, r):
-        from attention.ops.parallax.kernels import parallax_triton
+        from attention.ops.parallax.triton import parallax_triton
 
         return lambda: parallax_triton(q, k, v, r if probe else None)
 
@@ -122,7 +122,7 @@ TRAIN: dict[str, tuple[Factory, bool]] = {  # name -> (factory, is_parallax for 
 # ------------------------------------------------------------------ decode columns
 def _ours_decode(probe: bool, merge: str | None = None) -> Factory:
     def make(q, r, kc, vc, seqlens):
-        from attention.ops.parallax.kernels import parallax_decode_triton
+        from attention.ops.parallax.triton import parallax_decode_triton
 
         return lambda: parallax_decode_triton(q, kc, vc, seqlens, r if probe else None, merge=merge)
 
@@ -329,7 +329,7 @@ def targets(train: dict, decode: dict) -> list[str]:
 
 def best_configs() -> list[str]:
     """The autotuner's pick per key for each of our kernels (printed so the short lists can be re-pruned)."""
-    from attention.ops.parallax.kernels import autotuned_kernels
+    from attention.ops.parallax.triton import autotuned_kernels
 
     out = []
     for kern in autotuned_kernels().values():
@@ -340,7 +340,7 @@ def best_configs() -> list[str]:
 
 def sweep_decode(cells=((1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 4096))) -> list[str]:
     """Time the decode kernel over tile / split parameters (module globals of kernels.ops)."""
-    from attention.ops.parallax.kernels import ops as kops
+    from attention.ops.parallax.triton import ops as kops
 
     lines = []
     base = (dict(kops.DECODE_CFG), kops.MIN_KEYS_PER_SPLIT, kops.WAVES)
@@ -380,7 +380,7 @@ carry two more entries (tma, ws)."""
 def tune_jobs() -> list[tuple[int, bool, str, tuple]]:
     """(D, probe, kernel, (tile0, tile1, warps, stages[, kv_tma, ws])) for every candidate the report times; tiles
     are (BM, BN) for fwd/dq and (BN, BM) for dkv, as in common.py."""
-    from attention.ops.parallax.kernels import common
+    from attention.ops.parallax.triton import common
 
     lists = {"fwd": (common.FWD_SPECS + common.TUNE_EXTRA_FWD + [TUNE_FILL], common.prune_fwd, ("BM", "BN")),
              "dq": (common.DQ_SPECS + common.TUNE_EXTRA_DQ + [TUNE_FILL], common.prune_bwd, ("BM", "BN")),
@@ -432,9 +432,9 @@ def _tune_tensors(D: int, probe: bool, real: bool = True) -> dict:
 
 def _tune_call(x: dict, kern: str, spec: tuple, D: int, out: dict | None = None) -> Callable[[], None]:
     """One launch of ``kern`` at ``spec`` (no autotuner); the forward writes into ``out`` or scratch buffers."""
-    from attention.ops.parallax.kernels import ops as kops
+    from attention.ops.parallax.triton import ops as kops
 
-    from attention.ops.parallax.kernels.common import spec_kwargs
+    from attention.ops.parallax.triton.common import spec_kwargs
 
     cfg = dict(spec_kwargs(spec, ("BN", "BM") if kern == "dkv" else ("BM", "BN")), num_warps=spec[2],
                num_stages=spec[3])
@@ -491,7 +491,7 @@ def tune_report(workers: int) -> list[str]:
     lines = [f"## tune report: ms per kernel alone, T={TUNE_T}, B={TUNE_B}, {TUNE_HQ}/{TUNE_HKV} heads, bf16, causal "
              f"({time.time() - t0:.0f}s); config = (tile, tile, warps, stages): (BM, BN) fwd/dq, (BN, BM) dkv; "
              "* = best, [short] = in the current short list"]
-    from attention.ops.parallax.kernels import common
+    from attention.ops.parallax.triton import common
 
     short = {"fwd": common.FWD_SPECS, "dq": common.DQ_SPECS, "dkv": common.DKV_SPECS}
     for (D, probe), row in rows.items():

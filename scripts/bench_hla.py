@@ -50,7 +50,7 @@ def rows(B, T, H, D, dtype, device):
         "hla2_norm": (lambda q, k, v: hla(q, k, v, g, normalize=True), [q, k, v]),
     }
     if device == "cuda":
-        from attention.ops.linear_attn.triton_gla import gla_triton
+        from attention.ops.linear_attn.triton.gla import gla_triton
 
         out["gla"] = (lambda q, k, v: gla_triton(q, k, v, g), [q, k, v])
     ln = torch.nn.LayerNorm(D, device=device, dtype=dtype)

@@ -2,7 +2,7 @@
 
 Paths: "fla" (fla-core 0.6.0 Triton kernels, where they import and are allowed: fla refuses the gated backward
 on Hopper with 3.4 <= Triton < 3.7.1, and this script reports that as "refused"), "fla_hopper" (fla's kernels
-with our dqkwg kernel in the backward, ``attention/ops/delta_rule/fla_hopper.py``), "chunk" (PyTorch WY/UT
+with our dqkwg kernel in the backward, ``attention/ops/delta_rule/triton/pipeline.py``), "chunk" (PyTorch WY/UT
 form under torch.compile), "chunk_eager" (same, not compiled; --eager), "module" / "module-compiled" (the
 whole attention layer, ``attention/{deltanet,gdn,kda}.py`` with impl "auto", dim = H*D, projections and convs
 included; "module-compiled" is ``torch.compile(fullgraph=True)`` as torchtitan compiles blocks: with fla it runs

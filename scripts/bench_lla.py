@@ -5,7 +5,7 @@
     python -m scripts.bench_lla             # also T=1024, Jacobi, the affine family, the chunk PyTorch LLA
     python -m scripts.bench_lla --quick --iters 4,16 --tiles none   # other CG counts
 
-Rows "LLA-N" run the Triton kernels (``attention/ops/lla/kernels``) with N CG iterations, autotuned; rows
+Rows "LLA-N" run the Triton kernels (``attention/ops/lla/triton``) with N CG iterations, autotuned; rows
 "tiles (BR, BC)" pin one tile for every kernel; "precise" (``--precise``): ``kernels.common.PRECISE``, fp32/TF32
 statistics, Σ·p and output products (each PRECISE value autotunes its own kernels).
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from attention.ops.affine import affine_attention
 from attention.ops.lla import lla_attention, naive_lla
-from attention.ops.parallax.kernels import parallax_triton
+from attention.ops.parallax.triton import parallax_triton
 from scripts.bench_common import kernel_table
 from scripts.bench_common import timeit as timed
 
@@ -79,7 +79,7 @@ def lla_op(iters, jacobi=False, block=None, impl="triton", precise=False):
     lam = torch.full((16,), 0.1, device="cuda")
 
     def op(q, k, v):
-        from attention.ops.lla.kernels import common
+        from attention.ops.lla.triton import common
 
         common.PRECISE = precise
         return lla_attention(q, k, v, lam[: q.shape[2]], cg_iters=iters, jacobi=jacobi, impl=impl, block=block)
@@ -109,7 +109,7 @@ def ptxas_report(tiles):
     print registers, stack (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
     import inspect
 
-    from attention.ops.lla.kernels import bwd, cg, fwd
+    from attention.ops.lla.triton import bwd, cg, fwd
     from scripts.sm90 import compile_sm90, resources, sass, sass_loop_local_memory
 
     kernels = {"_stats_kernel": fwd, "_cg_step_kernel": cg, "_out_kernel": fwd, "_bwd_a_kernel": bwd,

@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     import torch
 
     from attention.ops.short_conv import naive_short_conv
-    from attention.ops.short_conv.triton_conv import DPRE_SPEC, FWD_SPEC, conv_bwd, conv_fwd, short_conv_fwd
+    from attention.ops.short_conv.triton.conv import DPRE_SPEC, FWD_SPEC, conv_bwd, conv_fwd, short_conv_fwd
     from scripts.bench_common import median_ms, timeit
 
     dev = a.device

@@ -36,7 +36,7 @@ def load(run_dir: str) -> tuple[dict[int, dict], dict[int, float]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         sys.exit(f"{run_dir}: no metrics.jsonl (is it a run's job.dump_folder?)")
-    from models.metrics import read_records
+    from trainer.metrics import read_records
 
     train, val = {}, {}
     try:

@@ -30,7 +30,7 @@ from scripts.bench_attention import TRAIN
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
     """Offline sm_90a compile of each candidate config (as a launch at T=4096 sees it: ``scripts/sm90.py``);
     ptxas registers / spill stores / loads / smem, and whether the K/V loads became async copies."""
-    from attention.ops.parallax.kernels import autotuned_kernels, common
+    from attention.ops.parallax.triton import autotuned_kernels, common
     from scripts.sm90 import compile_sm90, loop_local_memory, resources
 
     kernels_by_pass = autotuned_kernels()

@@ -214,7 +214,7 @@ def resumable_step(run_dir: str) -> int:
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Drop ``metrics.jsonl`` records after ``step``: a chunk killed past its last checkpoint logged steps that the
     resumed run logs again."""
-    from models.metrics import read_records
+    from trainer.metrics import read_records
 
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(path):
@@ -225,7 +225,7 @@ def truncate_metrics(run_dir: str, step: int) -> None:
 
 def read_metrics(run_dir: str) -> dict:
     """Last validation/training record and the median training tokens/s (log intervals after step 1)."""
-    from models.metrics import read_records
+    from trainer.metrics import read_records
 
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):

@@ -81,7 +81,7 @@ def run_one(args, cfg: Path, out: Path, devices: str = "") -> dict:
     log.write_text(text)
     recs = []
     if (dump / "metrics.jsonl").exists():
-        from models.metrics import read_records
+        from trainer.metrics import read_records
 
         recs = [r for r in read_records(dump / "metrics.jsonl") if "loss" in r]
     ok = rc == 0 and bool(recs) and recs[-1]["step"] == args.steps

@@ -48,7 +48,7 @@ def tiny_args(corpus: dict[str, str], dump: Path, steps: int, seq_len: int = 16,
 
 
 def read_metrics(dump: Path) -> list[dict]:
-    from models.metrics import read_records
+    from trainer.metrics import read_records
 
     return read_records(dump / "metrics.jsonl")
 

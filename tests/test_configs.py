@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models import register_train_spec
+from trainer.spec import register_train_spec
 from models.args import get_flavor
 from models.model import Transformer
 from config import parse_config

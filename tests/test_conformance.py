@@ -60,10 +60,16 @@ def test_matrix_covers_the_registry_and_the_shipped_hybrid():
 
 @pytest.mark.parametrize("pattern", ROWS)
 def test_two_processes_from_meta_then_export_and_decode(pattern, corpus, tmp_path):
+    check_lifecycle(pattern, corpus, tmp_path)
+
+
+def check_lifecycle(pattern: tuple[str, ...], corpus, tmp_path, module: str | None = None) -> None:
+    """One row of the matrix. ``module``: what the training processes run instead of ``train.py``
+    (``python -m module``), for a mechanism a test registers (tests/attention/test_adding_a_mechanism.py)."""
     dump = tmp_path / "run"
     run_train(tiny_args(corpus, dump, 3, 16, 2, *_flags(pattern), "--optimizer.name", "muon",
                         "--optimizer.muon_ns_dtype", "float32", "--validation.freq", "2",
-                        "--checkpoint.interval", "3"), nproc=2)
+                        "--checkpoint.interval", "3"), nproc=2, module=module)
     recs = read_metrics(dump)
     train = losses(dump)
     assert sorted(train) == [1, 2, 3] and all(math.isfinite(v) for v in train.values()), train

@@ -90,6 +90,7 @@ def test_bad_config_fails_before_training(corpus, tmp_path, extra, message):
     (["--attention.impl", "fla"], "attention.impl='fla' is not valid for softmax"),
     (["--model.attention", "gdn", "--attention.impl", "fla"], "attention.impl='fla': fla-core cannot run here"),
     (["--lr_scheduler.warmup_steps", "5"], "lr_scheduler.warmup_steps=5 is longer than the run"),
+    (["--optimizer.name", "sgd"], "optimizer.name='sgd' is not registered; choose from ['adam', 'adamw', 'muon']"),
 ])
 def test_config_error_is_one_line_before_anything_is_written(corpus, tmp_path, extra, message):
     """No traceback and no trainer start (torchtitan's start writes comm_traces/ into the dump folder)."""
@@ -270,7 +271,7 @@ def test_second_run_into_a_live_folder_fails_and_stale_lock_is_taken(corpus, tmp
     import os
     import socket
 
-    from train import RunLock
+    from trainer.run_guard import RunLock
 
     dump = tmp_path / "run"
     held = RunLock(str(dump))  # this (live) process holds the folder
@@ -356,13 +357,13 @@ def test_free_space_is_checked_at_start(tmp_path, monkeypatch, caplog):
     import shutil
     from types import SimpleNamespace
 
-    import train
+    from trainer.run_guard import check_free_space
 
     mib = 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10 * mib, total=100 * mib, used=0))
     with pytest.raises(ValueError, match=r"checkpoint.folder '.*ck': 0.01 GiB free, one checkpoint needs about 0.02"):
-        train.check_free_space(str(tmp_path / "ck"), 20 * mib, 2)
-    train.check_free_space(str(tmp_path / "ck"), 4 * mib, 2)
+        check_free_space(str(tmp_path / "ck"), 20 * mib, 2)
+    check_free_space(str(tmp_path / "ck"), 4 * mib, 2)
     assert "may not hold checkpoint.keep_latest_k=2 checkpoints" in caplog.text
 
 
@@ -376,7 +377,7 @@ def test_architecture_changes_ignore_init_only_options():
     from attention.parallax import ParallaxOptions
     from models.args import ModelArgs
     from models.hf import args_to_dict
-    from train import INIT_ONLY_FIELDS, architecture_changes
+    from trainer.checkpoint import INIT_ONLY_FIELDS, architecture_changes
 
     def record(mask="block_causal", **opts):
         args = ModelArgs(attention="parallax", attn_mask_type=mask,

@@ -19,14 +19,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
+def run_train(args: list[str], nproc: int = 1, timeout: int = 300, module: str | None = None,
+              **popen) -> subprocess.CompletedProcess:
+    """``train.py args`` on ``nproc`` processes (torchrun beyond one); ``module``: ``python -m module args`` instead,
+    a module that prepares the process (registers a mechanism) and then runs ``train.py``."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
+    entry = ["-m", module] if module else [str(REPO / "train.py")]
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "train.py"), *args]
+        cmd = [sys.executable, *entry, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
-               "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(REPO / "train.py"), *args]
+               "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", *entry, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), **popen)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

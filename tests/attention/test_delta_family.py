@@ -1,5 +1,5 @@
 """Delta-rule family modules (deltanet, gdn, kda): decode == full forward, packed documents do not leak,
-recurrent == chunk at module level, every parameter gets a gradient, meta-device init, Adam routing hints;
+recurrent == chunk at module level, every parameter gets a gradient, meta-device init, declared parameter roles;
 KDA's bounded gate (``gate_lower_bound``, fla's safe_gate): its formula and range, decode and gradients, validation.
 
 Float64 and tiny sizes (dim 24, 2 heads of K=8, V=12 via expand_v=1.5) so each mechanism runs in a few seconds.
@@ -11,6 +11,8 @@ import torch
 import attention  # noqa: F401  (registers the mechanisms)
 from attention.base import AttentionArgs, AttentionContext
 from attention.registry import REGISTRY
+from optim.config import Optimizer
+from optim.groups import route_parameters
 
 MECHS = ["deltanet", "gdn", "kda"]
 # (mechanism, extra options): every mechanism, plus KDA with fla's bounded gate
@@ -93,7 +95,7 @@ def test_recurrent_equals_chunk_and_gradients_reach_every_parameter(name, extra)
 
 
 @pytest.mark.parametrize("name", MECHS)
-def test_meta_init_and_adam_hints(name):
+def test_meta_init_and_declared_roles(name):
     args = AttentionArgs(dim=DIM, n_heads=2, n_kv_heads=2, head_dim=8)
     mech = REGISTRY[name]
     with torch.device("meta"):
@@ -103,15 +105,15 @@ def test_meta_init_and_adam_hints(name):
         m.init_weights(0.01)
     for n, p in m.named_parameters():
         assert torch.isfinite(p).all(), n
-    adam = {n for n, p in m.named_parameters() if getattr(p, "_optim", None) == "adam"}
+    vector = {r.name for r in route_parameters(m, Optimizer()) if r.reason == "declared" and r.role == "vector"}
     expected = {"b_proj.weight", "conv_q.weight", "conv_k.weight", "conv_v.weight"}
     if name in ("gdn", "kda"):
         expected |= {"A_log", "dt_bias"}
         assert (m.A_log.exp() > 0).all() and torch.isfinite(m.dt_bias).all()
-    assert expected <= adam, expected - adam
-    for n in adam:  # every hinted parameter carries one of the agreed names
+    assert expected <= vector, expected - vector
+    for n in vector:  # every parameter declared "vector" carries one of the agreed names
         assert n.split(".")[0] in ("b_proj", "a_proj", "g_proj", "A_log", "dt_bias") or n.startswith("conv"), n
-    assert "q_proj.weight" not in adam and "o_proj.weight" not in adam
+    assert "q_proj.weight" not in vector and "o_proj.weight" not in vector
     assert m.flops_per_token(4096) > 0
 
 

@@ -1,5 +1,5 @@
 """Modules gla, gated_linear, linear, fox, path: impl parity, decode == full forward, packed documents,
-meta-device init, optimizer hints."""
+meta-device init, declared parameter roles."""
 
 import pytest
 import torch
@@ -7,6 +7,8 @@ import torch
 import attention  # noqa: F401  (registers every mechanism)
 from attention.base import AttentionArgs, AttentionContext
 from attention.registry import build_attention, get_mechanism
+from optim.config import Optimizer
+from optim.groups import route_parameters
 
 D64 = torch.float64
 
@@ -87,7 +89,7 @@ def test_packed_documents_do_not_leak(name, kw):
 
 
 @pytest.mark.parametrize("name,kw", CASES[::2], ids=IDS[::2])
-def test_meta_init_grads_and_adam_hints(name, kw):
+def test_meta_init_grads_and_declared_roles(name, kw):
     args = AttentionArgs(dim=24, n_heads=4, n_kv_heads=2, head_dim=8, impl="auto")
     with torch.device("meta"):
         m = build_attention(name, args, get_mechanism(name).options(**kw))
@@ -100,10 +102,10 @@ def test_meta_init_grads_and_adam_hints(name, kw):
     y.square().sum().backward()
     for n, p in m.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
-    adam = {n for n, p in m.named_parameters() if getattr(p, "_optim", None) == "adam"}
-    for n, _ in m.named_parameters():  # gates, conv kernels, A_log, dt_bias: Adam; hidden matrices: not
-        hinted = any(s in n for s in ("conv", "A_log", "dt_bias", "gk_proj", "a_proj", "f_proj", "bt_proj", "w_proj"))
-        assert (n in adam) == hinted, n
+    vector = {r.name for r in route_parameters(m, Optimizer()) if r.reason == "declared" and r.role == "vector"}
+    for n, _ in m.named_parameters():  # gates, conv kernels, A_log, dt_bias: declared "vector"; hidden matrices: not
+        declared = any(s in n for s in ("conv", "A_log", "dt_bias", "gk_proj", "a_proj", "f_proj", "bt_proj", "w_proj"))
+        assert (n in vector) == declared, n
     assert m.flops_per_token(4096) > 0
 
 

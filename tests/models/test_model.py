@@ -46,7 +46,8 @@ def test_param_counts_on_meta(flavor, mech, expect):
     assert n == expect
     nparams, flops = model.model_args.get_nparams_and_flops(model, 4096)
     assert nparams == expect
-    mixing = (2 if mech == "parallax" else 1) * 4 * model.model_args.n_heads * model.model_args.head_dim * 4096
+    # causal: query i sees i keys, (4096 + 1) / 2 per query on average
+    mixing = (2 if mech == "parallax" else 1) * 4 * model.model_args.n_heads * model.model_args.head_dim * 4097 // 2
     # tied weights: the embedding lookup costs nothing, but the LM head matmul is real, so 6·(all parameters)
     assert flops == 6 * expect + 3 * 28 * mixing
 

@@ -10,10 +10,10 @@ from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
-from attention.ops.parallax.kernels import ops as kops
-from attention.ops.parallax.kernels import parallax_triton
-from attention.ops.delta_rule import ops as drops
-from attention.ops.delta_rule.ops import delta_rule_op
+from attention.ops.delta_rule.triton import delta_rule_op
+from attention.ops.delta_rule.triton import ops as drops
+from attention.ops.parallax.triton import ops as kops
+from attention.ops.parallax.triton import parallax_triton
 from models.parallelize import sac_save_list
 
 

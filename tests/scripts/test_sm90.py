@@ -10,7 +10,7 @@ from tests.utils import REPO
 
 _SCRIPT = """
 from scripts.sm90 import compile_sm90, loop_local_memory, resources
-from attention.ops.parallax.kernels import decode
+from attention.ops.parallax.triton import decode
 fn = decode._parallax_decode_kernel
 consts = dict(TQ=1, HQ=16, HKV=8, D=128, BR=16, BN=64, HAS_PROBE=True, WINDOW=False, SPLIT=True, FUSED_MERGE=False,
               DOT_PREC="tf32", RR=2, SC=1, LONG_OFF=False, PDL=False)
@@ -56,7 +56,7 @@ def test_sass_loop_counts_nested_loops():
 
 
 _SPILL_SCRIPT = """
-from attention.ops.parallax.kernels import common
+from attention.ops.parallax.triton import common
 common.FWD_SPECS, common.TUNE_EXTRA_FWD = [(64, 64, 4, 2), (128, 64, 8, 2, 1, 1)], []
 common.DQ_SPECS, common.TUNE_EXTRA_DQ = [(64, 32, 4, 2), (64, 32, 4, 2, 1, 0)], []
 common.DKV_SPECS, common.TUNE_EXTRA_DKV = [(32, 32, 4, 2), (32, 32, 4, 2, 1, 0)], []
