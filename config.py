@@ -384,12 +384,9 @@ def check_ranges(job_config) -> None:
 
 def validate_config(job_config) -> None:
     """Fail before training starts, naming the key, the value and what is valid."""
-    from models.args import get_flavor, override_dims
-
     check_types(job_config)
     check_ranges(job_config)
     m = job_config.model
-    args = override_dims(get_flavor(m.flavor), m)
     for key, name in [("model.attention", m.attention)] + [
         (f"model.layer_pattern[{i}]", n) for i, n in enumerate(m.layer_pattern)
     ]:
@@ -397,9 +394,6 @@ def validate_config(job_config) -> None:
     get_optimizer(job_config.optimizer.name)
     if m.attn_mask_type not in ("causal", "block_causal"):
         raise ValueError(f"model.attn_mask_type={m.attn_mask_type!r}; choose from ['causal', 'block_causal']")
-    if args.n_heads % args.n_kv_heads:
-        raise ValueError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={args.n_kv_heads} "
-                         f"(flavor {m.flavor!r} with the [model] overrides)")
     f8 = job_config.quantize.linear.float8
     if "quantize.linear.float8" in job_config.model.converters and f8.recipe_name and f8.enable_fsdp_float8_all_gather:
         raise ValueError(f"quantize.linear.float8.recipe_name={f8.recipe_name!r} cannot be combined with "

@@ -144,15 +144,22 @@ def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
     ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
     lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
-    ``[attention] impl`` and the sizes."""
+    ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
+    from data.loader import tokenizer_path
     from models.checkpoint_io import model_args_from_config
     from models.model import Transformer
+    from models.run_folder import check_tokenizer_fits
     from optim.schedules import build_schedule
 
     project_config.validate_config(job_config)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
+    args = model_args_from_config(job_config)
     with torch.device("meta"):
-        Transformer(model_args_from_config(job_config))
+        Transformer(args)
+    tok = tokenizer_path(job_config)
+    if os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        check_tokenizer_fits(tok, args.vocab_size, "set model.vocab_size to at least that many, or point "
+                             "model.hf_assets_path at a tokenizer that fits")
     if job_config.attention.impl == "fla":  # the other paths run anywhere, or pick one that does ("auto")
         from attention.ops.common import fla_importable
 

@@ -163,10 +163,6 @@ def _source(job_config, split: str):
 
 def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, seq_len, dl_config, **kw):
     ds, field, name = _source(job_config, split)
-    model_vocab = job_config.model.vocab_size or _flavor_vocab(job_config)
-    if tokenizer.get_vocab_size() > model_vocab:
-        raise ValueError(f"the tokenizer at model.hf_assets_path has {tokenizer.get_vocab_size()} tokens but the "
-                         f"model's vocabulary is {model_vocab}; set model.vocab_size >= {tokenizer.get_vocab_size()}")
     dataset = PackedTextDataset(ds, field, name, tokenizer, seq_len, dp_rank, dp_world_size, **kw)
     if isinstance(dataset._data, Dataset) and len(dataset._data) == 0:  # an infinite loader would re-loop forever
         raise ValueError(f"{name}: {len(ds)} documents leave data-parallel rank {dp_rank} of {dp_world_size} "
@@ -233,12 +229,6 @@ def dataset_state(loader_state: dict) -> dict:
     if "dataset_state" in loader_state:
         return loader_state["dataset_state"]
     return loader_state["_snapshot"]["_worker_snapshots"]["worker_0"]["dataset_state"]
-
-
-def _flavor_vocab(job_config) -> int:
-    from models.args import get_flavor
-
-    return get_flavor(job_config.model.flavor).vocab_size
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> ParallelAwareDataloader:

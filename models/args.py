@@ -57,6 +57,9 @@ class ModelArgs(BaseModelArgs):
         if m.tie_embeddings is not None:
             self.enable_weight_tying = m.tie_embeddings
         self.attention_options = {name: getattr(a, name) for name in set(self.layer_mechanisms())}
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads} "
+                             f"(flavor {m.flavor!r} with the [model] overrides)")
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters and training FLOPs per token of a causal row of ``seq_len`` tokens (one document):

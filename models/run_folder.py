@@ -167,16 +167,16 @@ def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def check_tokenizer_fits(folder: str | os.PathLike, vocab_size: int) -> None:
+def check_tokenizer_fits(folder: str | os.PathLike, vocab_size: int,
+                         fix: str = "use the tokenizer these weights were trained with (--tokenizer DIR)") -> None:
     """A tokenizer with more tokens than the model's ``vocab_size`` embedding rows cannot go with it (ordinary text
-    indexes past the table): a ValueError naming the file and both sizes."""
+    indexes past the table): a ValueError naming the file, both sizes and ``fix``."""
     from tokenizers import Tokenizer
 
     path = Path(folder) / "tokenizer.json"
     n = Tokenizer.from_file(str(path)).get_vocab_size()
     if n > vocab_size:
-        raise ValueError(f"{path}: {n} tokens, more than the model's {vocab_size} embedding rows; use the tokenizer "
-                         "these weights were trained with (--tokenizer DIR)")
+        raise ValueError(f"{path}: {n} tokens, more than the model's {vocab_size} embedding rows; {fix}")
 
 
 def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: str | os.PathLike | None = None) -> Path:

@@ -132,6 +132,7 @@ def test_model_dimensions_override_the_flavor():
     args.update_from_config(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_layers", "2"]))
     assert (args.dim, args.n_layers, args.n_heads) == (128, 2, 4)  # the rest stays the flavor's
     with pytest.raises(ValueError, match=r"model.n_heads=6 is not a multiple of model.n_kv_heads=4"):
-        parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_heads", "6", "--model.n_kv_heads", "4"])
+        get_flavor("debug").update_from_config(
+            parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_heads", "6", "--model.n_kv_heads", "4"]))
     with pytest.raises(ValueError, match=r"model.dim=-8: must be >= 0"):
         parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.dim", "-8"])

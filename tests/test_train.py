@@ -91,6 +91,8 @@ def test_bad_config_fails_before_training(corpus, tmp_path, extra, message):
     (["--model.attention", "gdn", "--attention.impl", "fla"], "attention.impl='fla': fla-core cannot run here"),
     (["--lr_scheduler.warmup_steps", "5"], "lr_scheduler.warmup_steps=5 is longer than the run"),
     (["--optimizer.name", "sgd"], "optimizer.name='sgd' is not registered; choose from ['adam', 'adamw', 'muon']"),
+    (["--model.n_heads", "6", "--model.n_kv_heads", "4"], "model.n_heads=6 is not a multiple of model.n_kv_heads=4"),
+    (["--model.vocab_size", "8"], "tokens, more than the model's 8 embedding rows; set model.vocab_size"),
 ])
 def test_config_error_is_one_line_before_anything_is_written(corpus, tmp_path, extra, message):
     """No traceback and no trainer start (torchtitan's start writes comm_traces/ into the dump folder)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OPS = REPO / "attention" / "ops"
-ABOVE = ("models", "train", "config", "optim", "data", "scripts")  # top-level packages above the kernel layer
+ABOVE = ("models", "trainer", "train", "config", "optim", "data", "scripts")  # top-level packages above the kernels
 OP_FILES = {"__init__.py", "naive.py", "chunk.py", "recurrent.py", "fla.py"}
 """What an op folder ``attention/ops/<op>/`` may hold besides its ``triton/`` package (README, "Adding a mechanism")."""
 
@@ -79,3 +79,13 @@ def test_op_folders_use_one_vocabulary():
         if "triton" in dirs and not (d / "triton" / "__init__.py").exists():
             bad.append(f"{d.relative_to(REPO)}/triton has no __init__.py")
     assert not bad, "op folders outside the vocabulary (naive, chunk, recurrent, fla, triton/):\n" + "\n".join(bad)
+
+
+def test_config_and_data_do_not_import_the_model_or_the_trainer():
+    """The TOML schema (``config.py``) and the data pipeline (``data/``) sit beside the model: the model-dependent
+    checks (flavor, head counts, the tokenizer against the embedding) run where the model is built (``train.preflight``,
+    ``models.args``), so neither reaches up into ``models/``, ``trainer/`` or ``train.py``."""
+    files = [REPO / "config.py", *sorted((REPO / "data").rglob("*.py"))]
+    bad = [f"{path.relative_to(REPO)}:{line} imports {mod}" for path in files for line, mod in imported_modules(path)
+           if mod.split(".")[0] in ("models", "trainer", "train", "scripts")]
+    assert not bad, "\n".join(bad)
