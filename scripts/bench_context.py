@@ -30,8 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.bench_train import (ADAMW, PROFILER_WARMUP, REPO, busy, common, first_profiled, paper_config, profiled,
-                                 profiling, run, summarize)
+from scripts.bench_train import (ADAMW, REPO, busy, check_trace_steps, common, first_profiled, paper_config,
+                                 profiled, profiling, run, summarize)
 
 MECHANISMS = "softmax,parallax,parallax_p64,gdn,kda,hla,lla,cala"
 AC_MODES = ("config", "none", "selective", "full")
@@ -165,11 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             have = sorted(p.stem.removeprefix("qwen3_0.6b_") for p in (Path(args.repo) / "configs" / "paper").glob(
                 "qwen3_0.6b_*.toml"))
             ap.error(f"--mechanisms: no paper config qwen3_0.6b_<name>.toml for {unknown}; choose from {have}")
-    if args.trace_steps < 1:
-        ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
-    if args.profile and first_profiled(args) <= args.warmup + 1:
-        ap.error(f"--steps {args.steps} leaves no untraced step after --warmup {args.warmup} and the profiler's "
-                 f"{PROFILER_WARMUP} warm-up + {args.trace_steps} traced steps; raise --steps")
+    check_trace_steps(ap, args)
     if not args.profile and args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}; raise --steps")
     return args

@@ -151,6 +151,16 @@ def first_profiled(args) -> int:
     return args.steps - args.trace_steps - PROFILER_WARMUP  # the traced steps end at --steps - 1
 
 
+def check_trace_steps(ap, args) -> None:
+    """``--trace-steps`` and ``--steps`` leave untraced steps after ``--warmup`` and the profiler's warm-up
+    (``ap.error`` naming the flag otherwise)."""
+    if args.trace_steps < 1:
+        ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
+    if args.profile and first_profiled(args) <= args.warmup + 1:
+        ap.error(f"--steps {args.steps} leaves no untraced step after --warmup {args.warmup} and the profiler's "
+                 f"{PROFILER_WARMUP} warm-up + {args.trace_steps} traced steps; raise --steps")
+
+
 def profiled(args, dump: Path) -> dict:
     """Print the traced step's summary; return its GPU-busy and wall ms (empty without a trace)."""
     traces = sorted(dump.glob("traces/iteration_*/rank0_trace.json"))
@@ -318,11 +328,7 @@ def main() -> None:
     unknown = [p for p in args.precisions.split(",") if p not in ("bf16", "fp8")]
     if unknown:
         ap.error(f"--precisions: unknown {unknown}; choose from ['bf16', 'fp8']")
-    if args.trace_steps < 1:
-        ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
-    if args.profile and first_profiled(args) <= args.warmup + 1:
-        ap.error(f"--steps {args.steps} leaves no untraced step after --warmup {args.warmup} and the profiler's "
-                 f"{PROFILER_WARMUP} warm-up + {args.trace_steps} traced steps; raise --steps")
+    check_trace_steps(ap, args)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
     results, scaled = {}, {}

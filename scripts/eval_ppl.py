@@ -195,13 +195,19 @@ def main(argv: list[str] | None = None) -> dict:
     if edges is not None:
         print(f"loss by context position ({cfg.model.attn_mask_type} mask, seq_len {seq_len}):")
         print(position_table(res["by_position"]))
+    emit(res, args.out)
+    return res
+
+
+
+def emit(res: dict, out: str | None) -> None:
+    """Print ``res`` as one JSON line, and write it to ``out`` (parent folders created) when given."""
     line = json.dumps(res)
     print(line)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             f.write(line + "\n")
-    return res
 
 
 if __name__ == "__main__":

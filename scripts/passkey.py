@@ -26,8 +26,6 @@ also written to ``-o``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 from dataclasses import dataclass
@@ -182,7 +180,7 @@ def _numbers(text: str, kind, flag: str, ap: argparse.ArgumentParser) -> list:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
-    from scripts.eval_ppl import add_model_arguments, load_run
+    from scripts.eval_ppl import add_model_arguments, emit, load_run
 
     own, train_flags = split_train_flags(argv)
     ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
@@ -232,12 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"passkey retrieval, {step_dir} ({cfg.model.attention}, trained at {trained} tokens), {args.samples} keys "
           "per cell: accuracy (mean log-probability of the key)")
     print(table(results, lengths, depths))
-    line = json.dumps(res)
-    print(line)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit(res, args.out)
     return res
 
 
