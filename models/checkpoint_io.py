@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -171,3 +172,33 @@ def load_model(path: str | os.PathLike, argv: list[str] | None = None, device: s
 
 def replace_args(args: ModelArgs, **kw) -> ModelArgs:
     return dataclasses.replace(args, **kw)
+
+
+def load_run(ap, args, train_flags: list[str]):
+    """(model, JobConfig, step folder) of the tool's ``CKPT``/``--step`` (DCP run or step folder), with
+    ``cfg.model.hf_assets_path`` pointing at the run's own tokenizer; a bad folder or checkpoint exits through
+    ``ap`` with one line."""
+    from models.hf import CheckpointError
+    from models.run_folder import resolve
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    try:
+        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device,
+                                          dtype=getattr(torch, args.dtype))
+    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+    ckpt.use_tokenizer(cfg)
+    return model, cfg, step_dir
+
+
+def add_model_arguments(ap) -> None:
+    """The checkpoint, dtype and device arguments of the tools that load a run through :func:`load_run`."""
+    from models.run_folder import add_checkpoint_arguments
+
+    add_checkpoint_arguments(ap, hf=False)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")

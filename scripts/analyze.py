@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import warnings
 
 import torch
 
@@ -280,36 +279,26 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from models.run_folder import TRAIN_FLAGS_HELP, add_checkpoint_arguments, resolve, split_train_flags
+    from models.checkpoint_io import add_model_arguments, load_run
+    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
 
     own, train_flags = split_train_flags(argv)
     ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(ap, hf=False)
+    add_model_arguments(ap)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
     ap.add_argument("-o", "--out", default=None, help="output folder (default <run>/analysis)")
     ap.add_argument("--rows", type=int, default=16, help="documents analysed")
     ap.add_argument("--seq-len", type=int, default=512, help="documents are truncated to this many tokens")
     ap.add_argument("--min-len", type=int, default=32, help="skip documents with fewer tokens")
     ap.add_argument("--queries", type=int, default=32, help="query positions per document")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
     args = ap.parse_args(own)
     from data.loader import build_tokenizer
-    from models.checkpoint_io import load_model, run_dir_of
+    from models.checkpoint_io import run_dir_of
     from models.run_folder import step_of
-    from models.hf import CheckpointError
 
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    try:
-        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
-    except FileNotFoundError as e:
-        ap.error(str(e))
-    try:
-        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device)
-    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
-    ckpt.use_tokenizer(cfg)
+    model, cfg, step_dir = load_run(ap, args, train_flags)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)
     res = analyze(model, rows, args.queries)
     res.update(checkpoint=str(step_dir), step=step_of(step_dir), attention=cfg.model.attention,

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -117,37 +116,6 @@ def position_table(buckets: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_run(ap: argparse.ArgumentParser, args, train_flags: list[str]):
-    """(model, JobConfig, step folder) of the tool's ``CKPT``/``--step`` (DCP run or step folder), with
-    ``cfg.model.hf_assets_path`` pointing at the run's own tokenizer; a bad folder or checkpoint exits through
-    ``ap`` with one line."""
-    from models.checkpoint_io import load_model
-    from models.hf import CheckpointError
-    from models.run_folder import resolve
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    try:
-        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
-    except FileNotFoundError as e:
-        ap.error(str(e))
-    try:
-        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device,
-                                          dtype=getattr(torch, args.dtype))
-    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
-    ckpt.use_tokenizer(cfg)
-    return model, cfg, step_dir
-
-
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    """The checkpoint, dtype and device arguments of the tools that load a run through :func:`load_run`."""
-    from models.run_folder import add_checkpoint_arguments
-
-    add_checkpoint_arguments(ap, hf=False)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-
-
 def parse_edges(text: str, seq_len: int, ap: argparse.ArgumentParser) -> list[int]:
     """``--edges`` "0,64,512": ascending integers from 0; empty = :func:`position_edges`."""
     if not text:
@@ -163,6 +131,7 @@ def parse_edges(text: str, seq_len: int, ap: argparse.ArgumentParser) -> list[in
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    from models.checkpoint_io import add_model_arguments, load_run
     from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
 
     own, train_flags = split_train_flags(argv)

@@ -180,7 +180,8 @@ def _numbers(text: str, kind, flag: str, ap: argparse.ArgumentParser) -> list:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
-    from scripts.eval_ppl import add_model_arguments, emit, load_run
+    from models.checkpoint_io import add_model_arguments, load_run
+    from scripts.eval_ppl import emit
 
     own, train_flags = split_train_flags(argv)
     ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
