@@ -1,4 +1,5 @@
-"""Load a trained model from a run folder or a DCP step folder, for offline tools (analysis, eval, conversion).
+"""DCP checkpoints and run folders for offline tools: read and write model state, the ``attnlab.json``
+architecture record, build the model, and load a run (analysis, eval, conversion, export).
 
     from models.checkpoint_io import load_model
     model, cfg, step_dir = load_model("runs/x", ["--job.config_file", "configs/x.toml"])
@@ -8,7 +9,8 @@ The model is rebuilt from the training config: the same CLI/TOML argv as ``train
 argv, written by ``scripts/replicate.py``), or the step folder's ``attnlab.json`` (the architecture alone); a
 run that none of them describes is an error naming the folder, never the default configuration's model.
 Only the model's keys are read from the checkpoint (``torch.distributed.checkpoint`` loads what is asked
-for), so full training checkpoints and model-only ones both work. Shape mismatches name the keys.
+for), so full training checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face
+folders are :mod:`models.hf`'s, which builds on this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -18,11 +20,150 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
+import attention
 from models.args import ModelArgs
-from models.run_folder import step_of
+from models.model import Transformer
+from models.run_folder import new_folder, step_of
+
+SIDECAR = "attnlab.json"
+
+NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
+
+def args_to_dict(args: ModelArgs) -> dict[str, Any]:
+    """JSON-able architecture: ModelArgs fields with ``layer_pattern`` expanded to one entry per layer and
+    every used mechanism's options as a dict."""
+    d = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs) if f.name != "attention_options"}
+    d["layer_pattern"] = args.layer_mechanisms()
+    d["attention_options"] = {
+        name: dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
+        for name, opts in args.attention_options.items() if name in set(args.layer_mechanisms())
+    }
+    return d
+
+def args_from_dict(d: dict[str, Any]) -> ModelArgs:
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = set(d) - known
+    if unknown:
+        raise CheckpointError(f"architecture record has unknown fields {sorted(unknown)}; valid: {sorted(known)}")
+    kw = {k: v for k, v in d.items() if k != "attention_options"}
+    args = ModelArgs(**kw)
+    opts = {}
+    for name in set(args.layer_mechanisms()):
+        mech = attention.get_mechanism(name, "layer_pattern")
+        kw = dict(d.get("attention_options", {}).get(name, {}))
+        defaults = mech.options()
+        for k, v in kw.items():  # JSON turns tuples into lists
+            if isinstance(v, list) and isinstance(getattr(defaults, k, None), tuple):
+                kw[k] = tuple(v)
+        opts[name] = mech.options(**kw)
+    args.attention_options = opts
+    return args
+
+def is_dcp_folder(path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if key.startswith(NON_MODEL_PREFIXES) or not isinstance(m, TensorStorageMetadata):
+            continue
+        sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    if not sd:
+        raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
+    read_dcp(sd, folder)
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    if progress:
+        progress_bar(len(sd), "read").update(len(sd))
+    return sd
+
+def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
+    """Fill ``state`` (keys as stored) in place from the DCP folder ``folder``. A shard that cannot be read
+    (truncated by a full disk or a copy cut short, or corrupt) is a CheckpointError naming the folder and every
+    shard shorter than the metadata says, instead of DCP's traceback of the unpickler's EOFError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
+        short = _short_shards(folder)
+        raise CheckpointError(f"{folder}: corrupt or truncated checkpoint shard"
+                              + (f" ({'; '.join(short)})" if short else "")
+                              + f"; the checkpoint cannot be read ({type(e).__name__}: {last[0].strip()[:200]})") from e
+
+def _short_shards(folder) -> list[str]:
+    """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
+    import torch.distributed.checkpoint as dcp
+
+    need: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
+    return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
+
+def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:
+    """Model-only DCP folder (what ``checkpoint.initial_load_path`` with ``initial_load_model_only`` reads)
+    plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
+    import torch.distributed.checkpoint as dcp
+
+    with new_folder(folder) as tmp:
+        dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
+
+def read_sidecar(folder) -> ModelArgs | None:
+    p = Path(folder) / SIDECAR
+    return args_from_dict(json.loads(p.read_text())) if p.is_file() else None
+
+def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None, device="cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, materialise, init, then load ``state_dict`` strictly (names as the model's)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    if state_dict is not None:
+        expected = model.state_dict()
+        bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state_dict.items()
+               if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+        if bad:
+            raise CheckpointError(f"checkpoint tensors do not fit the architecture ({len(bad)} shape mismatches, "
+                                  f"checkpoint vs model): {'; '.join(bad[:3])}")
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if args.enable_weight_tying:
+            missing = [k for k in missing if k != "output.weight"]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint does not match the model: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
+                                  f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
+        if args.enable_weight_tying:
+            model.output.weight = model.tok_embeddings.weight
+    return model.to(dtype).eval()
+
+def progress_bar(it, desc: str, enable: bool = True):
+    """A transient tqdm bar over ``it`` (an iterable, or an int total to ``update`` by hand); off unless enable."""
+    from tqdm import tqdm
+
+    if isinstance(it, int):
+        return tqdm(total=it, desc=desc, disable=not enable, leave=False)
+    return tqdm(it, desc=desc, disable=not enable, leave=False)
+
+
 
 def resolve_step_dir(path: str | os.PathLike) -> Path:
     """A DCP folder (with ``.metadata``): ``path`` itself, or the highest ``step-N`` under ``path`` or
@@ -75,7 +216,6 @@ def config_and_architecture(argv: list[str] | None, step_dir: Path):
     :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
     Raises CheckpointError naming the folders when nothing describes the run."""
     from config import DEFAULT_CONFIG, parse_config
-    from models.hf import SIDECAR, CheckpointError, read_sidecar
 
     run_argv = _run_argv(argv, step_dir)
     if run_argv is None and not (step_dir / SIDECAR).is_file():
@@ -118,26 +258,12 @@ def model_args_from_config(cfg) -> ModelArgs:
     return args
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Construct on the meta device, materialise on ``device`` and initialise (as the trainer does)."""
-    import attention  # noqa: F401  (registers every mechanism)
-    from models.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    return model
-
-
 def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bool = True) -> list[str]:
     """Read ``model``'s keys from a DCP checkpoint in place; returns keys the checkpoint lacks (only when
     ``strict=False``; those keep their initialisation). With ``strict``, model keys the checkpoint lacks and
     checkpoint model keys the model lacks (weights that would be dropped) are both errors naming the keys."""
     import torch.distributed.checkpoint as dcp
 
-    from models.hf import NON_MODEL_PREFIXES, CheckpointError, read_dcp
 
     try:
         meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
@@ -165,7 +291,7 @@ def load_model(path: str | os.PathLike, argv: list[str] | None = None, device: s
     """(model in eval mode, JobConfig, step folder) for a run folder or step folder ``path``."""
     step_dir = resolve_step_dir(path)
     cfg, args = config_and_architecture(argv, step_dir)
-    model = build_model(args, device)
+    model = build_model(args, device=device)
     load_weights(model, step_dir)
     return model.to(dtype).eval(), cfg, step_dir
 
@@ -178,7 +304,6 @@ def load_run(ap, args, train_flags: list[str]):
     """(model, JobConfig, step folder) of the tool's ``CKPT``/``--step`` (DCP run or step folder), with
     ``cfg.model.hf_assets_path`` pointing at the run's own tokenizer; a bad folder or checkpoint exits through
     ``ap`` with one line."""
-    from models.hf import CheckpointError
     from models.run_folder import resolve
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -13,7 +13,7 @@ import torch
 
 import attention
 from attention.parallax import ParallaxOptions
-from models.hf import CheckpointError, build_model, progress_bar
+from models.checkpoint_io import build_model, progress_bar, CheckpointError
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:

@@ -1,12 +1,12 @@
-"""Checkpoint I/O: Hugging Face safetensors folders and model-only DCP folders, one state-dict adapter per mechanism.
+"""Hugging Face folders: export and import of safetensors + config.json, one state-dict adapter per mechanism.
 
-Two on-disk formats hold a model:
+A model lives on disk in two formats; this module reads and writes the Hugging Face one and reads either
+(:func:`load_checkpoint`), with the DCP side in :mod:`models.checkpoint_io`:
 
-- **DCP step folder** (``<dump>/checkpoint/step-N`` as the trainer writes it, or a model-only folder written
-  here): flattened parameter names (``tok_embeddings.weight``, ``layers.3.attention.wq.weight``, …) next to
-  optimizer/scheduler/data-loader entries. A DCP folder does not record the architecture; it is inferred from
-  the tensor shapes for softmax/Parallax layers, or read from the sidecar ``attnlab.json`` that this module
-  writes next to the ones it creates.
+- **DCP step folder** (``<dump>/checkpoint/step-N`` as the trainer writes it, or a model-only folder):
+  flattened parameter names next to optimizer/scheduler/data-loader entries. Its architecture comes from the
+  sidecar ``attnlab.json`` (:mod:`models.checkpoint_io`) or, for softmax/Parallax layers, from the tensor shapes
+  (:func:`infer_args`).
 - **Hugging Face folder**: ``config.json`` + ``model.safetensors`` (or a sharded index). A model whose every
   layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
   ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
@@ -24,7 +24,6 @@ The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -36,11 +35,10 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 import attention
 from models.args import ModelArgs
-from models.model import Transformer
+from models.checkpoint_io import (SIDECAR, CheckpointError, args_from_dict, args_to_dict, is_dcp_folder,
+                                  load_dcp_state, model_args_from_config, progress_bar, read_sidecar)
 from models.run_folder import new_folder
 
-SIDECAR = "attnlab.json"
-NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
 ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
 """Attention submodule renames (torchtitan → HF) of the Qwen3-named mechanisms below; the attention parameters
 of every other mechanism keep their own names under ``self_attn.``."""
@@ -55,69 +53,7 @@ PARALLAX_PARAMS = {"wr.weight", "r_norm.weight"}
 GATE_PARAMS = {"r_gate.weight", "r_gate.bias"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
-
-
-# ------------------------------------------------------------------------------------------- architecture
-
-def args_to_dict(args: ModelArgs) -> dict[str, Any]:
-    """JSON-able architecture: ModelArgs fields with ``layer_pattern`` expanded to one entry per layer and
-    every used mechanism's options as a dict."""
-    d = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs) if f.name != "attention_options"}
-    d["layer_pattern"] = args.layer_mechanisms()
-    d["attention_options"] = {
-        name: dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
-        for name, opts in args.attention_options.items() if name in set(args.layer_mechanisms())
-    }
-    return d
-
-
-def args_from_dict(d: dict[str, Any]) -> ModelArgs:
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = set(d) - known
-    if unknown:
-        raise CheckpointError(f"architecture record has unknown fields {sorted(unknown)}; valid: {sorted(known)}")
-    kw = {k: v for k, v in d.items() if k != "attention_options"}
-    args = ModelArgs(**kw)
-    opts = {}
-    for name in set(args.layer_mechanisms()):
-        mech = attention.get_mechanism(name, "layer_pattern")
-        kw = dict(d.get("attention_options", {}).get(name, {}))
-        defaults = mech.options()
-        for k, v in kw.items():  # JSON turns tuples into lists
-            if isinstance(v, list) and isinstance(getattr(defaults, k, None), tuple):
-                kw[k] = tuple(v)
-        opts[name] = mech.options(**kw)
-    args.attention_options = opts
-    return args
-
-
-def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None, device="cpu",
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build on the meta device, materialise, init, then load ``state_dict`` strictly (names as the model's)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    if state_dict is not None:
-        expected = model.state_dict()
-        bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state_dict.items()
-               if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
-        if bad:
-            raise CheckpointError(f"checkpoint tensors do not fit the architecture ({len(bad)} shape mismatches, "
-                                  f"checkpoint vs model): {'; '.join(bad[:3])}")
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        if args.enable_weight_tying:
-            missing = [k for k in missing if k != "output.weight"]
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint does not match the model: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
-                                  f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
-        if args.enable_weight_tying:
-            model.output.weight = model.tok_embeddings.weight
-    return model.to(dtype).eval()
-
+# --------------------------------------------------------------------------- architecture from tensor shapes
 
 def _layer_params(keys, i: int) -> set[str]:
     prefix = f"layers.{i}.attention."
@@ -177,81 +113,9 @@ def infer_args(sd: dict[str, torch.Tensor], norm_eps: float = 1e-6, rope_theta: 
                      attention=mechs[0], layer_pattern=pattern, attention_options=opts)
 
 
-# ------------------------------------------------------------------------------------------------- DCP
-
-def is_dcp_folder(path) -> bool:
-    return (Path(path) / ".metadata").is_file()
-
-
 def is_hf_folder(path) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file())
-
-
-def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        meta = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
-    sd = {}
-    for key, m in meta.state_dict_metadata.items():
-        if key.startswith(NON_MODEL_PREFIXES) or not isinstance(m, TensorStorageMetadata):
-            continue
-        sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    if not sd:
-        raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
-    read_dcp(sd, folder)
-    sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    if progress:
-        progress_bar(len(sd), "read").update(len(sd))
-    return sd
-
-
-def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
-    """Fill ``state`` (keys as stored) in place from the DCP folder ``folder``. A shard that cannot be read
-    (truncated by a full disk or a copy cut short, or corrupt) is a CheckpointError naming the folder and every
-    shard shorter than the metadata says, instead of DCP's traceback of the unpickler's EOFError."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
-        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
-        short = _short_shards(folder)
-        raise CheckpointError(f"{folder}: corrupt or truncated checkpoint shard"
-                              + (f" ({'; '.join(short)})" if short else "")
-                              + f"; the checkpoint cannot be read ({type(e).__name__}: {last[0].strip()[:200]})") from e
-
-
-def _short_shards(folder) -> list[str]:
-    """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
-    import torch.distributed.checkpoint as dcp
-
-    need: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
-    return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
-
-
-def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:
-    """Model-only DCP folder (what ``checkpoint.initial_load_path`` with ``initial_load_model_only`` reads)
-    plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
-    import torch.distributed.checkpoint as dcp
-
-    with new_folder(folder) as tmp:
-        dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
-        (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
-
-
-def read_sidecar(folder) -> ModelArgs | None:
-    p = Path(folder) / SIDECAR
-    return args_from_dict(json.loads(p.read_text())) if p.is_file() else None
 
 
 # ------------------------------------------------------------------------------------------------- HF
@@ -530,15 +394,6 @@ def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False,
                           "needs its run's config.toml or --config)")
 
 
-def progress_bar(it, desc: str, enable: bool = True):
-    """A transient tqdm bar over ``it`` (an iterable, or an int total to ``update`` by hand); off unless enable."""
-    from tqdm import tqdm
-
-    if isinstance(it, int):
-        return tqdm(total=it, desc=desc, disable=not enable, leave=False)
-    return tqdm(it, desc=desc, disable=not enable, leave=False)
-
-
 def job_config(config_file, overrides: list[str] | None = None):
     """The merged JobConfig of a training TOML (+ ``--section.key value`` overrides)."""
     from config import parse_config
@@ -548,8 +403,6 @@ def job_config(config_file, overrides: list[str] | None = None):
 
 def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
     """ModelArgs of a training TOML (+ ``--section.key value`` overrides), as the trainer builds them."""
-    from models.checkpoint_io import model_args_from_config
-
     return model_args_from_config(job_config(config_file, overrides))
 
 
@@ -560,8 +413,6 @@ def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, **infer
     own record (HF config.json / DCP attnlab.json), the tensor shapes (``infer_kw``, softmax/Parallax only)."""
     config_file = config_file or ckpt.config
     cfg = job_config(config_file) if config_file else None
-    from models.checkpoint_io import model_args_from_config
-
     fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
     return fmt, args, sd, cfg
 

@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 
 from models.convert import add_conversion_arguments, convert_from_arguments, finetune_command, max_logit_diff
-from models.hf import CheckpointError, save_dcp_state, save_hf
+from models.checkpoint_io import save_dcp_state, CheckpointError
+from models.hf import save_hf
 
 
 def main(argv=None) -> int:

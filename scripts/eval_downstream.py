@@ -53,7 +53,8 @@ def trust_remote_code(folder: Path, allowed: bool) -> bool:
     (config.json ``model_type = "attnlab"``, every ``auto_map`` module one of ``models/hf_remote``'s files and
     byte-identical to it) or when ``allowed`` (``--trust-remote-code``); a folder with no remote code needs none.
     Any other remote code is a CheckpointError naming the modules and the flag."""
-    from models.hf import REMOTE_CODE_DIR, REMOTE_CODE_FILES, CheckpointError
+    from models.checkpoint_io import CheckpointError
+    from models.hf import REMOTE_CODE_DIR, REMOTE_CODE_FILES
 
     modules = _auto_map_modules(folder)
     if not modules or allowed:
@@ -106,7 +107,7 @@ def check_tasks_offline(tasks: list[str], task_manager) -> None:
     included, under :func:`hub_offline`; the first whose data is neither local nor in the datasets cache is a
     CheckpointError naming the task, what it could not reach, and how to run it from a local copy. Names lm-eval does
     not know are left to lm-eval, which names them itself."""
-    from models.hf import CheckpointError
+    from models.checkpoint_io import CheckpointError
 
     known = set(task_manager.all_tasks)
     for name in tasks:
@@ -151,8 +152,8 @@ def main(argv=None) -> dict | int:
     import datasets.config
     import torch
 
-    from models.hf import CheckpointError, has_remote_code, is_hf_folder, is_plain_qwen3, load_tool_checkpoint, \
-        save_hf, tokenizer_folder
+    from models.checkpoint_io import CheckpointError
+    from models.hf import has_remote_code, is_hf_folder, is_plain_qwen3, load_tool_checkpoint, save_hf, tokenizer_folder
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = a.tasks.split(",")

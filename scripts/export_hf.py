@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from models.hf import CheckpointError, build_model, has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, \
-    tokenizer_folder
+from models.checkpoint_io import build_model, CheckpointError
+from models.hf import has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, tokenizer_folder
 from models.run_folder import add_checkpoint_arguments, check_tokenizer_fits, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from models.decode import generate
-from models.hf import CheckpointError, build_model, load_tool_checkpoint, tokenizer_folder
+from models.checkpoint_io import build_model, CheckpointError
+from models.hf import load_tool_checkpoint, tokenizer_folder
 from models.run_folder import add_checkpoint_arguments, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

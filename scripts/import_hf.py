@@ -53,8 +53,8 @@ def main(argv=None) -> int:
 
     from models.convert import add_conversion_arguments, conversion_options_given, convert_from_arguments, \
         flavor_and_dims, max_logit_diff
-    from models.hf import CheckpointError, args_from_job_config, args_to_dict, is_hf_folder, load_checkpoint, \
-        save_dcp_state
+    from models.checkpoint_io import args_to_dict, save_dcp_state, CheckpointError
+    from models.hf import args_from_job_config, is_hf_folder, load_checkpoint
     from models.run_folder import CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, new_folder, save_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -188,7 +188,7 @@ def build_model(attention: str, vocab_size: int, seq_len: int, width: int = 128,
     args = ModelArgs(dim=width, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim,
                      hidden_dim=4 * width, vocab_size=vocab_size, max_seq_len=seq_len, enable_weight_tying=False,
                      attention=attention, attn_mask_type="causal", attention_options={attention: mech.options()})
-    return materialise(args, device)
+    return materialise(args, device=device)
 
 
 class CompressionDecoder(nn.Module):

@@ -22,7 +22,8 @@ import torch
 
 import attention
 from models.decode import generate
-from models.hf import build_model, load_checkpoint, load_tool_checkpoint, save_hf
+from models.checkpoint_io import build_model
+from models.hf import load_checkpoint, load_tool_checkpoint, save_hf
 from models.run_folder import resolve
 from scripts import multigpu_check
 from tests.utils import REPO, losses, read_metrics, run_train, tiny_args

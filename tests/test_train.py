@@ -179,7 +179,7 @@ def _steps(dump):
 def _assert_finite_checkpoint(step_dir):
     import torch
 
-    from models.hf import load_dcp_state
+    from models.checkpoint_io import load_dcp_state
 
     sd = load_dcp_state(step_dir)
     assert sd and all(bool(torch.isfinite(v).all()) for v in sd.values() if v.is_floating_point()), step_dir
@@ -378,7 +378,7 @@ def test_architecture_changes_ignore_init_only_options():
 
     from attention.parallax import ParallaxOptions
     from models.args import ModelArgs
-    from models.hf import args_to_dict
+    from models.checkpoint_io import args_to_dict
     from trainer.checkpoint import INIT_ONLY_FIELDS, architecture_changes
 
     def record(mask="block_causal", **opts):

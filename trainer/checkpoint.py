@@ -29,14 +29,14 @@ from torchtitan.tools.logging import logger
 
 import attention
 from models.args import ModelArgs
-from models.hf import SIDECAR, args_to_dict
+from models.checkpoint_io import args_to_dict, SIDECAR
 from models.run_folder import step_of
 from trainer.titan import hook_checkpointer, purge, saves_at, step_path
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
-"""Architecture-record fields (dotted paths into ``models.hf.args_to_dict``) a resume may change: they choose
+"""Architecture-record fields (dotted paths into ``models.checkpoint_io.args_to_dict``) a resume may change: they choose
 kernels and table sizes, not the weights' meaning."""
 
 INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"

@@ -89,3 +89,11 @@ def test_config_and_data_do_not_import_the_model_or_the_trainer():
     bad = [f"{path.relative_to(REPO)}:{line} imports {mod}" for path in files for line, mod in imported_modules(path)
            if mod.split(".")[0] in ("models", "trainer", "train", "scripts")]
     assert not bad, "\n".join(bad)
+
+
+def test_checkpoint_io_does_not_import_hf():
+    """One direction between the run loaders: ``models.hf`` (Hugging Face folders) builds on
+    ``models.checkpoint_io`` (DCP, the architecture record, ``build_model``), which never imports it back."""
+    bad = [f"models/checkpoint_io.py:{line} imports {mod}"
+           for line, mod in imported_modules(REPO / "models" / "checkpoint_io.py") if mod.startswith("models.hf")]
+    assert not bad, "\n".join(bad)

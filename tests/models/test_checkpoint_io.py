@@ -3,8 +3,7 @@
 import pytest
 
 from config import DEFAULT_CONFIG, parse_config
-from models.checkpoint_io import build_model, load_weights, model_args_from_config
-from models.hf import save_dcp_state
+from models.checkpoint_io import build_model, load_weights, model_args_from_config, save_dcp_state
 
 
 def _model(*flags):

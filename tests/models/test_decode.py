@@ -7,7 +7,7 @@ import attention
 from attention.base import AttentionArgs, AttentionContext
 from models.args import ModelArgs
 from models.decode import forward_cached, generate, init_caches, sample
-from models.hf import build_model
+from models.checkpoint_io import build_model
 
 CACHED = sorted(n for n, m in attention.REGISTRY.items() if hasattr(m.cls, "init_cache"))
 

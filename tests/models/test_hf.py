@@ -12,7 +12,8 @@ import torch
 
 import attention
 from models.args import ModelArgs
-from models.hf import CheckpointError, args_to_dict, build_model, load_checkpoint, save_hf, to_hf
+from models.checkpoint_io import args_to_dict, build_model, CheckpointError
+from models.hf import load_checkpoint, save_hf, to_hf
 from tests.utils import random_qwen3
 
 transformers = pytest.importorskip("transformers")

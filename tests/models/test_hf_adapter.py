@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import attention
-from models.hf import AttnLabStateDictAdapter, args_from_job_config, build_model, load_checkpoint, save_hf
+from models.checkpoint_io import build_model
+from models.hf import args_from_job_config, load_checkpoint, save_hf, AttnLabStateDictAdapter
 from tests.models.test_hf import _args, _model
 from tests.utils import make_corpus, run_train, tiny_args
 

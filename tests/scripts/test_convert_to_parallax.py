@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from attention.parallax import ParallaxOptions
 from models.args import FLAVORS
-from models.hf import build_model, load_checkpoint, load_dcp_state
+from models.checkpoint_io import build_model, load_dcp_state
+from models.hf import load_checkpoint
 from scripts import convert_to_parallax as conv
 from scripts import export_hf
 from tests.utils import REPO, make_corpus, run_train, tiny_args
@@ -60,7 +61,7 @@ def _check_finetune_command(flags, dst, tokenizer):
     converted architecture (what the step folder's attnlab.json records) with the run's tokenizer."""
     from config import parse_config
     from models.checkpoint_io import model_args_from_config
-    from models.hf import args_to_dict, read_sidecar
+    from models.checkpoint_io import args_to_dict, read_sidecar
     from train import preflight
     from trainer.checkpoint import architecture_changes
 
@@ -204,7 +205,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
 def test_a_model_no_flavor_fits_converts_and_says_why_there_is_no_command(tmp_path, capsys):
     """No model.flavor has an RMSNorm eps of 1e-5 and no config key sets it: the conversion is written, and instead of
     a command that would rebuild another model the tool says why there is none."""
-    from models.hf import save_dcp_state
+    from models.checkpoint_io import save_dcp_state
     from tests.models.test_hf import _args, _model
 
     args = _args(["softmax"] * 2)

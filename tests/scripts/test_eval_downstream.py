@@ -9,7 +9,7 @@ import torch
 
 import attention
 from models.args import ModelArgs
-from models.hf import build_model, save_dcp_state
+from models.checkpoint_io import build_model, save_dcp_state
 from models.run_folder import save_tokenizer
 from tests.utils import make_corpus
 

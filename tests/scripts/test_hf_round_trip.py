@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from models.hf import build_model, load_checkpoint
+from models.checkpoint_io import build_model
+from models.hf import load_checkpoint
 from tests.utils import make_corpus, random_qwen3, run_train
 
 transformers = pytest.importorskip("transformers")

@@ -74,7 +74,7 @@ def _run_folder(tmp_path):
     the two models. The step folders carry attnlab.json, so no config is needed to rebuild them."""
     import torch
 
-    from models.hf import save_dcp_state
+    from models.checkpoint_io import save_dcp_state
     from models.run_folder import save_tokenizer
     from tests.models.test_decode import _tiny
     from tests.utils import make_corpus
@@ -146,7 +146,8 @@ def test_export_copies_the_run_tokenizer_with_ordinary_permissions(tmp_path, cap
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == \
         {p.name: 0o666 & ~umask for p in (tmp_path / "hf").iterdir()}
     # --config: the architecture and tokenizer of a training TOML (a run folder without tokenizer/)
-    from models.hf import args_from_job_config, build_model, save_dcp_state
+    from models.checkpoint_io import build_model, save_dcp_state
+    from models.hf import args_from_job_config
 
     cfg = tmp_path / "x.toml"
     cfg.write_text(f'[model]\nflavor = "debug"\nattention = "parallax"\nvocab_size = 64\n'
@@ -164,7 +165,8 @@ def test_write_run_files_round_trips_the_configuration(tmp_path):
     import dataclasses
 
     from models.checkpoint_io import model_args_from_config
-    from models.hf import args_to_dict, job_config
+    from models.checkpoint_io import args_to_dict
+    from models.hf import job_config
     from models.run_folder import CONFIG_FILE, resolve, write_run_files
     from tests.utils import make_corpus, tiny_args
 

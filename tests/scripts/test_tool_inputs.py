@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from config import parse_config
-from models.checkpoint_io import build_model, load_config, load_weights, model_args_from_config
-from models.hf import SIDECAR, CheckpointError, save_dcp_state, save_hf
+from models.checkpoint_io import (SIDECAR, CheckpointError, build_model, load_config, load_weights, model_args_from_config,
+                                  save_dcp_state)
+from models.hf import save_hf
 from models.run_folder import resolve, save_tokenizer, write_run_files
 from scripts import eval_downstream, eval_ppl, export_hf, generate
 from tests.utils import make_corpus, tiny_args
@@ -123,7 +124,7 @@ def exports(tmp_path):
     """A Parallax export (this project's remote code) and a softmax one (plain Qwen3, no remote code)."""
     import attention
     from models.args import ModelArgs
-    from models.hf import build_model as build
+    from models.checkpoint_io import build_model as build
 
     out = {}
     for mech in ("parallax", "softmax"):
