@@ -31,6 +31,7 @@ import config as project_config
 from config import DEFAULT_CONFIG, parse_config
 from trainer.checkpoint import CheckpointGuard
 from trainer.cpu import install_cpu_shim
+from trainer.metrics import DocumentFlops
 from trainer.nonfinite import NonFiniteGuard
 from trainer.preemption import StopSignals
 from trainer.run_guard import RunGuard
@@ -57,6 +58,10 @@ class AttnTrainer(Trainer):
             # torchtitan's train_step calls optimizers.step(): the guard decides first whether the step runs
             self.optimizers.step = functools.partial(self._optimizer_step, self.optimizers.step)
             self.run_guard.check_disk(self.model_parts)
+            if job_config.model.attn_mask_type == "block_causal":  # MFU counts each document's own attention
+                model = self.model_parts[0]
+                self.metrics_processor.document_flops = DocumentFlops(
+                    lambda n: self.model_args.training_flops(model, [n]))
         except BaseException:
             self._release()
             raise
@@ -88,10 +93,17 @@ class AttnTrainer(Trainer):
         if self.nonfinite.step_is_finite(self.step):
             step_fn(*args, **kwargs)
 
+    def _counted(self, data_iterator):
+        """The microbatches of ``data_iterator``, each counted by the document FLOP count on its way."""
+        for input_dict, labels in data_iterator:
+            self.metrics_processor.document_flops.add(input_dict["positions"])
+            yield input_dict, labels
+
     def train_step(self, data_iterator):
         # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
         self.metrics_processor.lr_wd = self.optimizers.lr_wd()
-        super().train_step(data_iterator)
+        counting = self.metrics_processor.document_flops is not None
+        super().train_step(self._counted(data_iterator) if counting else data_iterator)
         if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
             logged = self.metrics_processor.logged
             self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])

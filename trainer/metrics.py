@@ -10,6 +10,7 @@ that read it (:data:`JSONL_KEYS`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -171,6 +172,7 @@ class TrainMetrics(MetricsProcessor):
         self.logger = loggers
         drop_titan_metrics_lines()
         self.lr_wd: dict[str, float] = {}
+        self.document_flops: DocumentFlops | None = None  # the trainer sets it for block_causal runs
         self.start(0)
 
     def start(self, step: int) -> None:
@@ -190,6 +192,8 @@ class TrainMetrics(MetricsProcessor):
         return end, elapsed, elapsed / done * max(end - step, 0) if done > 0 else float("nan")
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.document_flops is not None and self.document_flops.total:  # MFU and tflops of the documents run
+            self.num_flops_per_token = self.document_flops.per_token(self.ntokens_since_last_log)
         end, elapsed, eta = self._progress(step)
         ppl = perplexity(global_avg_loss)
         ours = {"loss_metrics/perplexity": ppl, "time_metrics/elapsed(s)": elapsed, "time_metrics/eta(s)": eta,
@@ -208,6 +212,29 @@ class TrainMetrics(MetricsProcessor):
         ppl = perplexity(loss)
         super().log_validation(loss, step, {**(extra_metrics or {}), "validation_metrics/perplexity": ppl})
         logger.info(f"validation step {step:5d}  loss {loss:7.4f}  ppl {ppl:9.2f}")
+
+
+class DocumentFlops:
+    """Training FLOPs of the steps since the last log, counted per document of a ``block_causal`` batch: a query
+    attends within its own document only, so a row of short documents does less attention than the one
+    ``seq_len``-token sequence torchtitan's ``num_flops_per_token`` assumes. ``add(positions)`` counts one
+    microbatch from its per-document positions [B, T] (on the host, before they move to the device: no sync);
+    ``per_token(tokens)`` is the count over the tokens since the last call, then starts again. ``flops_of_len(n)``:
+    the FLOPs of one n-token document (``ModelArgs.training_flops`` of [n], cached per length: the count is a sum
+    over documents)."""
+
+    def __init__(self, flops_of_len):
+        self.flops_of_len = functools.cache(flops_of_len)
+        self.total = 0
+
+    def add(self, positions: torch.Tensor) -> None:
+        from data.loader import document_lengths
+
+        self.total += sum(self.flops_of_len(n) for n in document_lengths(positions))
+
+    def per_token(self, tokens: int) -> float:
+        out, self.total = self.total / tokens, 0
+        return out
 
 
 def build_metrics(job_config, parallel_dims, model_args=None, tag=None) -> TrainMetrics:

@@ -81,3 +81,45 @@ def test_tensorboard_tags_are_torchtitans_and_metrics_jsonl_keeps_its_keys(corpu
     records = read_metrics(dump)
     assert {"loss", "ppl", "tps", "mfu", "memory_gib", "elapsed_s", "eta_s"} <= set(records[0])
     assert {"val_loss", "val_ppl"} <= set(next(r for r in records if "val_loss" in r))
+
+
+def test_document_flops_count_each_documents_own_attention():
+    """Under ``block_causal`` a step's FLOPs are the sum over its documents (a query attends within its own
+    document), so a row of short documents counts less attention than one row-long sequence."""
+    from config import DEFAULT_CONFIG, parse_config
+    from data.loader import document_lengths
+    from models.checkpoint_io import build_model, model_args_from_config
+    from trainer.metrics import DocumentFlops
+
+    args = model_args_from_config(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.attention", "softmax"]))
+    model = build_model(args)
+    counter = DocumentFlops(lambda n: args.training_flops(model, [n]))
+    # two rows of 8 tokens: documents of 3, 5 | 2, 4, 2 (positions restart at 0 at every document)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 0, 1]])
+    assert document_lengths(positions) == [3, 5, 2, 4, 2]
+    counter.add(positions)
+    counter.add(positions[:1])  # a second microbatch before the log step
+    expected = args.training_flops(model, [3, 5, 2, 4, 2, 3, 5])
+    assert counter.per_token(24) == pytest.approx(expected / 24)
+    assert counter.total == 0  # the next interval starts from zero
+    whole_rows = args.get_nparams_and_flops(model, 8)[1]  # torchtitan's count: every row one 8-token sequence
+    counter.add(positions)
+    assert counter.per_token(16) < whole_rows
+
+
+def test_block_causal_run_logs_the_document_count(corpus, tmp_path):
+    """A ``block_causal`` run's tflops / tokens per second is its documents' count per token: less than a whole-row
+    sequence's, more than the weight matmuls alone."""
+    from config import parse_config
+    from models.checkpoint_io import build_model, model_args_from_config
+
+    argv = tiny_args(corpus, tmp_path / "run", 2, 64, 2, "--checkpoint.no-enable")  # rows of several documents
+    run_train(argv)
+    args = model_args_from_config(parse_config(argv))
+    model = build_model(args)
+    whole_rows = args.get_nparams_and_flops(model, 64)[1]
+    dense_only = args.training_flops(model, [1])  # a 1-token document attends to itself only
+    for r in read_metrics(tmp_path / "run"):
+        if "tflops" in r:
+            per_token = r["tflops"] * 1e12 / r["tps"]
+            assert dense_only < per_token < whole_rows, (per_token, dense_only, whole_rows)
