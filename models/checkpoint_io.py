@@ -327,3 +327,18 @@ def add_model_arguments(ap) -> None:
     add_checkpoint_arguments(ap, hf=False)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+
+
+def tool_parser(doc: str, argv: list[str]):
+    """(parser, the tool's own arguments, train.py flags) of a tool that loads a run through :func:`load_run`:
+    ``argv`` split at the train.py flags (``models.run_folder.split_train_flags``), and a parser with the
+    checkpoint, dtype and device arguments (:func:`add_model_arguments`) and ``doc`` as its description."""
+    import argparse
+
+    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
+
+    own, train_flags = split_train_flags(argv)
+    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(ap)
+    return ap, own, train_flags

@@ -25,7 +25,6 @@ as the paper's Figures 3 and 5).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -279,13 +278,9 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from models.checkpoint_io import add_model_arguments, load_run
-    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
+    from models.checkpoint_io import load_run, tool_parser
 
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
+    ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
     ap.add_argument("-o", "--out", default=None, help="output folder (default <run>/analysis)")
     ap.add_argument("--rows", type=int, default=16, help="documents analysed")

@@ -131,13 +131,9 @@ def parse_edges(text: str, seq_len: int, ap: argparse.ArgumentParser) -> list[in
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from models.checkpoint_io import add_model_arguments, load_run
-    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
+    from models.checkpoint_io import load_run, tool_parser
 
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
+    ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--data", required=True, help="local file/folder/glob (.jsonl/.parquet/.txt[.gz]) or hub dataset")
     ap.add_argument("--seq-len", type=int, default=0, help="0 = the run's validation.seq_len")
     ap.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")

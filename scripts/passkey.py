@@ -179,14 +179,10 @@ def _numbers(text: str, kind, flag: str, ap: argparse.ArgumentParser) -> list:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
-    from models.checkpoint_io import add_model_arguments, load_run
+    from models.checkpoint_io import load_run, tool_parser
     from scripts.eval_ppl import emit
 
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=__doc__, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
+    ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--lengths", default="", help="comma list of prompt lengths in tokens (default: the run's "
                     "training.seq_len and its halvings down to an eighth, those the prompt fits into)")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1",
