@@ -93,17 +93,10 @@ class AttnTrainer(Trainer):
         if self.nonfinite.step_is_finite(self.step):
             step_fn(*args, **kwargs)
 
-    def _counted(self, data_iterator):
-        """The microbatches of ``data_iterator``, each counted by the document FLOP count on its way."""
-        for input_dict, labels in data_iterator:
-            self.metrics_processor.document_flops.add(input_dict["positions"])
-            yield input_dict, labels
-
     def train_step(self, data_iterator):
         # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
         self.metrics_processor.lr_wd = self.optimizers.lr_wd()
-        counting = self.metrics_processor.document_flops is not None
-        super().train_step(self._counted(data_iterator) if counting else data_iterator)
+        super().train_step(self.metrics_processor.counted(data_iterator))
         if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
             logged = self.metrics_processor.logged
             self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])

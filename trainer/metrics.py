@@ -22,6 +22,8 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, WandBLogger
 from torchtitan.tools.logging import logger
 
+from data.loader import document_lengths
+
 from trainer.titan import drop_titan_metrics_lines, metrics_rank
 
 JSONL_KEYS = {
@@ -191,6 +193,19 @@ class TrainMetrics(MetricsProcessor):
         done = step - self._step0
         return end, elapsed, elapsed / done * max(end - step, 0) if done > 0 else float("nan")
 
+    def counted(self, data_iterator):
+        """``data_iterator``'s microbatches, each added to :attr:`document_flops` on its way (on the host, before
+        torchtitan moves it to the device); ``data_iterator`` itself when documents are not counted."""
+        if self.document_flops is None:
+            return data_iterator
+
+        def each():
+            for inputs, labels in data_iterator:
+                self.document_flops.add(inputs["positions"])
+                yield inputs, labels
+
+        return each()
+
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if self.document_flops is not None and self.document_flops.total:  # MFU and tflops of the documents run
             self.num_flops_per_token = self.document_flops.per_token(self.ntokens_since_last_log)
@@ -228,8 +243,6 @@ class DocumentFlops:
         self.total = 0
 
     def add(self, positions: torch.Tensor) -> None:
-        from data.loader import document_lengths
-
         self.total += sum(self.flops_of_len(n) for n in document_lengths(positions))
 
     def per_token(self, tokens: int) -> float:
