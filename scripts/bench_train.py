@@ -11,7 +11,8 @@ baselines of the same run: Parallax vs softmax, fp8 vs bf16, ours vs stock torch
 with AdamW; ``--optimizer adamw`` switches our rows to AdamW too (default ``config``: each config's optimizer,
 Muon), and the rows ``softmax_adamw``/``parallax_adamw`` (the AdamW+WSD configs) compare both in one run.
 ``--nproc K`` runs every row also on K GPUs (FSDP over K, local batch --batch, global batch K x --batch) and
-prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1).
+prints tokens/s per GPU at 1 and K GPUs and the scaling efficiency (per-GPU K / per-GPU 1). The 1-GPU rows then
+run side by side, one per GPU, K at a time, before the K-GPU rows (``--no-side-by-side``: one after another).
 
 Every row (stock too) traces ``--trace-steps`` steps (torchtitan's profiler, ending at step ``--steps`` − 1;
 ``--no-profile`` skips it). The table's "busy %" is the traced steps' GPU-busy time per step (union of kernel
@@ -85,8 +86,11 @@ def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
     return out
 
 
-def run(cmd: list[str], log: Path, repo: Path) -> str:
+def run(cmd: list[str], log: Path, repo: Path, devices: str = "") -> str:
+    """Run ``cmd`` (on the GPUs ``devices``, a CUDA_VISIBLE_DEVICES list, when given), its output to ``log``."""
     env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(repo))
     log.write_text(p.stdout + p.stderr)
     if p.returncode:
@@ -112,7 +116,7 @@ def paper_config(repo: Path, name: str) -> Path:
     return new if new.is_file() else repo / "configs" / f"{name}.toml"
 
 
-def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
+def ours(args, name, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
     config, extra = ROWS[name]
     dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
     repo = Path(args.repo)
@@ -124,7 +128,7 @@ def ours(args, name, fp8, out: Path, nproc: int = 1) -> dict:
     cmd += shlex.split(args.train_args)
     if not fp8:
         cmd += ["--model.converters", ""]
-    run(cmd + profiling(args), out / f"{dump.name}.log", repo)
+    run(cmd + profiling(args), out / f"{dump.name}.log", repo, devices)
     from trainer.metrics import read_records
 
     path = dump / "metrics.jsonl"
@@ -271,7 +275,7 @@ def idle_by_host_op(trace: list[dict], idle: list[tuple[float, float]], n: int, 
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
 
 
-def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
+def stock(args, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
     """Stock torchtitan qwen3 0.6B with the same data, tokenizer, batch, compile and AC (AdamW, its default)."""
     dump = out / f"stock_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
@@ -282,13 +286,35 @@ def stock(args, fp8, out: Path, nproc: int = 1) -> dict:
     if fp8:
         cmd += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name",
                 "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
-    text = run(cmd + profiling(args), out / f"{dump.name}.log", Path(args.repo))
+    text = run(cmd + profiling(args), out / f"{dump.name}.log", Path(args.repo), devices)
     rows = [(int(s), float(m), float(t.replace(",", "")), float(u)) for s, m, t, u in LINE.findall(text)]
     rows = [r for r in rows if r[0] > args.warmup and not (args.profile and r[0] >= first_profiled(args))]
     if not rows:
         return {}
     return {"tps": statistics.median(r[2] for r in rows), "mfu": statistics.median(r[3] for r in rows),
             "mem": max(r[1] for r in rows), "loss": float("nan")} | profiled(args, dump)
+
+
+def side_by_side(fn, jobs: list, gpus: int) -> dict:
+    """``{job: fn(job, gpu)}`` with at most ``gpus`` calls at once, each given a GPU (a CUDA_VISIBLE_DEVICES entry:
+    the i-th of the caller's own list where it has one) that no other running call holds."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    free: queue.Queue = queue.Queue()
+    for i in range(gpus):
+        free.put(visible[i] if i < len(visible) else str(i))
+
+    def call(job):
+        gpu = free.get()
+        try:
+            return fn(job, gpu)
+        finally:
+            free.put(gpu)
+
+    with ThreadPoolExecutor(gpus) as pool:
+        return dict(zip(jobs, pool.map(call, jobs)))
 
 
 def busy(r: dict, tokens: int) -> str:
@@ -311,6 +337,8 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
                     help="config: each config's optimizer (Muon); adamw: AdamW on every row (stock uses AdamW)")
     ap.add_argument("--nproc", type=int, default=1, help="also run every row on this many GPUs (scaling)")
+    ap.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --nproc K: the 1-GPU rows run K at a time, one per GPU")
     ap.add_argument("--quick", action="store_true", help="softmax and parallax in bf16 only, 12 steps")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="trace steps of every row: the busy %% column and a kernel/idle summary per row")
@@ -331,16 +359,23 @@ def main() -> None:
     check_trace_steps(ap, args)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_train_"))
     out.mkdir(parents=True, exist_ok=True)
-    results, scaled = {}, {}
     tokens = args.batch * args.seq  # per GPU per step
-    for prec in args.precisions.split(","):
-        for name in args.rows.split(","):
-            for k in ([1, args.nproc] if args.nproc > 1 else [1]):
-                r = stock(args, prec == "fp8", out, k) if name == "stock" else ours(args, name, prec == "fp8", out, k)
-                (results if k == 1 else scaled)[(name, prec)] = r
-                line = (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB  busy % {busy(r, tokens)}"
-                        if r else "failed")
-                print(f"{name:14s} {prec:5s} x{k} {line}", flush=True)
+    jobs = [(name, prec) for prec in args.precisions.split(",") for name in args.rows.split(",")]
+
+    def one(job: tuple[str, str], k: int, devices: str = "") -> dict:
+        name, prec = job
+        r = (stock(args, prec == "fp8", out, k, devices) if name == "stock"
+             else ours(args, name, prec == "fp8", out, k, devices))
+        line = (f"tps {r['tps']:9,.0f}  mfu {r['mfu']:5.1f}%  mem {r['mem']:5.1f}GiB  busy % {busy(r, tokens)}"
+                if r else "failed")
+        print(f"{name:14s} {prec:5s} x{k} {line}" + (f" [GPU {devices}]" if devices else ""), flush=True)
+        return r
+
+    if args.nproc > 1 and args.side_by_side:
+        results = side_by_side(lambda job, gpu: one(job, 1, gpu), jobs, args.nproc)
+    else:
+        results = {job: one(job, 1) for job in jobs}
+    scaled = {job: one(job, args.nproc) for job in jobs} if args.nproc > 1 else {}
     (out / "results.json").write_text(json.dumps(
         {f"{k[0]}/{k[1]}": v for k, v in results.items()} | {f"{k[0]}/{k[1]}/x{args.nproc}": v
                                                               for k, v in scaled.items()}, indent=1))

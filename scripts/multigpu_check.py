@@ -3,6 +3,7 @@
     python -m scripts.multigpu_check                                   # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
     python -m scripts.multigpu_check --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
     python -m scripts.multigpu_check --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
+    python -m scripts.multigpu_check --nprocs 1,2,4 --resume 4:2,2:4 --replicate 2   # HSDP 2 x 2 on 4 GPUs
 
 What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_causal, compile off by default):
   1. a seed checkpoint on one process (sharded and unsharded initialisation draw different random numbers);
@@ -12,6 +13,9 @@ What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_c
      distributed Muon equals single-device Muon and that gradient accumulation equals data parallelism;
   3. for every a:b in --resume: the a-process run's checkpoint at steps/2, resumed on b processes to --steps,
      compared with the uninterrupted runs (the data loader reshards its position, see data/loader.py).
+With ``--replicate R``, every run on more than R processes that R divides is HSDP (R replicas of K/R shards,
+``parallelism.data_parallel_replicate_degree``), so "1 vs 4" checks HSDP against one device and the resumes move
+a checkpoint between the HSDP and the plain FSDP layout.
 Validation runs at the checkpoint steps and the last step on every process (each rank must run the same
 number of validation batches, or a collective hangs); its losses are not compared, since K ranks read K times
 the held-out batches. Loss curves are read from each run's metrics.jsonl; the table prints max |Δloss| against the 1-process run
@@ -53,6 +57,15 @@ def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
         out = [a for a in out if a != "--debug.deterministic"]  # some CUDA kernels have no deterministic mode
         out += ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
     return out + args.extra
+
+
+def layout(args, k: int) -> list[str]:
+    """Data-parallel flags of a ``k``-process run: HSDP over ``--replicate`` replicas where it applies, else FSDP."""
+    r = args.replicate
+    if r > 1 and k > r and k % r == 0:
+        return ["--parallelism.data_parallel_replicate_degree", str(r), "--parallelism.data_parallel_shard_degree",
+                str(k // r)]
+    return []
 
 
 def launch(args, train_args: list[str], nproc: int, log: Path) -> tuple[bool, float]:
@@ -101,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="", help="training files instead of the synthetic corpus")
     ap.add_argument("--tokenizer", default="", help="tokenizer folder for --data")
     ap.add_argument("--tol", type=float, default=0.0, help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
+    ap.add_argument("--replicate", type=int, default=1,
+                    help="HSDP replicas for runs on more processes than this that it divides (default 1: FSDP)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     ap.add_argument("--out", default="", help="work folder (default: a temporary folder)")
     args = ap.parse_args(argv)
@@ -141,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in nprocs:
         dump = out / f"np{k}"
         shutil.rmtree(dump, ignore_errors=True)
-        ok, times[k] = launch(args, base_args(args, corpus, dump, args.steps, *init), k, out / f"np{k}.log")
+        ok, times[k] = launch(args, base_args(args, corpus, dump, args.steps, *init, *layout(args, k)), k,
+                              out / f"np{k}.log")
         curves[k] = losses(dump) if ok and (dump / "metrics.jsonl").exists() else {}
         print(f"  {k} procs: {'ok' if ok else 'FAILED'} in {times[k]:.0f}s", flush=True)
     rows = []  # (what, steps, max delta, result)
@@ -149,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     all_steps = range(1, args.steps + 1)
     for k in nprocs[1:]:
         d = max_delta(ref, curves[k], all_steps)
-        rows.append((f"1 vs {k} procs (FSDP {k}, accum {max(nprocs) // k} vs {max(nprocs)})", f"1-{args.steps}", d))
+        dp = f"HSDP {args.replicate}x{k // args.replicate}" if layout(args, k) else f"FSDP {k}"
+        rows.append((f"1 vs {k} procs ({dp}, accum {max(nprocs) // k} vs {max(nprocs)})", f"1-{args.steps}", d))
     for a, b in pairs:
         dump = out / f"resume_{a}to{b}"
         shutil.rmtree(dump, ignore_errors=True)
@@ -158,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"resume {a}->{b} procs at step {half}", "-", float("inf")))
             continue
         shutil.copytree(src, dump / "checkpoint" / f"step-{half}")
-        ok, _ = launch(args, base_args(args, corpus, dump, args.steps, *init), b, out / f"resume_{a}to{b}.log")
+        ok, _ = launch(args, base_args(args, corpus, dump, args.steps, *init, *layout(args, b)), b,
+                       out / f"resume_{a}to{b}.log")
         got = losses(dump) if ok and (dump / "metrics.jsonl").exists() else {}
         resumed = range(half + 1, args.steps + 1)
         if got and min(got) != half + 1:

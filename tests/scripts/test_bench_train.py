@@ -74,3 +74,26 @@ def test_trace_summary_several_steps(tmp_path):
     assert "host ops during GPU idle (2.0 ms per step" in text
     assert _after(text, "host ops during GPU idle") == [
         "0.50 ms  Optimizer.step#AdamW.step", "0.30 ms  aten::_foreach_norm", "0.01 ms  cudaLaunchKernel"]
+
+
+def test_side_by_side_gives_each_running_row_its_own_gpu(monkeypatch):
+    """The 1-GPU rows of a scaling run: at most one row per GPU at any time, every row run once, results in order."""
+    import threading
+    import time
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    held, lock, seen = set(), threading.Lock(), []
+
+    def fn(job, gpu):
+        with lock:
+            assert gpu not in held, (job, gpu)
+            held.add(gpu)
+            seen.append(gpu)
+        time.sleep(0.02)
+        with lock:
+            held.remove(gpu)
+        return job * 10
+
+    jobs = list(range(7))
+    assert bench_train.side_by_side(fn, jobs, 2) == {j: j * 10 for j in jobs}
+    assert set(seen) == {"4", "6"} and len(seen) == 7

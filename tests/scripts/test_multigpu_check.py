@@ -55,3 +55,13 @@ def test_streaming_data_cannot_reshard_and_says_why():
     with pytest.raises(ValueError, match=r"runs/x/checkpoint/step-6.*written by 2 data-parallel ranks.*has 1"):
         fake.check_reshardable(2)
     fake.check_reshardable(1)  # same world size: fine
+
+
+@pytest.mark.parametrize("replicate,k,expected", [(1, 4, []), (2, 2, []), (2, 3, []), (2, 4, ["2", "2"]),
+                                                   (2, 8, ["2", "4"])])
+def test_replicate_makes_hsdp_of_runs_it_divides(replicate, k, expected):
+    """``--replicate R``: R replicas of k/R shards where R divides k and k > R; other runs stay plain FSDP."""
+    flags = multigpu_check.layout(SimpleNamespace(replicate=replicate), k)
+    assert flags[1::2] == expected
+    assert flags[0::2] == (["--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree"]
+                           if expected else [])
