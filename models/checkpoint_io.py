@@ -1,16 +1,14 @@
-"""DCP checkpoints and run folders for offline tools: read and write model state, the ``attnlab.json``
-architecture record, build the model, and load a run (analysis, eval, conversion, export).
-
-    from models.checkpoint_io import load_model
-    model, cfg, step_dir = load_model("runs/x", ["--job.config_file", "configs/x.toml"])
+"""DCP checkpoints for offline tools: read and write model state, the ``attnlab.json`` architecture record,
+the training configuration of a run, and the one ``build_model``. Tools load runs through
+:func:`models.hf.load_model` / :func:`models.hf.load_tool_checkpoint` (any format), built on this module.
 
 The model is rebuilt from the training config: the same CLI/TOML argv as ``train.py`` (``argv``), or, when
 ``argv`` is empty, ``<run>/config.toml`` (what every run writes), ``<run>/train_args.json`` (a JSON list of the
 argv, written by ``scripts/replicate.py``), or the step folder's ``attnlab.json`` (the architecture alone); a
 run that none of them describes is an error naming the folder, never the default configuration's model.
-Only the model's keys are read from the checkpoint (``torch.distributed.checkpoint`` loads what is asked
-for), so full training checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face
-folders are :mod:`models.hf`'s, which builds on this module (never the other way round).
+Only the model's keys are read from the checkpoint (optimizer and trainer states are skipped), so full training
+checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face folders are
+:mod:`models.hf`'s, which builds on this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +183,7 @@ def run_dir_of(step_dir: Path) -> Path:
     return run_of(step_dir) or step_dir.parent
 
 
-def _run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
+def run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
     """train.py's argv describing the run of ``step_dir``: ``argv`` when it names ``--job.config_file``, else
     ``argv`` on top of ``<run>/config.toml``, else ``argv`` (on top of the default config) when given, else
     ``<run>/train_args.json``; None when there is none of them."""
@@ -205,33 +202,43 @@ def _run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
     return None
 
 
-def load_config(argv: list[str] | None, step_dir: Path):
-    """The merged JobConfig of the run of ``step_dir`` (:func:`config_and_architecture`)."""
-    return config_and_architecture(argv, step_dir)[0]
-
-
 def config_and_architecture(argv: list[str] | None, step_dir: Path):
-    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`_run_argv`, or, for a run with none of its
+    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`run_argv`, or, for a run with none of its
     descriptions but an ``attnlab.json`` in the step folder, that record (the default config set to it by
     :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
     Raises CheckpointError naming the folders when nothing describes the run."""
     from config import DEFAULT_CONFIG, parse_config
 
-    run_argv = _run_argv(argv, step_dir)
-    if run_argv is None and not (step_dir / SIDECAR).is_file():
-        raise CheckpointError(f"nothing describes the model of {str(step_dir)!r}: its run folder "
-                              f"{str(run_dir_of(step_dir))!r} has no config.toml or train_args.json and the step "
-                              f"folder no {SIDECAR}; pass the run's training config after `--`, e.g. "
-                              "`-- --job.config_file configs/x.toml --model.attention parallax`")
-    argv = run_argv or []
+    described = run_argv(argv, step_dir)
+    if described is None and not (step_dir / SIDECAR).is_file():
+        raise undescribed(step_dir)
+    argv = described or []
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
     cfg = parse_config(argv)
-    if run_argv is not None:
+    if described is not None:
         return cfg, model_args_from_config(cfg)
     args = read_sidecar(step_dir)
     _with_architecture(cfg, args)
     return cfg, args
+
+
+def config_for(args: ModelArgs):
+    """The default JobConfig set to the architecture ``args`` (:func:`_with_architecture`): the configuration of a
+    checkpoint that only its own record describes (a DCP ``attnlab.json``, an HF ``config.json``)."""
+    from config import DEFAULT_CONFIG, parse_config
+
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG])
+    _with_architecture(cfg, args)
+    return cfg
+
+
+def undescribed(step_dir: Path) -> CheckpointError:
+    """The error for a step folder that neither its run's files nor its own record describe."""
+    return CheckpointError(f"nothing describes the model of {str(step_dir)!r}: its run folder "
+                           f"{str(run_dir_of(step_dir))!r} has no config.toml or train_args.json and the step "
+                           f"folder no {SIDECAR}; pass the run's training config after `--`, e.g. "
+                           "`-- --job.config_file configs/x.toml --model.attention parallax`")
 
 
 def _with_architecture(cfg, args: ModelArgs) -> None:
@@ -256,89 +263,3 @@ def model_args_from_config(cfg) -> ModelArgs:
     args = get_flavor(cfg.model.flavor)
     args.update_from_config(cfg)
     return args
-
-
-def load_weights(model: torch.nn.Module, step_dir: str | os.PathLike, strict: bool = True) -> list[str]:
-    """Read ``model``'s keys from a DCP checkpoint in place; returns keys the checkpoint lacks (only when
-    ``strict=False``; those keep their initialisation). With ``strict``, model keys the checkpoint lacks and
-    checkpoint model keys the model lacks (weights that would be dropped) are both errors naming the keys."""
-    import torch.distributed.checkpoint as dcp
-
-
-    try:
-        meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{step_dir}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
-    sd = model.state_dict()
-    missing = [k for k in sd if k not in meta]
-    unexpected = sorted(k for k in meta if not k.startswith(NON_MODEL_PREFIXES) and k not in sd)
-    bad = [f"{k}: checkpoint {tuple(meta[k].size)} vs model {tuple(v.shape)}" for k, v in sd.items()
-           if k in meta and hasattr(meta[k], "size") and tuple(meta[k].size) != tuple(v.shape)]
-    if bad or ((missing or unexpected) and strict):
-        raise CheckpointError(f"checkpoint {str(step_dir)!r} does not fit the model built from the config "
-                         f"(pass the training flags / --job.config_file): mismatched {bad[:5]}, missing "
-                         f"{missing[:5]}, not in the model {unexpected[:5]}")
-    present = {k: v for k, v in sd.items() if k in meta}
-    read_dcp(present, step_dir)
-    model.load_state_dict({**sd, **present}, strict=True)
-    if model.model_args.enable_weight_tying:
-        model.output.weight = model.tok_embeddings.weight
-    return missing
-
-
-def load_model(path: str | os.PathLike, argv: list[str] | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32):
-    """(model in eval mode, JobConfig, step folder) for a run folder or step folder ``path``."""
-    step_dir = resolve_step_dir(path)
-    cfg, args = config_and_architecture(argv, step_dir)
-    model = build_model(args, device=device)
-    load_weights(model, step_dir)
-    return model.to(dtype).eval(), cfg, step_dir
-
-
-def replace_args(args: ModelArgs, **kw) -> ModelArgs:
-    return dataclasses.replace(args, **kw)
-
-
-def load_run(ap, args, train_flags: list[str]):
-    """(model, JobConfig, step folder) of the tool's ``CKPT``/``--step`` (DCP run or step folder), with
-    ``cfg.model.hf_assets_path`` pointing at the run's own tokenizer; a bad folder or checkpoint exits through
-    ``ap`` with one line."""
-    from models.run_folder import resolve
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    try:
-        ckpt = resolve(args.ckpt, args.step, dcp_only=True)
-    except FileNotFoundError as e:
-        ap.error(str(e))
-    try:
-        model, cfg, step_dir = load_model(ckpt.path, ckpt.config_argv(train_flags), device=args.device,
-                                          dtype=getattr(torch, args.dtype))
-    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
-    ckpt.use_tokenizer(cfg)
-    return model, cfg, step_dir
-
-
-def add_model_arguments(ap) -> None:
-    """The checkpoint, dtype and device arguments of the tools that load a run through :func:`load_run`."""
-    from models.run_folder import add_checkpoint_arguments
-
-    add_checkpoint_arguments(ap, hf=False)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-
-
-def tool_parser(doc: str, argv: list[str]):
-    """(parser, the tool's own arguments, train.py flags) of a tool that loads a run through :func:`load_run`:
-    ``argv`` split at the train.py flags (``models.run_folder.split_train_flags``), and a parser with the
-    checkpoint, dtype and device arguments (:func:`add_model_arguments`) and ``doc`` as its description."""
-    import argparse
-
-    from models.run_folder import TRAIN_FLAGS_HELP, split_train_flags
-
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
-    return ap, own, train_flags

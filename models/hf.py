@@ -1,4 +1,5 @@
-"""Hugging Face folders: export and import of safetensors + config.json, one state-dict adapter per mechanism.
+"""Hugging Face folders: export and import of safetensors + config.json, one state-dict adapter per mechanism,
+and the one way tools load a checkpoint of either format (:func:`load_tool_checkpoint`, :func:`load_model`).
 
 A model lives on disk in two formats; this module reads and writes the Hugging Face one and reads either
 (:func:`load_checkpoint`), with the DCP side in :mod:`models.checkpoint_io`:
@@ -35,9 +36,10 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 import attention
 from models.args import ModelArgs
-from models.checkpoint_io import (SIDECAR, CheckpointError, args_from_dict, args_to_dict, is_dcp_folder,
-                                  load_dcp_state, model_args_from_config, progress_bar, read_sidecar)
-from models.run_folder import new_folder
+from models.checkpoint_io import (SIDECAR, CheckpointError, args_from_dict, args_to_dict, build_model, config_and_architecture,
+                                  config_for, is_dcp_folder, load_dcp_state, model_args_from_config, progress_bar,
+                                  read_sidecar, run_argv, undescribed)
+from models.run_folder import TRAIN_FLAGS_HELP, add_checkpoint_arguments, new_folder, resolve, split_train_flags
 
 ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
 """Attention submodule renames (torchtitan → HF) of the Qwen3-named mechanisms below; the attention parameters
@@ -406,15 +408,74 @@ def args_from_job_config(config_file, overrides: list[str] | None = None) -> Mod
     return model_args_from_config(job_config(config_file, overrides))
 
 
-def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, **infer_kw):
-    """(format, architecture, state dict, JobConfig or None) of a resolved :class:`models.run_folder.Checkpoint`.
+def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, train_flags: list[str] | None = None,
+                         infer: bool = True, **infer_kw):
+    """(format, architecture, state dict, JobConfig or None) of a resolved :class:`models.run_folder.Checkpoint`:
+    the one way every tool reads a run, a step folder or a Hugging Face folder.
 
-    Architecture, first found: ``config_file`` (a TOML the user names), the run's ``config.toml``, the folder's
-    own record (HF config.json / DCP attnlab.json), the tensor shapes (``infer_kw``, softmax/Parallax only)."""
-    config_file = config_file or ckpt.config
-    cfg = job_config(config_file) if config_file else None
+    Architecture, first found: ``config_file`` (a TOML the user names) or the run's own description
+    (``<run>/config.toml``, ``<run>/train_args.json``), with ``train_flags`` (train.py ``--section.key value``
+    overrides) on top, which also gives the JobConfig; the folder's own record (HF config.json / DCP attnlab.json);
+    with ``infer``, the tensor shapes (``infer_kw``, softmax/Parallax only). A DCP folder that nothing describes is
+    a CheckpointError naming the folders when ``infer`` is off."""
+    flags = list(train_flags or [])
+    argv = ["--job.config_file", str(config_file), *flags] if config_file else ckpt.config_argv(flags)
+    if is_dcp_folder(ckpt.path):
+        described = run_argv(argv, ckpt.path) is not None
+        cfg, args = config_and_architecture(argv, ckpt.path) if described else (None, read_sidecar(ckpt.path))
+        if args is None and not infer:
+            raise undescribed(ckpt.path)
+        sd = load_dcp_state(ckpt.path, progress)
+        return "dcp", args or infer_args(sd, **infer_kw), sd, cfg
+    from config import parse_config
+
+    names_config = any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv)
+    cfg = parse_config(argv) if names_config else None
     fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
     return fmt, args, sd, cfg
+
+
+def load_model(path, train_flags: list[str] | None = None, device="cpu", dtype: torch.dtype = torch.float32,
+               step: int | None = None):
+    """(model in eval mode, JobConfig, checkpoint folder) of a run, step or Hugging Face folder ``path``
+    (:func:`models.run_folder.resolve`, then :func:`load_tool_checkpoint` without shape inference, then
+    :func:`build_model`). A checkpoint only its own record describes gets the default configuration set to that
+    architecture; ``cfg.model.hf_assets_path`` points at the checkpoint's own tokenizer when it has one."""
+    ckpt = resolve(path, step)
+    _, args, sd, cfg = load_tool_checkpoint(ckpt, train_flags=train_flags, infer=False)
+    cfg = cfg or config_for(args)
+    model = build_model(args, sd, device=device, dtype=dtype)
+    ckpt.use_tokenizer(cfg)
+    return model, cfg, ckpt.path
+
+
+def load_run(ap, args, train_flags: list[str]):
+    """:func:`load_model` of a tool's ``CKPT``/``--step``/``--device``/``--dtype`` (:func:`tool_parser`); a bad
+    folder or checkpoint exits through ``ap`` with one line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        return load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype), step=args.step)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+
+
+def tool_parser(doc: str, argv: list[str]):
+    """(parser, the tool's own arguments, train.py flags) of a tool that loads a model through :func:`load_run`:
+    ``argv`` split at the train.py flags (``models.run_folder.split_train_flags``), and a parser with the
+    checkpoint, ``--dtype`` and ``--device`` arguments and ``doc`` as its description."""
+    import argparse
+
+    own, train_flags = split_train_flags(argv)
+    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    return ap, own, train_flags
 
 
 def tokenizer_folder(ckpt, cfg=None) -> Path | None:

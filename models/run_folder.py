@@ -69,9 +69,9 @@ class Checkpoint:
         return ["--job.config_file", str(self.config), *extra]
 
     def use_tokenizer(self, cfg) -> None:
-        """Point ``cfg.model.hf_assets_path`` at the run's own tokenizer folder when it has one."""
-        if self.run is not None and (self.run / TOKENIZER_DIR / "tokenizer.json").is_file():
-            cfg.model.hf_assets_path = str(self.run / TOKENIZER_DIR)
+        """Point ``cfg.model.hf_assets_path`` at these weights' own tokenizer (:attr:`tokenizer`) when they have one."""
+        if self.tokenizer is not None:
+            cfg.model.hf_assets_path = str(self.tokenizer)
 
 
 def step_of(folder: str | os.PathLike) -> int | None:
@@ -100,18 +100,10 @@ def _is_checkpoint(d: Path) -> bool:
     return (d / ".metadata").is_file() or (d / "config.json").is_file() or any(d.glob("*.safetensors"))
 
 
-def resolve(path: str | os.PathLike, step: int | None = None, dcp_only: bool = False) -> Checkpoint:
+def resolve(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
     """The checkpoint ``path`` names: a run folder or its ``checkpoint/`` folder (the latest ``step-N``, or
-    ``step-<step>``), a step folder, or a Hugging Face folder (not with ``dcp_only``); its run is found from any
-    of them (:func:`run_of`). Raises FileNotFoundError naming what was looked for."""
-    ckpt = _resolve(path, step)
-    if dcp_only and not (ckpt.path / ".metadata").is_file():
-        raise FileNotFoundError(f"{str(ckpt.path)!r} holds safetensors, not a DCP checkpoint; this tool reads a run "
-                                "folder or a DCP step folder (export_hf.py/eval_downstream.py read Hugging Face ones)")
-    return ckpt
-
-
-def _resolve(path: str | os.PathLike, step: int | None) -> Checkpoint:
+    ``step-<step>``), a step folder, or a Hugging Face folder; its run is found from any of them (:func:`run_of`).
+    Raises FileNotFoundError naming what was looked for."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"{str(path)!r}: no such folder (expected a run folder, a step-N folder or a "
@@ -144,12 +136,11 @@ def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
 
 
-def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt", hf: bool = True) -> None:
-    """The positional checkpoint argument and ``--step`` shared by every tool script (``hf``: the tool also
-    reads Hugging Face folders)."""
+def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") -> None:
+    """The positional checkpoint argument and ``--step`` shared by every tool script."""
     ap.add_argument(name, metavar=name.upper(),
-                    help="a run folder (job.dump_folder: its config.toml rebuilds the model) or a checkpoint/step-N "
-                         "folder" + (", or a Hugging Face folder" if hf else ""))
+                    help="a run folder (job.dump_folder: its config.toml rebuilds the model), a checkpoint/step-N "
+                         "folder, or a Hugging Face folder")
     ap.add_argument("--step", type=int, default=None,
                     help="which checkpoint/step-N of a run folder (default: the latest)")
 

@@ -278,7 +278,7 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from models.checkpoint_io import load_run, tool_parser
+    from models.hf import load_run, tool_parser
 
     ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")

@@ -1,9 +1,12 @@
-"""Offline checkpoint loading (models/checkpoint_io.py): keys on either side that do not match are errors."""
+"""Offline checkpoint loading (models/checkpoint_io.py): keys on either side that do not match are errors, and a
+tool loads every format through one path (models.hf.load_model)."""
 
 import pytest
+import torch
 
 from config import DEFAULT_CONFIG, parse_config
-from models.checkpoint_io import build_model, load_weights, model_args_from_config, save_dcp_state
+from models.checkpoint_io import CheckpointError, build_model, load_dcp_state, model_args_from_config, save_dcp_state
+from models.hf import load_model, save_hf
 
 
 def _model(*flags):
@@ -14,14 +17,25 @@ def _model(*flags):
 def test_checkpoint_keys_the_model_lacks_are_an_error(tmp_path):
     parallax = _model("--model.attention", "parallax")
     save_dcp_state(parallax.state_dict(), tmp_path / "px", parallax.model_args)
-    with pytest.raises(ValueError, match=r"not in the model \['layers.0.attention.r_norm.weight'"):
-        load_weights(_model(), tmp_path / "px")
-    softmax = _model()
-    assert load_weights(softmax, tmp_path / "px", strict=False) == []  # on purpose: the common keys
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['layers.0.attention."):
+        build_model(_model().model_args, load_dcp_state(tmp_path / "px"))
 
 
 def test_model_keys_the_checkpoint_lacks_are_an_error(tmp_path):
     softmax = _model()
     save_dcp_state(softmax.state_dict(), tmp_path / "sm", softmax.model_args)
-    with pytest.raises(ValueError, match=r"missing \['layers.0.attention.wr.weight', 'layers.0.attention.r_norm.weight'"):
-        load_weights(_model("--model.attention", "parallax"), tmp_path / "sm")
+    with pytest.raises(CheckpointError, match=r"missing \['layers.0.attention."):
+        build_model(_model("--model.attention", "parallax").model_args, load_dcp_state(tmp_path / "sm"))
+
+
+def test_one_path_loads_a_dcp_step_and_a_hugging_face_folder_alike(tmp_path):
+    """load_model reads the run's DCP step (architecture from its record) and its HF export into equal models."""
+    parallax = _model("--model.attention", "parallax")
+    save_dcp_state(parallax.state_dict(), tmp_path / "run" / "checkpoint" / "step-1", parallax.model_args)
+    save_hf(parallax.state_dict(), parallax.model_args, tmp_path / "hf")
+    from_dcp, cfg, path = load_model(tmp_path / "run")
+    from_hf, hf_cfg, _ = load_model(tmp_path / "hf")
+    assert path == tmp_path / "run" / "checkpoint" / "step-1"
+    assert cfg.model.attention == hf_cfg.model.attention == "parallax"
+    for (k, a), (_, b) in zip(from_dcp.state_dict().items(), from_hf.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from config import parse_config
-from models.checkpoint_io import (SIDECAR, CheckpointError, build_model, load_config, load_weights, model_args_from_config,
-                                  save_dcp_state)
+from models.checkpoint_io import (SIDECAR, CheckpointError, build_model, config_and_architecture, load_dcp_state,
+                                  model_args_from_config, save_dcp_state)
 from models.hf import save_hf
 from models.run_folder import resolve, save_tokenizer, write_run_files
 from scripts import eval_downstream, eval_ppl, export_hf, generate
@@ -80,7 +80,7 @@ def test_a_run_nothing_describes_is_refused_naming_the_folder_and_the_flags(runs
     assert e.value.code == 2 and len(err) == 1
     assert f"nothing describes the model of '{step}'" in err[0] and "-- --job.config_file" in err[0]
     with pytest.raises(CheckpointError, match="has no config.toml or train_args.json"):
-        load_config([], step)
+        config_and_architecture([], step)
     # the training flags after `--` describe it
     flags = ["--job.config_file", str(root / "config" / "config.toml")]
     assert _eval(root / "bare", corpus, "--", *flags)["attention"] == "parallax"
@@ -103,9 +103,8 @@ def test_a_truncated_shard_is_one_line_naming_the_step_folder(runs, tmp_path, ca
     assert export_hf.main([str(step), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{step}: corrupt or truncated checkpoint shard" in err[0]
-    model = build_model(model_args_from_config(load_config([], step)))
     with pytest.raises(CheckpointError, match="corrupt or truncated checkpoint shard"):
-        load_weights(model, step)
+        load_dcp_state(step)
 
 
 def test_generating_past_the_trained_context_warns_once(runs, capsys):
