@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -29,8 +28,8 @@ from torchtitan.train import Trainer
 import attention
 import config as project_config
 from config import DEFAULT_CONFIG, parse_config
-from trainer.checkpoint import CheckpointGuard
-from trainer.cpu import install_cpu_shim
+from trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
+from trainer.cpu import install_cpu_shim, single_process_env
 from trainer.metrics import DocumentFlops
 from trainer.nonfinite import NonFiniteGuard
 from trainer.preemption import StopSignals
@@ -120,29 +119,11 @@ class AttnTrainer(Trainer):
             logger.warning(f"received {signal.Signals(self.stop_signal).name}: {what}, exiting")
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["rng_cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            state["rng_cuda"] = torch.cuda.get_rng_state()
-        return state
+        return with_rng_state(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        if "rng_cpu" in state_dict:
-            torch.set_rng_state(state_dict["rng_cpu"])
-        if "rng_cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state_dict["rng_cuda"])
-
-
-def _single_process_env() -> None:
-    """``python train.py`` without torchrun: a world of one process."""
-    if "LOCAL_RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        restore_rng_state(state_dict)
 
 
 def preflight(job_config) -> None:
@@ -198,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
-    _single_process_env()
+    single_process_env()
     init_logger()
     try:
         cfg = parse_config(argv)

@@ -20,6 +20,7 @@ import shutil
 import warnings
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -85,6 +86,23 @@ def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tu
         elif v != new[k]:
             out[path] = (v, new[k])
     return out
+
+
+def with_rng_state(state: dict) -> dict:
+    """The trainer's checkpoint state plus the CPU (and CUDA) random generators' states, so a resumed run draws
+    the numbers the uninterrupted one would have."""
+    state["rng_cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Set the random generators from a state :func:`with_rng_state` wrote (older checkpoints have none)."""
+    if "rng_cpu" in state:
+        torch.set_rng_state(state["rng_cpu"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng_cuda"])
 
 
 def _rank0() -> bool:

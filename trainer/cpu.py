@@ -1,4 +1,5 @@
-"""CPU support for torchtitan 0.2.2, which assumes "cuda" when no accelerator is visible.
+"""CPU support for torchtitan 0.2.2, which assumes "cuda" when no accelerator is visible, and the environment of
+a run started without torchrun (:func:`single_process_env`).
 
 :func:`install_cpu_shim` points torchtitan's ``device_type``/``device_module`` at the CPU (in every
 torchtitan module that copied them at import) so the trainer, its memory monitor and gloo process groups
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import sys
 from types import SimpleNamespace
 
@@ -68,3 +70,14 @@ def install_cpu_shim() -> None:
                 mod.device_type = "cpu"
             if getattr(mod, "device_module", None) is torch.cuda:
                 mod.device_module = module
+
+
+def single_process_env() -> None:
+    """``python train.py`` without torchrun: the environment of a world of one process (a free local port)."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
