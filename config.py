@@ -382,6 +382,31 @@ def check_ranges(job_config) -> None:
             raise ValueError(f"{key}={value!r}: must be {rule}")
 
 
+def check_context_parallel(job_config) -> None:
+    """``parallelism.context_parallel_degree = N`` (attention/cp.py): every layer's mechanism runs under it, the
+    sequences split into 2N equal chunks, no kernel or compile path that cannot take a shard of a row."""
+    cp, m = job_config.parallelism.context_parallel_degree, job_config.model
+    key = "parallelism.context_parallel_degree"
+    if cp < 1:
+        raise ValueError(f"{key}={cp}: must be >= 1")
+    supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
+    for name in {m.attention, *m.layer_pattern}:
+        if name not in supported:
+            raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism yet; "
+                             f"supported: {supported}")
+    for section in ("training", "validation"):
+        seq_len = getattr(job_config, section).seq_len
+        if seq_len % (2 * cp):
+            raise ValueError(f"{section}.seq_len={seq_len}: must be a multiple of 2 x {key} = {2 * cp} (each rank "
+                             "holds two equal chunks of every sequence)")
+    if job_config.attention.impl == "triton":
+        raise ValueError(f"attention.impl='triton' with {key}={cp}: the Triton attention kernels take no query offset "
+                         "yet; use 'auto' (masked SDPA for softmax, the reference for Parallax)")
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ValueError(f"compile.enable with {key}={cp}: the blocks compile as one graph each, and the key/value "
+                         "all-gather breaks it; set compile.enable = false")
+
+
 def validate_config(job_config) -> None:
     """Fail before training starts, naming the key, the value and what is valid."""
     check_types(job_config)
@@ -407,6 +432,9 @@ def validate_config(job_config) -> None:
                 "stream per data-parallel rank, so each further worker would read every document again (repeated "
                 "batches); 1 tokenizes in a worker process, off the training loop")
     p = job_config.parallelism
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(p, key) != 1:
-            raise ValueError(f"parallelism.{key}={getattr(p, key)}: this framework supports FSDP/HSDP only; set it to 1")
+            raise ValueError(f"parallelism.{key}={getattr(p, key)}: this framework supports FSDP/HSDP and context "
+                             "parallelism; set it to 1")
+    if p.context_parallel_degree != 1:
+        check_context_parallel(job_config)

@@ -83,6 +83,10 @@ class AttnTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------------ the loop
 
+    def post_dataloading_process(self, input_dict, labels):
+        cp = self.model_parts[0].cp  # context parallelism: this rank's shard of every row (attention.cp)
+        return super().post_dataloading_process(input_dict, labels) if cp is None else cp.shard_batch(input_dict, labels)
+
     def forward_backward_step(self, *args, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(*args, **kwargs)
         self.nonfinite.note_loss(loss)

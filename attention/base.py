@@ -23,6 +23,9 @@ Every mechanism module implements
   for fwd+bwd and sums it over documents (``models.args.ModelArgs.training_flops``);
 - ``init_cache(batch_size, max_len, device, dtype)`` (optional): a cache object for decoding.
   During decoding ``ctx.cache`` is this layer's cache and ``ctx.positions`` holds absolute positions.
+
+A mechanism that runs under context parallelism (``ctx.cp``, :mod:`attention.cp`) sets the class attribute
+``context_parallel = True``; the configuration refuses the others.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class AttentionContext:
     max_seqlen: longest document (int), valid when ``cu_seqlens`` is set.
     rope_theta: RoPE base; ``rope(head_dim)`` returns the cos/sin table for that head dim.
     cache:      the layer's decode cache (set by the model per layer), or None when training.
+    cp:         under context parallelism (:mod:`attention.cp`), this rank's :class:`attention.cp.ContextParallel`:
+                ``positions`` are then the local tokens' (T / N of each row) and ``cu_seqlens`` is None.
+    cp_docs:    with ``cp``: [B, T] int64 document index of every token of the whole row, in global order.
     """
 
     positions: torch.Tensor
@@ -74,6 +80,8 @@ class AttentionContext:
     rope_theta: float = 1e6
     cache: Any = None
     max_position: int = 0
+    cp: Any = None
+    cp_docs: torch.Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -27,6 +27,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attention.base import AttentionArgs, AttentionContext
+from attention.cp import delta_rule_cp, short_conv_cp
 from attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm
 from attention.ops.common import check_impl
 from attention.ops.delta_rule import DELTA_RULE_IMPLS, delta_rule
@@ -60,6 +61,8 @@ class DeltaRuleAttention(nn.Module):
 
     impls = DELTA_RULE_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism (:func:`attention.cp.delta_rule_cp`, :func:`attention.cp.short_conv_cp`)."""
 
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
     gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
@@ -135,6 +138,8 @@ class DeltaRuleAttention(nn.Module):
     def _conv(self, name: str, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cache = ctx.cache
         conv = getattr(self, f"conv_{name}")
+        if ctx.cp is not None:
+            return short_conv_cp(conv, x, ctx)
         y, state = conv(x, cu_seqlens=None if cache is not None else ctx.cu_seqlens,
                         state=None if cache is None else cache.conv[name])
         if cache is not None:
@@ -167,6 +172,8 @@ class DeltaRuleAttention(nn.Module):
     def _mix(self, q, k, v, beta, g, ctx: AttentionContext) -> torch.Tensor:
         B, T = q.shape[:2]
         kw = dict(chunk_size=self.opts.chunk_size, impl=self.args.impl, gate_lower_bound=self.gate_lower_bound)
+        if ctx.cp is not None:
+            return delta_rule_cp(q, k, v, beta, g, ctx, **kw)
         if ctx.cache is not None:
             o, ctx.cache.state = delta_rule(q, k, v, beta, g, initial_state=ctx.cache.state, output_final_state=True, **kw)
             ctx.cache.seen += T

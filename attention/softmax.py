@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attention.ops.common import check_impl, visibility_mask
 from attention.ops.parallax import parallax_attention, parallax_decode
+from attention.ops.parallax.naive import naive_parallax
 from attention.registry import register_attention
 
 SOFTMAX_IMPLS = ("auto", "reference", "triton")
@@ -100,6 +101,8 @@ class SoftmaxAttention(QKVAttentionBase):
 
     impls = SOFTMAX_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism (:meth:`mix_cp`)."""
 
     def __init__(self, args: AttentionArgs, opts: SoftmaxOptions):
         check_impl(args.impl, self.impls, self.mechanism)
@@ -111,6 +114,8 @@ class SoftmaxAttention(QKVAttentionBase):
         """Token mixing: [B, T, HQ, D]. ``r`` is the probe (None for softmax)."""
         window = self.opts.window_size or None
         impl = self.args.impl
+        if ctx.cp is not None:
+            return self.mix_cp(q, k, v, r, ctx, window)
         if r is None and impl == "auto":
             if q.is_cuda and ctx.cu_seqlens is not None and q.dtype in _FLASH_DTYPES:
                 if not window or "window_size" in _varlen_params():
@@ -119,6 +124,20 @@ class SoftmaxAttention(QKVAttentionBase):
                 return _sdpa(q, k, v, ctx, window, self.scale)
         return parallax_attention(q, k, v, r, scale=self.scale, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                                   window_size=window, impl=impl)
+
+    def mix_cp(self, q, k, v, r, ctx: AttentionContext, window: int | None) -> torch.Tensor:
+        """Context parallelism (:mod:`attention.cp`): the local queries [B, T/N, HQ, D] over the whole row's keys and
+        values, all-gathered from the CP group ([B, T, HKV, D]), under the document mask across the shards. Softmax
+        ("auto") runs masked SDPA, Parallax and "reference" the reference: the Triton kernels take no query offset
+        yet (the configuration refuses ``impl = "triton"`` with context parallelism)."""
+        k, v = ctx.cp.gather(k), ctx.cp.gather(v)
+        mask = ctx.cp.visibility(ctx.cp_docs, window)  # [B, 1, T/N, T]
+        if r is None and self.args.impl == "auto":
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=q.shape[2] != k.shape[2])
+            return o.transpose(1, 2)
+        return naive_parallax(q, k, v, r, scale=self.scale, mask=mask)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
         """Empty cache for ``max_len`` tokens per sequence: k, v [B, max_len, HKV, D], seqlens [B] = 0."""

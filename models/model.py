@@ -18,6 +18,7 @@ from torchtitan.protocols.train_spec import ModelProtocol
 
 from attention import build_attention
 from attention.base import AttentionArgs, AttentionContext
+from attention.cp import documents
 from models.args import ModelArgs
 
 
@@ -60,6 +61,7 @@ class Transformer(ModelProtocol):
         if args.enable_weight_tying:
             self.output.weight = self.tok_embeddings.weight
         self._rope_tables: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # not state: rebuilt on demand
+        self.cp = None  # attention.cp.ContextParallel under context parallelism (models.parallelize sets it)
 
     def rope_table(self, head_dim: int, length: int, device: torch.device) -> torch.Tensor:
         """torchtitan's RoPE table [length, 2 * head_dim] (cos | sin) on ``device``, built once per
@@ -84,12 +86,30 @@ class Transformer(ModelProtocol):
         """Positions restart at every document when ``attn_mask_type = "block_causal"``; otherwise each row
         is one causal sequence and ``positions`` from the data loader are ignored."""
         block = self.model_args.attn_mask_type == "block_causal"
+        if self.cp is not None:
+            return self.cp_context(tokens, positions if block else None)
         if positions is None or not block:
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
         # positions restart in every row (< T)
         self.fill_rope(ctx, tokens.shape[1], tokens.device)
+        return ctx
+
+    def cp_context(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> AttentionContext:
+        """The context under context parallelism: ``tokens`` [B, T/N] and the documents' ``positions`` are this
+        rank's shard of each row (:meth:`attention.cp.ContextParallel.shard`); the document index of every token of
+        the row comes from all ranks' positions (None: one causal sequence per row)."""
+        cp = self.cp
+        B, n = tokens.shape
+        if positions is None:
+            positions = cp.global_index(n, tokens.device).expand(B, n)
+            docs = torch.zeros(B, n * cp.size, dtype=torch.int64, device=tokens.device)
+        else:
+            docs = documents(cp.gather(positions))
+        ctx = AttentionContext(positions=positions, rope_theta=self.model_args.rope_theta, max_position=n * cp.size,
+                               cp=cp, cp_docs=docs)
+        self.fill_rope(ctx, n * cp.size, tokens.device)
         return ctx
 
     def fill_rope(self, ctx: AttentionContext, length: int, device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """Parallelisation for the project's model: torchtitan's activation checkpointing, per-block
-``torch.compile`` and FSDP2, applied in that order (as torchtitan's Qwen3 does). TP/CP/PP are not
+``torch.compile`` and FSDP2, applied in that order (as torchtitan's Qwen3 does), and context parallelism
+(:mod:`attention.cp`: the model gets its CP group; FSDP then shards over data × context ranks). TP/PP are not
 supported (``validate_config`` rejects them). Over gloo (CPU) FSDP must use sum reductions."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torchtitan.models.llama4.infra.parallelize import apply_compile
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
+from attention.cp import ContextParallel
 from attention.ops import sac_save_ops
 
 
@@ -36,6 +38,8 @@ def sac_save_list(attention_ops: bool = True) -> set:
 
 def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if parallel_dims.cp_enabled:
+        model.cp = ContextParallel.from_mesh(parallel_dims.get_mesh("cp"))
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  op_sac_save_list=sac_save_list(job_config.attention.sac_save),

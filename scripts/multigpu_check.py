@@ -4,6 +4,7 @@
     python -m scripts.multigpu_check --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
     python -m scripts.multigpu_check --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
     python -m scripts.multigpu_check --nprocs 1,2,4 --resume 4:2,2:4 --replicate 2   # HSDP 2 x 2 on 4 GPUs
+    python -m scripts.multigpu_check --attention gdn --context-parallel -- --model.layer_pattern gdn   # CP 1/2/4
 
 What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_causal, compile off by default):
   1. a seed checkpoint on one process (sharded and unsharded initialisation draw different random numbers);
@@ -15,7 +16,9 @@ What it runs (each its own torchrun launch of train.py; Parallax + Muon, block_c
      compared with the uninterrupted runs (the data loader reshards its position, see data/loader.py).
 With ``--replicate R``, every run on more than R processes that R divides is HSDP (R replicas of K/R shards,
 ``parallelism.data_parallel_replicate_degree``), so "1 vs 4" checks HSDP against one device and the resumes move
-a checkpoint between the HSDP and the plain FSDP layout.
+a checkpoint between the HSDP and the plain FSDP layout. With ``--context-parallel``, every run on K > 1
+processes splits each sequence over them instead (``parallelism.context_parallel_degree`` K, one data-parallel rank
+with the whole global batch), so "1 vs K" checks context parallelism and the resumes change the CP degree.
 Validation runs at the checkpoint steps and the last step on every process (each rank must run the same
 number of validation batches, or a collective hangs); its losses are not compared, since K ranks read K times
 the held-out batches. Loss curves are read from each run's metrics.jsonl; the table prints max |Δloss| against the 1-process run
@@ -60,8 +63,11 @@ def base_args(args, corpus, dump: Path, steps: int, *extra: str) -> list[str]:
 
 
 def layout(args, k: int) -> list[str]:
-    """Data-parallel flags of a ``k``-process run: HSDP over ``--replicate`` replicas where it applies, else FSDP."""
+    """Parallelism flags of a ``k``-process run: context parallelism over all k with ``--context-parallel``, HSDP
+    over ``--replicate`` replicas where it applies, else FSDP."""
     r = args.replicate
+    if args.context_parallel and k > 1:
+        return ["--parallelism.context_parallel_degree", str(k), "--training.local_batch_size", str(args.global_batch)]
     if r > 1 and k > r and k % r == 0:
         return ["--parallelism.data_parallel_replicate_degree", str(r), "--parallelism.data_parallel_shard_degree",
                 str(k // r)]
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=0.0, help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
     ap.add_argument("--replicate", type=int, default=1,
                     help="HSDP replicas for runs on more processes than this that it divides (default 1: FSDP)")
+    ap.add_argument("--context-parallel", action="store_true",
+                    help="runs on K > 1 processes split every sequence over them (context parallelism) instead of "
+                         "splitting the batch")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     ap.add_argument("--out", default="", help="work folder (default: a temporary folder)")
     args = ap.parse_args(argv)
@@ -165,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     all_steps = range(1, args.steps + 1)
     for k in nprocs[1:]:
         d = max_delta(ref, curves[k], all_steps)
-        dp = f"HSDP {args.replicate}x{k // args.replicate}" if layout(args, k) else f"FSDP {k}"
-        rows.append((f"1 vs {k} procs ({dp}, accum {max(nprocs) // k} vs {max(nprocs)})", f"1-{args.steps}", d))
+        if args.context_parallel:
+            how = f"CP {k}, accum {max(nprocs)} vs 1"
+        else:
+            dp = f"HSDP {args.replicate}x{k // args.replicate}" if layout(args, k) else f"FSDP {k}"
+            how = f"{dp}, accum {max(nprocs) // k} vs {max(nprocs)}"
+        rows.append((f"1 vs {k} procs ({how})", f"1-{args.steps}", d))
     for a, b in pairs:
         dump = out / f"resume_{a}to{b}"
         shutil.rmtree(dump, ignore_errors=True)

@@ -65,6 +65,35 @@ class PackedValidator(Validator):
     def should_validate(self, step: int) -> bool:
         return super().should_validate(step) or step == self.job_config.training.steps
 
+    @torch.no_grad()
+    def validate(self, model_parts, step: int) -> None:
+        """torchtitan's validation loop, except under context parallelism: there each rank holds 1/N of every row,
+        so every batch's loss sum and token count are summed over the data × context ranks (torchtitan counts
+        tokens over the data ranks only, and its CP context wants a ``freqs_cis`` buffer this model lacks)."""
+        if not self.parallel_dims.cp_enabled:
+            return super().validate(model_parts, step)
+        from torchtitan.components.loss import IGNORE_INDEX
+        from torchtitan.tools import utils
+
+        model, losses, limit = model_parts[0], [], self.job_config.validation.steps
+        model.eval()
+        for input_dict, labels in self.validation_dataloader:
+            if 0 <= limit <= len(losses):
+                break
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            input_dict = {k: v.to(utils.device_type) for k, v in input_dict.items()}
+            inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                input_dict, labels.to(utils.device_type), model_parts)
+            with self.validation_context(), self.maybe_enable_amp:
+                loss_sum = self.loss_fn(model(inputs, **extra_inputs, **extra_kwargs), labels)
+            total = torch.stack([loss_sum.detach().float(), (labels != IGNORE_INDEX).sum().float()])
+            dist.all_reduce(total, group=self.parallel_dims.get_mesh("loss").get_group())
+            losses.append(total[0] / total[1])
+        self.metrics_processor.log_validation(loss=torch.stack(losses).mean().item(), step=step)
+        model.train()
+
     def post_dataloading_process(self, input_dict, labels, model_parts):
+        if model_parts[0].cp is not None:  # context parallelism: this rank's shard of every row
+            return model_parts[0].cp.shard_batch(input_dict, labels)
         inputs = input_dict["input"]
         return inputs, labels, {k: v for k, v in input_dict.items() if k != "input"}, {}

@@ -61,7 +61,15 @@ def test_streaming_data_cannot_reshard_and_says_why():
                                                    (2, 8, ["2", "4"])])
 def test_replicate_makes_hsdp_of_runs_it_divides(replicate, k, expected):
     """``--replicate R``: R replicas of k/R shards where R divides k and k > R; other runs stay plain FSDP."""
-    flags = multigpu_check.layout(SimpleNamespace(replicate=replicate), k)
+    flags = multigpu_check.layout(SimpleNamespace(replicate=replicate, context_parallel=False), k)
     assert flags[1::2] == expected
     assert flags[0::2] == (["--parallelism.data_parallel_replicate_degree", "--parallelism.data_parallel_shard_degree"]
                            if expected else [])
+
+
+def test_context_parallel_runs_split_sequences_over_all_their_processes():
+    """``--context-parallel``: a K-process run is one data-parallel rank with CP degree K and the whole batch."""
+    args = SimpleNamespace(replicate=1, context_parallel=True, global_batch=16)
+    assert multigpu_check.layout(args, 1) == []
+    assert multigpu_check.layout(args, 4) == ["--parallelism.context_parallel_degree", "4",
+                                              "--training.local_batch_size", "16"]

@@ -24,11 +24,14 @@ def naive_parallax(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     window_size: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     q: [B, T, HQ, D]; k, v: [B, T, HKV, D] with HQ % HKV == 0 (GQA); r: [B, T, HQ, D] or None.
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (no attention across them).
     window_size: each query sees at most this many most recent keys (itself included).
+    mask: [B|1, 1, T, TK] bool, which keys each query sees, instead of the three above; then k, v may hold
+          TK != T keys (context parallelism: local queries over the whole row's keys).
     scale: applied to q·k only; default D**-0.5.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
@@ -42,7 +45,8 @@ def naive_parallax(
     qf = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
     kf = k.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)  # [B, HQ, T, D]
     vf = v.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)
-    mask = visibility_mask(B, T, q.device, cu_seqlens, window_size)  # [B|1, 1, T, T]
+    if mask is None:
+        mask = visibility_mask(B, T, q.device, cu_seqlens, window_size)  # [B|1, 1, T, T]
     s = (qf @ kf.transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)  # [B, HQ, T, T]
     if r is None:
