@@ -2,6 +2,7 @@
 
     python -m scripts.bench_context --data DIR --tokenizer DIR [--mechanisms softmax,parallax,gdn,...]
         [--seq-lens 4096,16384,32768,65536] [--tokens 65536] [--ac full] [--plot tps_vs_seq_len.png]
+    python -m scripts.bench_context ... --cp 4 --seq-lens 32768,65536,131072 --tokens 131072   # 4 GPUs, CP = 4
 
 Every (mechanism, T) row launches ``train.py`` with the mechanism's 0.6B paper config
 (``configs/paper/qwen3_0.6b_<mechanism>.toml``; with ``--config FILE``, FILE and ``--model.attention <mechanism>``
@@ -14,6 +15,10 @@ softmax; ``models.args.ModelArgs.training_flops``); GiB is the peak reserved mem
 GPU-busy time over the median step (``--profile``, bench_train's trace summary, printed per row). ``--ac`` sets
 activation checkpointing on every row: ``config`` keeps each config's (selective per op in the paper configs),
 ``full`` recomputes every block in the backward, which the longest T may need to fit.
+
+With ``--cp N`` every row runs on N GPUs with each sequence split over them (``parallelism.context_parallel_degree``
+N, docs/context_parallel.md; compile off, which context parallelism refuses): the same tokens per step, tok/s and
+MFU per GPU.
 
 Prints a line per row as it finishes, then the table (with tok/s over softmax's at the same T when softmax is among
 the mechanisms), and writes ``<out>/results.json`` and the plot of tok/s against T per mechanism (``--plot``,
@@ -48,8 +53,13 @@ def command(args, mechanism: str, seq_len: int, dump: Path) -> list[str]:
     """train.py's command line for one row: ``--tokens`` / seq_len sequences of seq_len tokens per step."""
     config, extra = config_for(args, mechanism)
     row = argparse.Namespace(**{**vars(args), "batch": args.tokens // seq_len, "seq": seq_len})
-    cmd = [sys.executable, str(Path(args.repo) / "train.py"), "--job.config_file", str(config),
+    launch = [sys.executable] if args.cp == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.cp}", "--master_port=0",
+        "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
+    cmd = [*launch, str(Path(args.repo) / "train.py"), "--job.config_file", str(config),
            *common(row, dump, fp8=False), *extra, "--model.attn_mask_type", "causal", "--model.converters", ""]
+    if args.cp > 1:
+        cmd += ["--parallelism.context_parallel_degree", str(args.cp), "--compile.no-enable"]
     if args.ac != "config":
         cmd += ["--activation_checkpoint.mode", args.ac]
     if args.optimizer == "adamw":
@@ -75,7 +85,9 @@ def _mfu(r: dict) -> str:
 
 
 def table(args, results: dict, mechanisms: list[str], seq_lens: list[int]) -> str:
-    """One line per (mechanism, T): batch, tok/s, tok/s over softmax's at that T, MFU, GiB, step ms, busy %."""
+    """One line per (mechanism, T): batch, tok/s, tok/s over softmax's at that T, MFU, GiB, step ms, busy % (per GPU
+    under ``--cp``: each GPU runs tokens / cp of every step)."""
+    tokens = args.tokens // args.cp
     lines = [f"{'mechanism':14s} {'T':>7s} {'batch':>5s} {'tok/s':>10s} {'/softmax':>8s} {'MFU%':>6s} {'GiB':>6s} "
              f"{'step ms':>9s} {'busy %':>6s}"]
     for mech in mechanisms:
@@ -87,7 +99,7 @@ def table(args, results: dict, mechanisms: list[str], seq_lens: list[int]) -> st
                 continue
             ratio = f"{r['tps'] / base['tps']:8.3f}" if base else f"{'n/a':>8s}"
             lines.append(f"{head} {r['tps']:10,.0f} {ratio} {_mfu(r)} {r['mem']:6.1f} "
-                         f"{1e3 * args.tokens / r['tps']:9.1f} {busy(r, args.tokens):>6s}")
+                         f"{1e3 * tokens / r['tps']:9.1f} {busy(r, tokens):>6s}")
     return "\n".join(lines)
 
 
@@ -128,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default="", help="one training TOML for every row, with --model.attention <name>")
     ap.add_argument("--ac", choices=AC_MODES, default="config",
                     help="activation checkpointing on every row (config: each config's own)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel degree: each row on this many GPUs")
     ap.add_argument("--steps", type=int, default=20, help="training steps per row")
     ap.add_argument("--warmup", type=int, default=8, help="steps left out of the median")
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
@@ -148,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for T in args.seq_lens:
         if T < 1 or args.tokens % T:
             ap.error(f"--tokens {args.tokens} is not a positive multiple of T = {T} (--seq-lens)")
+        if args.cp < 1 or T % (2 * args.cp):
+            ap.error(f"--cp {args.cp}: T = {T} (--seq-lens) must be a multiple of 2 x --cp")
     args.mechanisms = args.mechanisms.split(",")
     if args.config:
         if not Path(args.config).is_file():
@@ -179,14 +194,16 @@ def main(argv: list[str] | None = None) -> dict:
     for mech in args.mechanisms:
         for T in args.seq_lens:
             r = results[(mech, T)] = measure(args, mech, T, out)
-            line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  busy % {busy(r, args.tokens)}"
+            line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  "
+                    f"busy % {busy(r, args.tokens // args.cp)}"
                     if r else "failed")
             print(f"{mech:14s} T={T:<7d} B={args.tokens // T:<4d} {line}", flush=True)
     (out / "results.json").write_text(json.dumps({f"{m}/{T}": r for (m, T), r in results.items()}, indent=1))
     plot_path = Path(args.plot) if args.plot else out / "tps_vs_seq_len.png"
     plot(results, args.mechanisms, args.seq_lens, args.tokens, plot_path)
     ac = "each config's" if args.ac == "config" else args.ac
-    print(f"\n{args.tokens:,} tokens per step, causal mask, no float8, {args.steps} steps (median after "
+    print(f"\n{args.tokens:,} tokens per step{f' over CP = {args.cp} GPUs (per GPU figures)' if args.cp > 1 else ''}, "
+          f"causal mask, no float8, {args.steps} steps (median after "
           f"{args.warmup}), activation checkpointing: {ac}; logs in {out}, plot {plot_path}")
     print(table(args, results, args.mechanisms, args.seq_lens))
     return results

@@ -84,3 +84,16 @@ def test_tiny_cpu_sweep(tmp_path):
         "--out", str(tmp_path / "out")])
     assert all(results[("softmax", T)]["tps"] > 0 for T in (16, 32))
     assert (tmp_path / "out" / "tps_vs_seq_len.png").is_file()
+
+
+def test_context_parallel_rows_run_on_n_processes_with_the_degree_set(tmp_path):
+    """``--cp 2``: torchrun with 2 processes, CP degree 2, compile off; a T that 2 x cp does not divide is refused."""
+    args = bench_context.parse_args(["--data", "d", "--tokenizer", "t", "--mechanisms", "gdn", "--seq-lens", "64",
+                                     "--tokens", "128", "--cp", "2", "--no-profile", "--steps", "4", "--warmup", "1"])
+    cmd = bench_context.command(args, "gdn", 64, tmp_path / "run")
+    assert "--nproc_per_node=2" in cmd and _flag(cmd, "--parallelism.context_parallel_degree") == "2"
+    assert "--compile.no-enable" in cmd and _flag(cmd, "--training.local_batch_size") == "2"
+    assert _flag(cmd, "--training.global_batch_size") == "2"  # one data-parallel rank holds the whole batch
+    with pytest.raises(SystemExit):
+        bench_context.parse_args(["--data", "d", "--tokenizer", "t", "--seq-lens", "66", "--tokens", "132",
+                                  "--cp", "2", "--no-profile"])
