@@ -115,3 +115,17 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, corpus, tmp_
     assert sorted(got) == [3, 4]
     for s in got:
         assert abs(got[s] - two[s]) <= 1e-4, (s, got[s], two[s])
+
+
+@pytest.mark.slow
+def test_four_context_ranks_train_a_hybrid_as_one_process(corpus, tmp_path):
+    """CP = 4 (8 chunks of 4 tokens, each holding a short convolution's 3 inputs of history) on the GDN + Parallax
+    layer pattern of the hybrid config, against one process."""
+    flags = ("--model.layer_pattern", "gdn,parallax", "--training.seq_len", "32", "--validation.seq_len", "32")
+    _train(corpus, tmp_path / "seed", "gdn", 1, "--checkpoint.create_seed_checkpoint", *flags)
+    seed = ("--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"))
+    one = _train(corpus, tmp_path / "one", "gdn", 1, *seed, *flags)
+    four = _train(corpus, tmp_path / "cp4", "gdn", 4, *seed, *flags)
+    assert sorted(one) == sorted(four) == [1, 2, 3, 4]
+    for s in one:
+        assert abs(one[s] - four[s]) <= 1e-4, (s, one[s], four[s])
