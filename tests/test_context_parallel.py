@@ -18,9 +18,15 @@ from config import DEFAULT_CONFIG, parse_config, validate_config
 from scripts.tiny_runs import losses, make_corpus, read_metrics, tiny_args
 from tests.utils import run_train
 
-DEFAULT_RUN = ("softmax", "parallax", "gdn")  # the other mechanisms' cells run with -m slow (CI time)
-CP_MECHANISMS = [pytest.param(n, marks=() if n in DEFAULT_RUN else pytest.mark.slow)
-                 for n in sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))]
+NAMES = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
+
+
+def cells(default: tuple[str, ...]) -> list:
+    """Every CP mechanism; those not in ``default`` run with -m slow (CI time)."""
+    return [pytest.param(n, marks=() if n in default else pytest.mark.slow) for n in NAMES]
+
+
+CP_MECHANISMS = cells(("softmax", "parallax", "gdn"))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -107,6 +113,7 @@ def test_two_context_ranks_train_and_validate_as_one_process(runs):
         assert abs(val_one[s] - val_two[s]) <= 1e-4, (s, val_one[s], val_two[s])
 
 
+@pytest.mark.parametrize("runs", cells(("gdn",)), indirect=True)
 def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, corpus, tmp_path):
     attention, _, two, root = runs
     resumed = tmp_path / "resumed"

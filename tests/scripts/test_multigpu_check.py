@@ -13,6 +13,7 @@ from data.loader import ReshardableDataloader
 from scripts import multigpu_check
 
 
+@pytest.mark.slow  # the same comparisons run in tests/test_train.py and tests/test_conformance.py
 def test_one_vs_two_processes_and_resume_two_to_one(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     rc = multigpu_check.main(["--device", "cpu", "--nprocs", "1,2", "--resume", "2:1", "--steps", "4",
