@@ -430,6 +430,9 @@ def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, train_f
     from config import parse_config
 
     names_config = any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv)
+    if flags and not names_config:  # they would be dropped: an HF folder's architecture is its config.json
+        raise CheckpointError(f"{ckpt.path}: a Hugging Face folder outside a run, so the train.py flags after `--` "
+                              f"({' '.join(flags)}) have no configuration to apply to; add --job.config_file")
     cfg = parse_config(argv) if names_config else None
     fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
     return fmt, args, sd, cfg

@@ -39,3 +39,10 @@ def test_one_path_loads_a_dcp_step_and_a_hugging_face_folder_alike(tmp_path):
     assert cfg.model.attention == hf_cfg.model.attention == "parallax"
     for (k, a), (_, b) in zip(from_dcp.state_dict().items(), from_hf.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+
+
+def test_train_flags_for_a_hugging_face_folder_without_a_config_are_refused(tmp_path):
+    softmax = _model()
+    save_hf(softmax.state_dict(), softmax.model_args, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=r"flags after `--` \(--model.attention parallax\) have no configuration"):
+        load_model(tmp_path / "hf", ["--model.attention", "parallax"])
