@@ -405,6 +405,13 @@ def check_context_parallel(job_config) -> None:
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"compile.enable with {key}={cp}: the blocks compile as one graph each, and the key/value "
                          "all-gather breaks it; set compile.enable = false")
+    if "parallax" in {m.attention, *m.layer_pattern}:
+        from torchtitan.tools.logging import logger
+
+        T = job_config.training.seq_len
+        logger.warning(f"Parallax under context parallelism runs the reference attention: float32 scores of "
+                       f"{T // cp} x {T} per head and row ({T * T // cp * 4 / 2**30:.2f} GiB at training.seq_len={T}); "
+                       "the Triton kernels take no query offset yet")
 
 
 def validate_config(job_config) -> None:
