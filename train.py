@@ -8,7 +8,8 @@ Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` me
 parses and validates it). ``AttnTrainer`` is torchtitan's ``Trainer`` with this project's TrainSpec and the
 components of ``trainer/`` (docs/architecture.md) in its loop: CPU support, the run folder's locks and start-time
 checks, the non-finite guard, the checkpoint load and save checks, metrics with perplexity and progress, a stop
-with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, and RNG state in checkpoints.
+with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, and each rank's
+shard of the batch under context parallelism (``attention/cp.py``).
 """
 
 from __future__ import annotations
