@@ -147,6 +147,11 @@ def job_config_class() -> type:
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "debug_cpu.toml")
 
 
+def names_config_file(argv: list[str]) -> bool:
+    """Whether a train.py argv names its TOML (``--job.config_file`` or ``--job.config-file``, ``=`` or not)."""
+    return any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv)
+
+
 def _check_keys(cls, data: dict, prefix: str = "") -> None:
     """Reject unknown TOML keys, naming the section, the key and the valid keys."""
     if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):

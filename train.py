@@ -28,7 +28,7 @@ from torchtitan.train import Trainer
 
 import attention
 import config as project_config
-from config import DEFAULT_CONFIG, parse_config
+from config import DEFAULT_CONFIG, names_config_file, parse_config
 from trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
 from trainer.cpu import install_cpu_shim, single_process_env
 from trainer.metrics import DocumentFlops
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--list-attention" in argv:
         print(attention.describe())
         return
-    if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
+    if not names_config_file(argv):
         argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
     single_process_env()
     init_logger()

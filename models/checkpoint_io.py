@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,15 @@ import torch
 import attention
 from models.args import ModelArgs
 from models.model import Transformer
-from models.run_folder import new_folder, step_of
+from models.run_folder import new_folder
 
 SIDECAR = "attnlab.json"
-
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
+
 
 def args_to_dict(args: ModelArgs) -> dict[str, Any]:
     """JSON-able architecture: ModelArgs fields with ``layer_pattern`` expanded to one entry per layer and
@@ -43,6 +43,7 @@ def args_to_dict(args: ModelArgs) -> dict[str, Any]:
         for name, opts in args.attention_options.items() if name in set(args.layer_mechanisms())
     }
     return d
+
 
 def args_from_dict(d: dict[str, Any]) -> ModelArgs:
     known = {f.name for f in dataclasses.fields(ModelArgs)}
@@ -63,8 +64,10 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
     args.attention_options = opts
     return args
 
+
 def is_dcp_folder(path) -> bool:
     return (Path(path) / ".metadata").is_file()
+
 
 def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
     """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
@@ -88,6 +91,7 @@ def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
         progress_bar(len(sd), "read").update(len(sd))
     return sd
 
+
 def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
     """Fill ``state`` (keys as stored) in place from the DCP folder ``folder``. A shard that cannot be read
     (truncated by a full disk or a copy cut short, or corrupt) is a CheckpointError naming the folder and every
@@ -104,6 +108,7 @@ def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
                               + (f" ({'; '.join(short)})" if short else "")
                               + f"; the checkpoint cannot be read ({type(e).__name__}: {last[0].strip()[:200]})") from e
 
+
 def _short_shards(folder) -> list[str]:
     """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
     import torch.distributed.checkpoint as dcp
@@ -114,6 +119,7 @@ def _short_shards(folder) -> list[str]:
     size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
     return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
 
+
 def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:
     """Model-only DCP folder (what ``checkpoint.initial_load_path`` with ``initial_load_model_only`` reads)
     plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
@@ -123,9 +129,11 @@ def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None
         dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
         (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
 
+
 def read_sidecar(folder) -> ModelArgs | None:
     p = Path(folder) / SIDECAR
     return args_from_dict(json.loads(p.read_text())) if p.is_file() else None
+
 
 def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None, device="cpu",
                 dtype: torch.dtype = torch.float32) -> Transformer:
@@ -152,6 +160,7 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = No
             model.output.weight = model.tok_embeddings.weight
     return model.to(dtype).eval()
 
+
 def progress_bar(it, desc: str, enable: bool = True):
     """A transient tqdm bar over ``it`` (an iterable, or an int total to ``update`` by hand); off unless enable."""
     from tqdm import tqdm
@@ -159,21 +168,6 @@ def progress_bar(it, desc: str, enable: bool = True):
     if isinstance(it, int):
         return tqdm(total=it, desc=desc, disable=not enable, leave=False)
     return tqdm(it, desc=desc, disable=not enable, leave=False)
-
-
-
-def resolve_step_dir(path: str | os.PathLike) -> Path:
-    """A DCP folder (with ``.metadata``): ``path`` itself, or the highest ``step-N`` under ``path`` or
-    ``path/checkpoint``."""
-    p = Path(path)
-    if (p / ".metadata").is_file():
-        return p
-    for folder in (p / "checkpoint", p):
-        steps = [(n, d) for d in folder.glob("step-*") if (n := step_of(d)) is not None and (d / ".metadata").is_file()]
-        if steps:
-            return max(steps)[1]
-    raise FileNotFoundError(f"{str(path)!r}: not a DCP checkpoint folder (no .metadata) and no step-N folder under "
-                            "it or under its checkpoint/ folder")
 
 
 def run_dir_of(step_dir: Path) -> Path:
@@ -187,11 +181,12 @@ def run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
     """train.py's argv describing the run of ``step_dir``: ``argv`` when it names ``--job.config_file``, else
     ``argv`` on top of ``<run>/config.toml``, else ``argv`` (on top of the default config) when given, else
     ``<run>/train_args.json``; None when there is none of them."""
+    from config import names_config_file
     from models.run_folder import CONFIG_FILE, TRAIN_ARGS_FILE
 
     argv = list(argv or [])
     run = run_dir_of(step_dir)
-    if any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
+    if names_config_file(argv):
         return argv
     if (run / CONFIG_FILE).is_file():
         return ["--job.config_file", str(run / CONFIG_FILE), *argv]
@@ -207,20 +202,18 @@ def config_and_architecture(argv: list[str] | None, step_dir: Path):
     descriptions but an ``attnlab.json`` in the step folder, that record (the default config set to it by
     :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
     Raises CheckpointError naming the folders when nothing describes the run."""
-    from config import DEFAULT_CONFIG, parse_config
+    from config import DEFAULT_CONFIG, names_config_file, parse_config
 
     described = run_argv(argv, step_dir)
-    if described is None and not (step_dir / SIDECAR).is_file():
-        raise undescribed(step_dir)
-    argv = described or []
-    if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
-        argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
-    cfg = parse_config(argv)
-    if described is not None:
-        return cfg, model_args_from_config(cfg)
-    args = read_sidecar(step_dir)
-    _with_architecture(cfg, args)
-    return cfg, args
+    if described is None:
+        if not (step_dir / SIDECAR).is_file():
+            raise undescribed(step_dir)
+        args = read_sidecar(step_dir)
+        return config_for(args), args
+    if not names_config_file(described):
+        described = ["--job.config_file", DEFAULT_CONFIG, *described]
+    cfg = parse_config(described)
+    return cfg, model_args_from_config(cfg)
 
 
 def config_for(args: ModelArgs):

@@ -427,9 +427,9 @@ def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, train_f
             raise undescribed(ckpt.path)
         sd = load_dcp_state(ckpt.path, progress)
         return "dcp", args or infer_args(sd, **infer_kw), sd, cfg
-    from config import parse_config
+    from config import names_config_file, parse_config
 
-    names_config = any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv)
+    names_config = names_config_file(argv)
     if flags and not names_config:  # they would be dropped: an HF folder's architecture is its config.json
         raise CheckpointError(f"{ckpt.path}: a Hugging Face folder outside a run, so the train.py flags after `--` "
                               f"({' '.join(flags)}) have no configuration to apply to; add --job.config_file")

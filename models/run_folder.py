@@ -63,8 +63,10 @@ class Checkpoint:
     def config_argv(self, extra: list[str] | None = None) -> list[str]:
         """train.py argv that rebuilds this run's configuration: ``--job.config_file <run>/config.toml`` plus
         ``extra`` overrides; just ``extra`` when the run has no config.toml (the loader's older fallbacks)."""
+        from config import names_config_file
+
         extra = list(extra or [])
-        if self.config is None or any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in extra):
+        if self.config is None or names_config_file(extra):
             return extra
         return ["--job.config_file", str(self.config), *extra]
 

@@ -201,12 +201,11 @@ def chunk_stop(current: int, steps: int, chunk: int, seconds: float | None, fixe
 
 
 def resumable_step(run_dir: str) -> int:
-    """Highest ``step-N`` with DCP metadata under ``<run_dir>/checkpoint`` (0 if none)."""
-    from models.checkpoint_io import resolve_step_dir
-    from models.run_folder import step_of
+    """Highest ``step-N`` checkpoint under ``<run_dir>/checkpoint`` (0 if none)."""
+    from models.run_folder import resolve
 
     try:
-        return step_of(resolve_step_dir(run_dir)) or 0
+        return resolve(run_dir).step or 0
     except FileNotFoundError:
         return 0
 
@@ -520,9 +519,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             fl = get_flavor(args.flavor)
             try:
-                from models.checkpoint_io import resolve_step_dir
+                from models.run_folder import resolve
 
-                src = str(resolve_step_dir(dump))
+                src = str(resolve(dump).path)
                 convert_job = _spawn([sys.executable, "-m", "scripts.convert_to_parallax", src,
                                       conv_dir, "--rope-theta", str(fl.rope_theta), "--norm-eps", str(fl.norm_eps),
                                       "--rho-norm-init", PAPER_GAIN, "--no-progress"], os.path.join(out, "convert.log"))
