@@ -83,6 +83,7 @@ class AttentionContext:
     cp: Any = None
     cp_docs: torch.Tensor | None = None
     _rope: dict = field(default_factory=dict, repr=False)
+    _once: dict = field(default_factory=dict, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +102,13 @@ class AttentionContext:
         if not torch.compiler.is_compiling():
             self._rope[head_dim] = cos_sin
         return cos_sin
+
+    def once(self, key, build):
+        """``build()`` computed for the first layer that asks under ``key`` and kept for the others: what depends
+        only on the batch (masks, document segments) is built once per forward, not once per layer."""
+        if key not in self._once:
+            self._once[key] = build()
+        return self._once[key]
 
     def use_rope_table(self, table: torch.Tensor) -> None:
         """Fill the cos/sin of head dim ``table.shape[-1] // 2`` from a precomputed table (torchtitan's

@@ -135,15 +135,21 @@ def short_conv_cp(conv, x: torch.Tensor, ctx) -> torch.Tensor:
     chunks = x.view(B, 2, c, C)
     tails = cp.gather(chunks[:, :, c - k1:], dim=1)  # [B, 2N, K-1, C]: the last inputs of every chunk
     before = torch.cat([x.new_zeros(B, 1, k1, C), tails[:, :-1]], 1)  # the K-1 inputs before each chunk
-    a, b = cp.chunks()
-    ext = torch.cat([before[:, [a, b]], chunks], 2)  # [B, 2, K-1+c, C]
-    pos = torch.stack([i * c - k1 + torch.arange(k1 + c, device=x.device) for i in (a, b)])  # [2, K-1+c] global
+    ext = torch.cat([before[:, list(cp.chunks())], chunks], 2)  # [B, 2, K-1+c, C]
+    cu = ctx.once(("cp_conv_segments", k1), lambda: _extended_segments(ctx, c, k1))
+    y, _ = conv(ext.reshape(1, 2 * B * (k1 + c), C), cu_seqlens=cu)
+    return y.view(B, 2, k1 + c, C)[:, :, k1:].reshape(B, L, C)
+
+
+def _extended_segments(ctx, c: int, k1: int) -> torch.Tensor:
+    """cu_seqlens of this rank's two chunks, each with the ``k1`` tokens before it in the row: a segment per
+    document (the tokens before the row's start are one of their own)."""
+    a, b = ctx.cp.chunks()
+    pos = torch.stack([i * c - k1 + torch.arange(k1 + c, device=ctx.cp_docs.device) for i in (a, b)])  # [2, K-1+c]
     docs = ctx.cp_docs[:, pos.clamp(min=0)].masked_fill(pos < 0, -1)  # [B, 2, K-1+c]; -1 before the row
     starts = torch.ones_like(docs, dtype=torch.bool)
     starts[..., 1:] = docs[..., 1:] != docs[..., :-1]
-    cu, _ = _segments(starts.reshape(2 * B, k1 + c))
-    y, _ = conv(ext.reshape(1, 2 * B * (k1 + c), C), cu_seqlens=cu)
-    return y.view(B, 2, k1 + c, C)[:, :, k1:].reshape(B, L, C)
+    return _segments(starts.reshape(-1, k1 + c))[0]
 
 
 def delta_rule_cp(q, k, v, beta, g, ctx, **kw) -> torch.Tensor:
@@ -162,11 +168,8 @@ def delta_rule_cp(q, k, v, beta, g, ctx, **kw) -> torch.Tensor:
 
     cp = ctx.cp
     B, L, H, K = q.shape
-    V, c, n = v.shape[-1], L // 2, 2 * cp.size
-    starts = ctx.positions == 0
-    starts[:, [0, c]] = True  # each chunk is its own stretch of the row
-    cu, seg = _segments(starts)
-    first, last = seg[:, [0, c]].reshape(-1), seg[:, [c - 1, L - 1]].reshape(-1)  # [B * 2] per local chunk
+    V, c = v.shape[-1], L // 2
+    cu, first, last, cont = ctx.once("cp_chunk_segments", lambda: _chunk_segments(ctx, c))
     flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
     segments = cu.numel() - 1
     h0 = torch.zeros(segments, H, K, V + K, device=q.device)
@@ -175,8 +178,6 @@ def delta_rule_cp(q, k, v, beta, g, ctx, **kw) -> torch.Tensor:
     _, final = delta_rule(flat(q), flat(k), flat(v_ext), flat(beta), flat(g), initial_state=h0,
                           output_final_state=True, cu_seqlens=cu, **kw)
     maps = cp.gather(final[last].view(B, 2, H, K, V + K), dim=1)  # [B, 2N, H, K, V+K]: every chunk's [B | M]
-    ends = torch.arange(1, n, device=q.device) * c  # first token of chunks 1..2N-1
-    cont = (ctx.cp_docs[:, ends] == ctx.cp_docs[:, ends - 1]).float()[:, :, None, None, None]  # [B, 2N-1, 1, 1, 1]
     states = [torch.zeros(B, H, K, V, device=q.device)]
     for i in range(1, max(cp.chunks()) + 1):
         b_prev, m_prev = maps[:, i - 1, ..., :V], maps[:, i - 1, ..., V:]
@@ -185,3 +186,15 @@ def delta_rule_cp(q, k, v, beta, g, ctx, **kw) -> torch.Tensor:
     h_in = torch.zeros(segments, H, K, V, device=q.device).index_put((first,), entering)
     o, _ = delta_rule(flat(q), flat(k), flat(v), flat(beta), flat(g), initial_state=h_in, cu_seqlens=cu, **kw)
     return o.view(B, L, H, V)
+
+
+def _chunk_segments(ctx, c: int):
+    """This rank's two chunks of ``c`` tokens per row as variable-length segments, one per document piece:
+    (cu_seqlens, the segment [B·2] each chunk starts with, the one it ends with, [B, 2N−1, 1, 1, 1] 1.0 where chunk
+    i = 1..2N−1 continues the document of chunk i − 1, else 0.0)."""
+    starts = ctx.positions == 0
+    starts[:, [0, c]] = True  # each chunk is its own stretch of the row
+    cu, seg = _segments(starts)
+    ends = torch.arange(1, 2 * ctx.cp.size, device=starts.device) * c  # first token of chunks 1..2N-1
+    cont = (ctx.cp_docs[:, ends] == ctx.cp_docs[:, ends - 1]).float()[:, :, None, None, None]
+    return cu, seg[:, [0, c]].reshape(-1), seg[:, [c - 1, 2 * c - 1]].reshape(-1), cont

@@ -131,7 +131,7 @@ class SoftmaxAttention(QKVAttentionBase):
         ("auto") runs masked SDPA, Parallax and "reference" the reference: the Triton kernels take no query offset
         yet (the configuration refuses ``impl = "triton"`` with context parallelism)."""
         k, v = ctx.cp.gather(k), ctx.cp.gather(v)
-        mask = ctx.cp.visibility(ctx.cp_docs, window)  # [B, 1, T/N, T]
+        mask = ctx.once(("cp_visibility", window), lambda: ctx.cp.visibility(ctx.cp_docs, window))  # [B, 1, T/N, T]
         if r is None and self.args.impl == "auto":
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale,
