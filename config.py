@@ -394,8 +394,9 @@ def check_context_parallel(job_config) -> None:
     key = "parallelism.context_parallel_degree"
     if cp < 1:
         raise ValueError(f"{key}={cp}: must be >= 1")
+    used = {m.attention, *m.layer_pattern}
     supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
-    for name in {m.attention, *m.layer_pattern}:
+    for name in sorted(used):
         if name not in supported:
             raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism yet; "
                              f"supported: {supported}")
@@ -410,11 +411,12 @@ def check_context_parallel(job_config) -> None:
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"compile.enable with {key}={cp}: the blocks compile as one graph each, and the key/value "
                          "all-gather breaks it; set compile.enable = false")
-    if "parallax" in {m.attention, *m.layer_pattern}:
+    dense = sorted(n for n in used if getattr(REGISTRY[n].cls, "context_parallel_dense", False))
+    if dense:
         from torchtitan.tools.logging import logger
 
         T = job_config.training.seq_len
-        logger.warning(f"Parallax under context parallelism runs the reference attention: float32 scores of "
+        logger.warning(f"{dense} under context parallelism run the reference attention: float32 scores of "
                        f"{T // cp} x {T} per head and row ({T * T // cp * 4 / 2**30:.2f} GiB at training.seq_len={T}); "
                        "the Triton kernels take no query offset yet")
 
