@@ -1,8 +1,9 @@
 """Training throughput against sequence length at a fixed number of tokens per step, on one device.
 
     python -m scripts.bench_context --data DIR --tokenizer DIR [--mechanisms softmax,parallax,gdn,...]
-        [--seq-lens 4096,16384,32768,65536] [--tokens 65536] [--ac full] [--plot tps_vs_seq_len.png]
-    python -m scripts.bench_context ... --cp 4 --seq-lens 32768,65536,131072 --tokens 131072   # 4 GPUs, CP = 4
+        [--seq-lens 4096,16384,32768,65536] [--tokens 65536] [--ac full] [--gpus 4] [--plot tps_vs_seq_len.png]
+    python -m scripts.bench_context ... --cp 1,2,4 --seq-lens 32768,65536,131072 --tokens 131072 --gpus 4
+    python -m scripts.bench_context --results OUT1/results.json,OUT2/results.json --plot all.png   # no runs
 
 Every (mechanism, T) row launches ``train.py`` with the mechanism's 0.6B paper config
 (``configs/paper/qwen3_0.6b_<mechanism>.toml``; with ``--config FILE``, FILE and ``--model.attention <mechanism>``
@@ -16,13 +17,18 @@ GPU-busy time over the median step (``--profile``, bench_train's trace summary, 
 activation checkpointing on every row: ``config`` keeps each config's (selective per op in the paper configs),
 ``full`` recomputes every block in the backward, which the longest T may need to fit.
 
-With ``--cp N`` every row runs on N GPUs with each sequence split over them (``parallelism.context_parallel_degree``
-N, docs/context_parallel.md; compile off, which context parallelism refuses): the same tokens per step, tok/s and
-MFU per GPU.
+With ``--cp N1,N2,...`` every (mechanism, T) runs once per context-parallel degree N, on N GPUs with each sequence
+split over them (``parallelism.context_parallel_degree`` N, docs/context_parallel.md; compile off on every row of
+the sweep, since context parallelism refuses it): the same tokens per step, tok/s and MFU per GPU, and the table's
+``/cp1`` column is the row's tok/s per GPU over the same mechanism's at N = 1 and the same T. ``--gpus K`` runs the
+rows side by side, K // N at a time, each on its own N of the K GPUs (at one GPU each, one-GPU rows of eight
+mechanisms take an eighth of the wall time on eight GPUs; the numbers are each GPU's own).
 
-Prints a line per row as it finishes, then the table (with tok/s over softmax's at the same T when softmax is among
-the mechanisms), and writes ``<out>/results.json`` and the plot of tok/s against T per mechanism (``--plot``,
-default ``<out>/tps_vs_seq_len.png``).
+Prints a line per row as it finishes, then the table (with tok/s over softmax's at the same T and degree when softmax
+is among the mechanisms), and writes ``<out>/results.json`` and the plot of tok/s against T, one line per mechanism
+and degree (``--plot``, default ``<out>/tps_vs_seq_len.png``). ``--results`` reads the rows of earlier runs'
+results.json files (later files win) and prints and plots them without running anything: sweeps split over several
+calls make one table.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ import math
 import shlex
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from scripts.bench_train import (ADAMW, REPO, busy, check_trace_steps, common, first_profiled, paper_config,
-                                 profiled, profiling, run, summarize)
+                                 profiled, profiling, run, side_by_side, summarize)
 
 MECHANISMS = "softmax,parallax,parallax_p64,gdn,kda,hla,lla,cala"
 AC_MODES = ("config", "none", "selective", "full")
@@ -49,17 +56,20 @@ def config_for(args, mechanism: str) -> tuple[Path, list[str]]:
     return paper_config(Path(args.repo), f"qwen3_0.6b_{mechanism}"), []
 
 
-def command(args, mechanism: str, seq_len: int, dump: Path) -> list[str]:
-    """train.py's command line for one row: ``--tokens`` / seq_len sequences of seq_len tokens per step."""
+def command(args, mechanism: str, seq_len: int, dump: Path, cp: int = 1) -> list[str]:
+    """train.py's command line for one row: ``--tokens`` / seq_len sequences of seq_len tokens per step, each split
+    over ``cp`` GPUs."""
     config, extra = config_for(args, mechanism)
     row = argparse.Namespace(**{**vars(args), "batch": args.tokens // seq_len, "seq": seq_len})
-    launch = [sys.executable] if args.cp == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.cp}", "--master_port=0",
+    launch = [sys.executable] if cp == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", "--master_port=0",
         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
     cmd = [*launch, str(Path(args.repo) / "train.py"), "--job.config_file", str(config),
            *common(row, dump, fp8=False), *extra, "--model.attn_mask_type", "causal", "--model.converters", ""]
-    if args.cp > 1:
-        cmd += ["--parallelism.context_parallel_degree", str(args.cp), "--compile.no-enable"]
+    if cp > 1:
+        cmd += ["--parallelism.context_parallel_degree", str(cp)]
+    if max(args.cp) > 1:  # every degree alike: the /cp1 column compares the same program
+        cmd += ["--compile.no-enable"]
     if args.ac != "config":
         cmd += ["--activation_checkpoint.mode", args.ac]
     if args.optimizer == "adamw":
@@ -67,12 +77,14 @@ def command(args, mechanism: str, seq_len: int, dump: Path) -> list[str]:
     return cmd + shlex.split(args.train_args) + profiling(args)
 
 
-def measure(args, mechanism: str, seq_len: int, out: Path) -> dict:
-    """Run one row; its tok/s, MFU, memory, loss (and busy/wall ms when traced), or {} when it failed."""
+def measure(args, mechanism: str, seq_len: int, cp: int, out: Path, devices: str = "") -> dict:
+    """Run one row (on the GPUs ``devices`` when given); its tok/s, MFU, memory, loss (and busy/wall ms when
+    traced), or {} when it failed."""
     from trainer.metrics import read_records
 
-    dump = out / f"{mechanism}_T{seq_len}"
-    run(command(args, mechanism, seq_len, dump), out / f"{dump.name}.log", Path(args.repo))
+    dump = out / (f"{mechanism}_T{seq_len}" + (f"_cp{cp}" if cp > 1 else ""))
+    run(command(args, mechanism, seq_len, dump, cp), out / f"{dump.name}.log", Path(args.repo), devices,
+        args.row_timeout or None)
     path = dump / "metrics.jsonl"
     records = read_records(path) if path.exists() else []
     if args.profile:  # the profiler's warm-up and traced steps run slower
@@ -84,42 +96,49 @@ def _mfu(r: dict) -> str:
     return f"{r['mfu']:6.1f}" if math.isfinite(r["mfu"]) else f"{'n/a':>6s}"
 
 
-def table(args, results: dict, mechanisms: list[str], seq_lens: list[int]) -> str:
-    """One line per (mechanism, T): batch, tok/s, tok/s over softmax's at that T, MFU, GiB, step ms, busy % (per GPU
-    under ``--cp``: each GPU runs tokens / cp of every step)."""
-    tokens = args.tokens // args.cp
-    lines = [f"{'mechanism':14s} {'T':>7s} {'batch':>5s} {'tok/s':>10s} {'/softmax':>8s} {'MFU%':>6s} {'GiB':>6s} "
-             f"{'step ms':>9s} {'busy %':>6s}"]
-    for mech in mechanisms:
-        for T in seq_lens:
-            r, base = results.get((mech, T)), results.get(("softmax", T))
-            head = f"{mech:14s} {T:7d} {args.tokens // T:5d}"
-            if not r:
-                lines.append(f"{head} {'failed':>10s}")
-                continue
-            ratio = f"{r['tps'] / base['tps']:8.3f}" if base else f"{'n/a':>8s}"
-            lines.append(f"{head} {r['tps']:10,.0f} {ratio} {_mfu(r)} {r['mem']:6.1f} "
-                         f"{1e3 * tokens / r['tps']:9.1f} {busy(r, tokens):>6s}")
+def _label(mech: str, cp: int) -> str:
+    return mech if cp == 1 else f"{mech} cp{cp}"
+
+
+def table(results: dict, tokens: int) -> str:
+    """One line per (mechanism, T, CP degree) of ``results``: batch, tok/s, tok/s over softmax's at that T and
+    degree, over the mechanism's own at one GPU (per GPU), MFU, GiB, step ms, busy % (per GPU under context
+    parallelism: each GPU runs tokens / cp of every step)."""
+    lines = [f"{'mechanism':14s} {'T':>7s} {'cp':>3s} {'batch':>5s} {'tok/s/GPU':>10s} {'/softmax':>8s} {'/cp1':>6s} "
+             f"{'MFU%':>6s} {'GiB':>6s} {'step ms':>9s} {'busy %':>6s}"]
+    for (mech, T, cp), r in results.items():
+        base, one = results.get(("softmax", T, cp)), results.get((mech, T, 1))
+        head = f"{mech:14s} {T:7d} {cp:3d} {tokens // T:5d}"
+        if not r:
+            lines.append(f"{head} {'failed':>10s}")
+            continue
+        ratio = f"{r['tps'] / base['tps']:8.3f}" if base else f"{'n/a':>8s}"
+        scaled = f"{r['tps'] / one['tps']:6.3f}" if one else f"{'n/a':>6s}"
+        lines.append(f"{head} {r['tps']:10,.0f} {ratio} {scaled} {_mfu(r)} {r['mem']:6.1f} "
+                     f"{1e3 * tokens / cp / r['tps']:9.1f} {busy(r, tokens // cp):>6s}")
     return "\n".join(lines)
 
 
-def plot(results: dict, mechanisms: list[str], seq_lens: list[int], tokens: int, path: Path) -> None:
-    """tok/s against T (log2 axis), one line per mechanism; failed rows are left out."""
+def plot(results: dict, tokens: int, path: Path) -> None:
+    """tok/s (per GPU) against T (log2 axis), one line per mechanism and CP degree; failed rows are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mech in mechanisms:
-        points = [(T, results[(mech, T)]["tps"]) for T in seq_lens if results.get((mech, T))]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=mech)
+    lines: dict[tuple[str, int], list] = {}
+    for (mech, T, cp), r in results.items():
+        if r:
+            lines.setdefault((mech, cp), []).append((T, r["tps"]))
+    for (mech, cp), points in lines.items():
+        ax.plot(*zip(*sorted(points)), marker="o", label=_label(mech, cp))
+    seq_lens = sorted({T for _, T, _ in results})
     ax.set_xscale("log", base=2)
     ax.set_xticks(seq_lens, [f"{T // 1024}k" if T % 1024 == 0 else str(T) for T in seq_lens])
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("sequence length T (tokens)")
-    ax.set_ylabel("training tokens/s")
+    ax.set_ylabel("training tokens/s per GPU")
     ax.set_title(f"{tokens:,} tokens per step, causal mask")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -129,10 +148,35 @@ def plot(results: dict, mechanisms: list[str], seq_lens: list[int], tokens: int,
     plt.close(fig)
 
 
+def save(results: dict, tokens: int, path: Path) -> None:
+    """results.json: {"tokens": tokens per step, "rows": {"<mechanism>/<T>/<cp>": row}}."""
+    rows = {f"{m}/{T}/{cp}": r for (m, T, cp), r in results.items()}
+    path.write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=1))
+
+
+def load(paths: list[str]) -> tuple[dict, int]:
+    """(rows, tokens per step) of results.json files written by :func:`save`; a row of a later file replaces the
+    same row of an earlier one. Files of different tokens per step are refused: their rows do not compare."""
+    results: dict[tuple[str, int, int], dict] = {}
+    tokens = set()
+    for p in paths:
+        try:
+            saved = json.loads(Path(p).read_text())
+            tokens.add(saved["tokens"])
+            for key, r in saved["rows"].items():
+                mech, T, cp = key.rsplit("/", 2)
+                results[(mech, int(T), int(cp))] = r
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--results {p}: not a bench_context results.json ({type(e).__name__}: {e})")
+    if len(tokens) != 1:
+        raise SystemExit(f"--results: the files ran at different tokens per step {sorted(tokens)}")
+    return results, tokens.pop()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="training data (train.py's training.dataset_path)")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer folder (model.hf_assets_path)")
+    ap.add_argument("--data", help="training data (train.py's training.dataset_path)")
+    ap.add_argument("--tokenizer", help="tokenizer folder (model.hf_assets_path)")
     ap.add_argument("--mechanisms", default=MECHANISMS,
                     help="comma list: paper configs qwen3_0.6b_<name> (with --config: registered attention names)")
     ap.add_argument("--seq-lens", default="4096,16384,32768,65536", help="comma list of sequence lengths T")
@@ -140,7 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default="", help="one training TOML for every row, with --model.attention <name>")
     ap.add_argument("--ac", choices=AC_MODES, default="config",
                     help="activation checkpointing on every row (config: each config's own)")
-    ap.add_argument("--cp", type=int, default=1, help="context-parallel degree: each row on this many GPUs")
+    ap.add_argument("--cp", default="1", help="comma list of context-parallel degrees: each row once per degree N, "
+                    "on N GPUs")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs to run rows side by side on (K // N rows at once)")
+    ap.add_argument("--row-timeout", type=float, default=0,
+                    help="seconds after which a row is killed and reported failed (0: no limit)")
+    ap.add_argument("--results", default="", help="comma list of results.json files to print and plot (no runs)")
     ap.add_argument("--steps", type=int, default=20, help="training steps per row")
     ap.add_argument("--warmup", type=int, default=8, help="steps left out of the median")
     ap.add_argument("--optimizer", choices=("config", "adamw"), default="config",
@@ -154,15 +203,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repo", default=str(REPO), help="checkout whose train.py and configs run (default: this one)")
     args = ap.parse_args(argv)
     args.repo = str(Path(args.repo).resolve())
-    try:
-        args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
-    except ValueError:
-        ap.error(f"--seq-lens {args.seq_lens!r}: not a comma list of integers")
+    if args.results:
+        args.results = args.results.split(",")
+        return args
+    if not (args.data and args.tokenizer):
+        ap.error("--data and --tokenizer are required (unless --results)")
+    for flag in ("seq_lens", "cp"):
+        try:
+            setattr(args, flag, [int(t) for t in getattr(args, flag).split(",")])
+        except ValueError:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: not a comma list of integers")
+    if min(args.cp) < 1 or args.gpus < 1:
+        ap.error(f"--cp {args.cp} / --gpus {args.gpus}: degrees and GPUs must be >= 1")
+    if args.gpus > 1 and max(args.cp) > args.gpus:
+        ap.error(f"--cp {max(args.cp)} needs that many GPUs; --gpus is {args.gpus}")
     for T in args.seq_lens:
         if T < 1 or args.tokens % T:
             ap.error(f"--tokens {args.tokens} is not a positive multiple of T = {T} (--seq-lens)")
-        if args.cp < 1 or T % (2 * args.cp):
-            ap.error(f"--cp {args.cp}: T = {T} (--seq-lens) must be a multiple of 2 x --cp")
+        for cp in args.cp:
+            if T % (2 * cp):
+                ap.error(f"--cp {cp}: T = {T} (--seq-lens) must be a multiple of 2 x the degree")
     args.mechanisms = args.mechanisms.split(",")
     if args.config:
         if not Path(args.config).is_file():
@@ -188,24 +248,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.results:
+        results, tokens = load(args.results)
+        plot_path = Path(args.plot or "tps_vs_seq_len.png")
+        plot(results, tokens, plot_path)
+        print(f"{tokens:,} tokens per step, rows of {', '.join(args.results)}; plot {plot_path}")
+        print(table(results, tokens))
+        return results
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_context_"))
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[tuple[str, int], dict] = {}
-    for mech in args.mechanisms:
-        for T in args.seq_lens:
-            r = results[(mech, T)] = measure(args, mech, T, out)
-            line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  "
-                    f"busy % {busy(r, args.tokens // args.cp)}"
-                    if r else "failed")
-            print(f"{mech:14s} T={T:<7d} B={args.tokens // T:<4d} {line}", flush=True)
-    (out / "results.json").write_text(json.dumps({f"{m}/{T}": r for (m, T), r in results.items()}, indent=1))
+    rows = [(m, T, cp) for cp in args.cp for m in args.mechanisms for T in args.seq_lens]
+
+    results: dict[tuple[str, int, int], dict] = {}
+    lock = threading.Lock()
+
+    def one(row: tuple[str, int, int], devices: str = "") -> dict:
+        mech, T, cp = row
+        r = measure(args, mech, T, cp, out, devices)
+        with lock:  # results.json after every row: a sweep cut short keeps the rows it finished
+            results[row] = r
+            save(results, args.tokens, out / "results.json")
+        line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  busy % {busy(r, args.tokens // cp)}"
+                if r else "failed")
+        print(f"{_label(mech, cp):14s} T={T:<7d} B={args.tokens // T:<4d} {line}"
+              + (f" [GPU {devices}]" if devices else ""), flush=True)
+        return r
+
+    for cp in args.cp:  # the degrees one after another; inside one, rows side by side on --gpus
+        todo = [row for row in rows if row[2] == cp]
+        if args.gpus >= 2 * cp:
+            side_by_side(one, todo, args.gpus, per_job=cp)
+        else:
+            for row in todo:
+                one(row)
+    results = {row: results[row] for row in rows}
+    save(results, args.tokens, out / "results.json")
     plot_path = Path(args.plot) if args.plot else out / "tps_vs_seq_len.png"
-    plot(results, args.mechanisms, args.seq_lens, args.tokens, plot_path)
+    plot(results, args.tokens, plot_path)
     ac = "each config's" if args.ac == "config" else args.ac
-    print(f"\n{args.tokens:,} tokens per step{f' over CP = {args.cp} GPUs (per GPU figures)' if args.cp > 1 else ''}, "
-          f"causal mask, no float8, {args.steps} steps (median after "
-          f"{args.warmup}), activation checkpointing: {ac}; logs in {out}, plot {plot_path}")
-    print(table(args, results, args.mechanisms, args.seq_lens))
+    print(f"\n{args.tokens:,} tokens per step (per GPU figures), causal mask, no float8, {args.steps} steps (median "
+          f"after {args.warmup}), activation checkpointing: {ac}; logs in {out}, plot {plot_path}")
+    print(table(results, args.tokens))
     return results
 
 

@@ -39,6 +39,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,17 +87,23 @@ def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
     return out
 
 
-def run(cmd: list[str], log: Path, repo: Path, devices: str = "") -> str:
-    """Run ``cmd`` (on the GPUs ``devices``, a CUDA_VISIBLE_DEVICES list, when given), its output to ``log``."""
+def run(cmd: list[str], log: Path, repo: Path, devices: str = "", timeout: float | None = None) -> str:
+    """Run ``cmd`` (on the GPUs ``devices``, a CUDA_VISIBLE_DEVICES list, when given), its output to ``log``. After
+    ``timeout`` seconds the command and every process it started (torchrun's workers) are killed."""
     env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(repo))
-    log.write_text(p.stdout + p.stderr)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(repo),
+                         start_new_session=True)
+    try:
+        output, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        output = p.communicate()[0] + f"\nkilled after {timeout:.0f} s\n"
+    log.write_text(output)
     if p.returncode:
-        tail = (p.stdout + p.stderr)[-1500:]
-        print(f"FAILED: {' '.join(cmd[:6])} ...\n{tail}", file=sys.stderr)
-    return p.stdout + p.stderr
+        print(f"FAILED: {' '.join(cmd[:6])} ...\n{output[-1500:]}", file=sys.stderr)
+    return output
 
 
 def summarize(records: list[dict], warmup: int) -> dict:
@@ -295,16 +302,19 @@ def stock(args, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
             "mem": max(r[1] for r in rows), "loss": float("nan")} | profiled(args, dump)
 
 
-def side_by_side(fn, jobs: list, gpus: int) -> dict:
-    """``{job: fn(job, gpu)}`` with at most ``gpus`` calls at once, each given a GPU (a CUDA_VISIBLE_DEVICES entry:
-    the i-th of the caller's own list where it has one) that no other running call holds."""
+def side_by_side(fn, jobs: list, gpus: int, per_job: int = 1) -> dict:
+    """``{job: fn(job, devices)}`` with at most ``gpus // per_job`` calls at once, each given ``per_job`` GPUs (a
+    CUDA_VISIBLE_DEVICES list of entries: the i-th GPU is the i-th of the caller's own list where it has one) that
+    no other running call holds."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    names = [visible[i] if i < len(visible) else str(i) for i in range(gpus)]
+    slots = max(1, gpus // per_job)
     free: queue.Queue = queue.Queue()
-    for i in range(gpus):
-        free.put(visible[i] if i < len(visible) else str(i))
+    for i in range(slots):
+        free.put(",".join(names[i * per_job:(i + 1) * per_job]))
 
     def call(job):
         gpu = free.get()
@@ -313,7 +323,7 @@ def side_by_side(fn, jobs: list, gpus: int) -> dict:
         finally:
             free.put(gpu)
 
-    with ThreadPoolExecutor(gpus) as pool:
+    with ThreadPoolExecutor(slots) as pool:
         return dict(zip(jobs, pool.map(call, jobs)))
 
 

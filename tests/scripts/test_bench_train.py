@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,16 @@ def test_side_by_side_gives_each_running_row_its_own_gpu(monkeypatch):
     jobs = list(range(7))
     assert bench_train.side_by_side(fn, jobs, 2) == {j: j * 10 for j in jobs}
     assert set(seen) == {"4", "6"} and len(seen) == 7
+
+
+def test_a_row_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    """``run(timeout=...)``: the command and its children (torchrun's workers) die; the log says so."""
+    import time
+
+    start = time.monotonic()
+    out = bench_train.run(["bash", "-c", f"sleep 30 & echo $! > {tmp_path / 'child'}; wait"], tmp_path / "log",
+                          tmp_path, timeout=1)
+    assert time.monotonic() - start < 20 and "killed after 1 s" in out
+    child = int((tmp_path / "child").read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
