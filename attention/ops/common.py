@@ -82,6 +82,25 @@ def visibility_mask(
     return mask
 
 
+def offset_visibility_mask(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           window_size: int | None = None) -> torch.Tensor:
+    """[1, 1, Nq, Nk] bool for query offsets (context parallelism): segment s holds the queries cu_seqlens[s] ..
+    cu_seqlens[s+1] (Lq) and the keys cu_seqlens_k[s] .. cu_seqlens_k[s+1] (Lk >= Lq), aligned bottom-right
+    (flash-attention's Tq != Tk causal): its query j sits at key position Lk - Lq + j and sees the keys n of its
+    segment with n <= Lk - Lq + j (and Lk - Lq + j - n < window_size). Nq, Nk: the last offsets."""
+    cu_q, cu_k = cu_seqlens.to(torch.int64), cu_seqlens_k.to(device=cu_seqlens.device, dtype=torch.int64)
+    # segment of each token; searchsorted, unlike document_ids, takes empty segments (repeated offsets)
+    t_q, t_k = torch.arange(int(cu_q[-1]), device=cu_q.device), torch.arange(int(cu_k[-1]), device=cu_q.device)
+    seg_q = torch.searchsorted(cu_q[1:], t_q, right=True)  # [Nq]
+    seg_k = torch.searchsorted(cu_k[1:], t_k, right=True)  # [Nk]
+    pos_q = t_q - cu_q[seg_q] + (cu_k[seg_q + 1] - cu_k[seg_q]) - (cu_q[seg_q + 1] - cu_q[seg_q])  # key position
+    pos_k = t_k - cu_k[seg_k]  # key index inside its segment
+    mask = (seg_q[:, None] == seg_k[None, :]) & (pos_q[:, None] >= pos_k[None, :])  # [Nq, Nk]
+    if window_size is not None and window_size > 0:
+        mask = mask & (pos_q[:, None] - pos_k[None, :] < window_size)
+    return mask[None, None]
+
+
 # ----------------------------------------------------------------------------------------------- fla-core, logging
 _LOGGED: set[str] = set()
 

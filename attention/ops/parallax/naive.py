@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.ops.common import visibility_mask
+from attention.ops.common import offset_visibility_mask, visibility_mask
 
 
 def naive_parallax(
@@ -25,6 +25,7 @@ def naive_parallax(
     cu_seqlens: torch.Tensor | None = None,
     window_size: int | None = None,
     mask: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     q: [B, T, HQ, D]; k, v: [B, T, HKV, D] with HQ % HKV == 0 (GQA); r: [B, T, HQ, D] or None.
@@ -32,6 +33,9 @@ def naive_parallax(
     window_size: each query sees at most this many most recent keys (itself included).
     mask: [B|1, 1, T, TK] bool, which keys each query sees, instead of the three above; then k, v may hold
           TK != T keys (context parallelism: local queries over the whole row's keys).
+    cu_seqlens_k: [N+1] int32 key segment offsets over k, v's flattened Bk*Tk tokens, with cu_seqlens (query
+          offsets, context parallelism): segment s's query j sits at key position Lk - Lq + j of its keys and sees
+          those up to it (bottom-right causal, :func:`attention.ops.common.offset_visibility_mask`).
     scale: applied to q·k only; default D**-0.5.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
@@ -39,6 +43,13 @@ def naive_parallax(
     HKV = k.shape[2]
     if HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of kv heads ({HKV})")
+    if cu_seqlens_k is not None:  # one flattened row of queries against one of keys
+        if cu_seqlens is None or mask is not None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (the query segments) and no mask")
+        mask = offset_visibility_mask(cu_seqlens, cu_seqlens_k, window_size)  # [1, 1, B*T, Nk]
+        o = naive_parallax(*(t.flatten(0, 1)[None] if t is not None else None for t in (q, k, v, r)), scale=scale,
+                           mask=mask)
+        return o.view(B, T, HQ, D)
     scale = D**-0.5 if scale is None else scale
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     G = HQ // HKV

@@ -15,6 +15,7 @@ Error budgets (relative Frobenius norm against float64 on the same input values)
 from __future__ import annotations
 
 import contextlib
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -372,6 +373,65 @@ def test_prune_bwd_tma_twins(capability, monkeypatch):
             for s in twins:
                 assert (s[:4] + (True,) in kept) == (D >= 128 and capability >= (9, 0)), (D, s)
                 assert s[:4] not in specs or s[:4] + (False,) in kept  # a plain twin never gives way
+
+
+# -------------------------------------------------------------------- query offsets (context parallelism)
+def offset_inputs(lq, lk, HQ, HKV, D, probe, dtype=torch.float32, device="cpu"):
+    """Segments of lq[s] queries over lk[s] keys in one row: q, r [1, Σlq, HQ, D], k, v [1, Σlk, HKV, D] (rounded to
+    ``dtype``), and their offsets cu_seqlens, cu_seqlens_k [S+1] int32."""
+    cu, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device) for n in (lq, lk))
+    g = lambda *shape, std=1.0: (std * torch.randn(*shape, device=device)).to(dtype)  # noqa: E731
+    q, k, v = g(1, sum(lq), HQ, D), g(1, sum(lk), HKV, D), g(1, sum(lk), HKV, D)
+    r = g(1, sum(lq), HQ, D, std=0.3) if probe else None
+    return q, k, v, r, cu, cu_k
+
+
+def brute_force_offsets(q, k, v, r, cu, cu_k, window):
+    """Eq. (8) query by query over its visible keys, listed one by one from the bottom-right rule (query j of a
+    segment at key position Lk - Lq + j), in float64: independent of the mask helper and of ``naive_parallax``."""
+    HQ, HKV, D = q.shape[2], k.shape[2], q.shape[3]
+    o = torch.zeros(q.shape[1:], dtype=torch.float64)
+    for s in range(len(cu) - 1):
+        bq, bk = int(cu[s]), int(cu_k[s])
+        lq, lk = int(cu[s + 1]) - bq, int(cu_k[s + 1]) - bk
+        for j in range(lq):
+            pos = lk - lq + j
+            keys = [bk + n for n in range(lk) if n <= pos and not (window and pos - n >= window)]
+            for h in range(HQ):
+                kk, vv = k[0, keys, h // (HQ // HKV)].double(), v[0, keys, h // (HQ // HKV)].double()
+                p = torch.softmax(kk @ q[0, bq + j, h].double() * D**-0.5, 0)
+                w = p
+                if r is not None:
+                    t = kk @ r[0, bq + j, h].double()
+                    w = p * (1 + (p * t).sum() - t)
+                o[bq + j, h] = w @ vv
+    return o[None]
+
+
+def test_offset_visibility_mask_small():
+    """Three segments: 2 queries over 3 keys, none over 2 keys (an empty segment between two others), 1 over 1."""
+    from attention.ops.common import offset_visibility_mask
+
+    cu, cu_k = torch.tensor([0, 2, 2, 3]), torch.tensor([0, 3, 5, 6])
+    full = torch.tensor([[1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    window1 = torch.tensor([[0, 1, 0, 0, 0, 0],
+                            [0, 0, 1, 0, 0, 0],
+                            [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(offset_visibility_mask(cu, cu_k)[0, 0], full)
+    assert torch.equal(offset_visibility_mask(cu, cu_k, window_size=1)[0, 0], window1)
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "W3"])
+def test_offset_reference_against_brute_force(probe, window):
+    """``naive_parallax(cu_seqlens_k=...)``, output and the reference every kernel test trusts, against the query by
+    query loop in float64: GQA, a segment without queries, one with Lq == Lk, one with Lq < Lk."""
+    q, k, v, r, cu, cu_k = offset_inputs([0, 7, 13], [5, 20, 13], 4, 2, 16, probe, dtype=torch.float64)
+    ref = naive_parallax(q, k, v, r, cu_seqlens=cu, cu_seqlens_k=cu_k, window_size=window)
+    assert ref.shape == q.shape
+    assert (ref - brute_force_offsets(q, k, v, r, cu, cu_k, window)).abs().max() < 1e-12
 
 
 # -------------------------------------------------------------------- decode
