@@ -37,7 +37,7 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
     kern = {"fwd": (kernels_by_pass["fwd"], common.FWD_SPECS + common.TUNE_EXTRA_FWD, ("BM", "BN")),
             "dq": (kernels_by_pass["dq"], common.DQ_SPECS + common.TUNE_EXTRA_DQ, ("BM", "BN")),
             "dkv": (kernels_by_pass["dkv"], common.DKV_SPECS + common.TUNE_EXTRA_DKV, ("BN", "BM"))}
-    base = dict(HQ=16, HKV=8, D=D, HAS_PROBE=probe, IS_VARLEN=False, WINDOW=False, DOT_PREC="tf32")
+    base = dict(HQ=16, HKV=8, D=D, HAS_PROBE=probe, IS_VARLEN=False, WINDOW=False, DOT_PREC="tf32", Q_OFFSET=False)
     fp32 = {"LSE", "TBAR", "TAU", "BETA"}
     lines = []
     for name in kernels:
@@ -50,10 +50,11 @@ def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -
             if name == "dkv":
                 consts["LONG_OFF"] = False
             sig = {a: "constexpr" if a in consts else "fp32" if a in ("qk_scale", "scale") else
-                   "i32" if a in ("W", "T", "NT") else "*i32" if a == "CU" else
+                   "i32" if a in ("W", "T", "NT", "NT_K") else "*i32" if a in ("CU", "CU_K") else
                    "*fp32" if a in fp32 else f"*{dtype}" for a in fn.arg_names}
             try:
-                k = compile_sm90(fn, sig, consts, spec[2], spec[3], ints=dict(T=4096, NT=4 * 4096))
+                ints = dict(T=4096, **{a: 4 * 4096 for a in ("NT", "NT_K") if a in fn.arg_names})
+                k = compile_sm90(fn, sig, consts, spec[2], spec[3], ints=ints)
                 r, (ldl, stl) = resources(k), loop_local_memory(k)
                 line = (f"{name:3s} D={D} {'parallax' if probe else 'softmax '} {spec}: regs {r['regs']}  spill "
                         f"stores {r['spill_st']} B  loads {r['spill_ld']} B  LDL/STL in loops {ldl}/{stl}  "

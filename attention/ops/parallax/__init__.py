@@ -55,13 +55,19 @@ def parallax_attention(
     max_seqlen: int = 0,
     window_size: int | None = None,
     impl: str = "auto",
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int = 0,
 ) -> torch.Tensor:
     """Causal softmax (r=None) or Parallax attention. Shapes as in :func:`naive_parallax`:
-    q, r: [B, T, HQ, D]; k, v: [B, T, HKV, D]; returns [B, T, HQ, D]."""
+    q, r: [B, T, HQ, D]; k, v: [B, T, HKV, D]; returns [B, T, HQ, D].
+    cu_seqlens_k (with cu_seqlens; max_seqlen_k its longest segment, 0: computed): query offsets for context
+    parallelism, k, v then hold key segments of their own, each query segment aligned to the end of its key
+    segment (bottom-right causal; ``parallax_triton``'s docstring)."""
     if resolve_impl(impl, q) == "reference":
-        return naive_parallax(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size)
+        return naive_parallax(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size,
+                              cu_seqlens_k=cu_seqlens_k)
     return _triton_impl()(q, k, v, r, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                          window_size=window_size)
+                          window_size=window_size, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
 
 
 def parallax_decode(

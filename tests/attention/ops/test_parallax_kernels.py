@@ -46,16 +46,20 @@ def make_inputs(B, T, HQ, HKV, D, probe, device="cpu", rho_std=0.3, dtype=torch.
     return q, k, v, r
 
 
-def check_against_reference(q, k, v, r, cu=None, window=None, max_seqlen=0, ref_dtype=torch.float64):
+def check_against_reference(q, k, v, r, cu=None, window=None, max_seqlen=0, ref_dtype=torch.float64, cu_k=None,
+                            max_seqlen_k=0):
+    """Output and every gradient of the kernels against ``naive_parallax`` in ``ref_dtype``; returns the kernels'
+    gradients (dq, dk, dv[, dr])."""
     dtype = q.dtype
     ins = [t for t in (q, k, v, r) if t is not None]
     ref_ins = [t.detach().to(ref_dtype).requires_grad_(True) for t in ins]
     ker_ins = [t.detach().clone().requires_grad_(True) for t in ins]
-    ref = naive_parallax(*ref_ins[:3], ref_ins[3] if r is not None else None, cu_seqlens=cu, window_size=window)
+    ref = naive_parallax(*ref_ins[:3], ref_ins[3] if r is not None else None, cu_seqlens=cu, window_size=window,
+                         cu_seqlens_k=cu_k)
     do = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, ref_ins, do)
     out = parallax_triton(*ker_ins[:3], ker_ins[3] if r is not None else None, cu_seqlens=cu,
-                          max_seqlen=max_seqlen, window_size=window)
+                          max_seqlen=max_seqlen, window_size=window, cu_seqlens_k=cu_k, max_seqlen_k=max_seqlen_k)
     grads = torch.autograd.grad(out, ker_ins, do.to(dtype))
     fwd_tol, grad_tol = BUDGET[dtype]
     assert out.dtype == dtype and out.shape == q.shape
@@ -64,6 +68,7 @@ def check_against_reference(q, k, v, r, cu=None, window=None, max_seqlen=0, ref_
     for name, g, gr in zip("qkvr", grads, ref_grads):
         assert torch.isfinite(g).all(), f"d{name} has unwritten (NaN) elements"
         assert rel_err(g, gr) < grad_tol, f"d{name} rel err {rel_err(g, gr):.3g}"
+    return grads
 
 
 # id: (B, T, HQ, HKV, D, probe, window)
@@ -141,16 +146,21 @@ def test_probe_changes_output():
     assert rel_err(parallax_triton(q, k, v, r), parallax_triton(q, k, v, None)) > 1e-2
 
 
-def run_fwd_at(q, k, v, r, config, cu=None, window=None, max_seqlen=0):
+def _flatten(*ts):
+    """[B, T, H, D] tensors as one row [1, B*T, H, D] (None stays None): the layout of packed documents."""
+    return [t.reshape(1, -1, *t.shape[2:]) if t is not None else None for t in ts]
+
+
+def run_fwd_at(q, k, v, r, config, cu=None, window=None, max_seqlen=0, cu_k=None, max_seqlen_k=0):
     """The forward kernel alone at one pinned config (no autotuner); o poisoned with NaN first."""
     B, T, HQ, D = q.shape
     if cu is not None:
-        q, k, v = (t.reshape(1, B * T, t.shape[2], D) for t in (q, k, v))
-        r = r.reshape(1, B * T, HQ, D) if r is not None else None
+        q, k, v, r = _flatten(q, k, v, r)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((HQ, B * T), float("nan"), device=q.device)
     vbar, tbar = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
-    kops.launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu, D**-0.5, max_seqlen, window or 0, config=config)
+    kops.launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu, D**-0.5, max_seqlen, window or 0, config=config,
+                    cu_seqlens_k=cu_k, max_seqlen_k=max_seqlen_k)
     return o.view(B, T, HQ, D)
 
 
@@ -169,26 +179,27 @@ def test_fwd_tma_variant(flags, layout):
     assert rel_err(out, ref) < BUDGET[torch.float32][0]
 
 
-def run_bwd_at(q, k, v, r, do, dq_config, dkv_config, cu=None, window=None, max_seqlen=0):
+def run_bwd_at(q, k, v, r, do, dq_config, dkv_config, cu=None, window=None, max_seqlen=0, cu_k=None,
+               max_seqlen_k=0):
     """Forward at a 16 × 16 tile, then the row and column passes alone at pinned configs; every output poisoned with
     NaN first. Returns (dq, dk, dv, dr) in the inputs' shapes."""
     shapes = [t.shape for t in (q, k, v, r) if t is not None]
     B, T, HQ, D = q.shape
     do = do.contiguous()  # the kernels take contiguous [B, T, H, D] tensors (the op's backward makes dO so)
     if cu is not None:
-        q, k, v, do = (t.reshape(1, B * T, t.shape[2], D) for t in (q, k, v, do))
-        r = r.reshape(1, B * T, HQ, D) if r is not None else None
+        q, k, v, r, do = _flatten(q, k, v, r, do)
     nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
     o, vbar = nan(q), nan(q)
     lse = torch.full((HQ, B * T), float("nan"), device=q.device)
     tbar, tau, beta = nan(lse), nan(lse), nan(lse)
     scale, window = D**-0.5, window or 0
+    keys = dict(cu_seqlens_k=cu_k, max_seqlen_k=max_seqlen_k)
     kops.launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu, scale, max_seqlen, window,
-                    config=dict(BM=16, BN=16, num_warps=1, num_stages=1))
+                    config=dict(BM=16, BN=16, num_warps=1, num_stages=1), **keys)
     dq, dr, dk, dv = nan(q), nan(q), nan(k), nan(v)
     args = (do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu, scale, max_seqlen, window)
-    kops.launch_dq(*args, dq, dr, config=dq_config)
-    kops.launch_dkv(*args, dk, dv, config=dkv_config)
+    kops.launch_dq(*args, dq, dr, config=dq_config, **keys)
+    kops.launch_dkv(*args, dk, dv, config=dkv_config, **keys)
     return tuple(g.reshape(s) for g, s in zip((dq, dk, dv, dr), shapes))
 
 
@@ -228,24 +239,28 @@ def _forget_picks(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
-@pytest.mark.parametrize("layout", ["dense", "docs-window"])
+@pytest.mark.parametrize("layout", ["dense", "docs-window", "offsets-window"])
 def test_forward_compiles_the_backward_with_stand_ins(probe, layout, monkeypatch):
     """A forward whose inputs require grad hands the backward's two launches to ``compile_candidates`` with its own
     buffers standing in for do, tau, beta and the gradients: each must compile the same kernel as the backward's
     real launch (same meta, scalars, dtypes, shapes), or the cold first backward compiles everything again. Under
-    ``torch.no_grad()`` the forward compiles its own candidates only."""
+    ``torch.no_grad()`` the forward compiles its own candidates only. "offsets-window": query offsets, 65 keys for
+    40 queries (the column pass's grid follows the longest key segment)."""
     seen = []
     monkeypatch.setattr(kops, "compile_candidates", lambda job, follow=None: seen.append([job, *(follow or list)()]))
     _forget_picks(monkeypatch)  # every key new: no launch skips compile_candidates
     q, k, v, r = make_inputs(1, 40, 4, 2, 16, probe, dtype=torch.float16)
-    cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32) if layout == "docs-window" else None
+    cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32) if layout != "dense" else None
     window = 7 if cu is not None else None
+    cu_k = torch.tensor([0, 9, 55, 65], dtype=torch.int32) if layout == "offsets-window" else None
+    if cu_k is not None:
+        k, v = (torch.cat([t, t[:, :25]], 1) for t in (k, v))
     with torch.no_grad():
-        parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
+        parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window, cu_seqlens_k=cu_k)
     assert len(seen) == 1 and len(seen[0]) == 1
     _forget_picks(monkeypatch)
     ins = [t.requires_grad_(True) for t in (q, k, v, r) if t is not None]
-    out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window)
+    out = parallax_triton(q, k, v, r, cu_seqlens=cu, window_size=window, cu_seqlens_k=cu_k)
     out.backward(torch.randn_like(out))
     (fwd, *stand_ins), dq, dkv = seen[1:]
     assert fwd[0] is kops._parallax_fwd_kernel and len(ins) == 3 + probe
@@ -432,6 +447,134 @@ def test_offset_reference_against_brute_force(probe, window):
     ref = naive_parallax(q, k, v, r, cu_seqlens=cu, cu_seqlens_k=cu_k, window_size=window)
     assert ref.shape == q.shape
     assert (ref - brute_force_offsets(q, k, v, r, cu, cu_k, window)).abs().max() < 1e-12
+
+
+# id: (query lengths, key lengths, max_seqlen, max_seqlen_k); 16-token tiles in the interpreter
+OFFSET_CASES = {
+    # context-parallel zigzag shard: a segment with no query here, one of a later chunk, one whole
+    "zigzag": ([0, 7, 13], [5, 20, 13], 0, 0),
+    # long key prefixes (offsets 40, 33): mask-free key blocks in the row pass and query blocks in the column pass
+    # at offsets that are not tile-aligned; with a window, key tiles that no query sees
+    "long-prefix": ([10, 37], [50, 70], 37, 70),
+    # Lq == Lk segments (offset 0) between Lq < Lk ones, lengths not multiples of 16, and an empty segment
+    "mixed-equal": ([17, 9, 0, 30], [17, 40, 0, 30], 0, 40),
+}
+
+
+def _unseen_keys(cu, cu_k, window):
+    """[Nk] bool: keys that no query sees (they must get dk = dv = 0)."""
+    from attention.ops.common import offset_visibility_mask
+
+    return ~offset_visibility_mask(cu, cu_k, window)[0, 0].any(0)
+
+
+@pytest.mark.parametrize("window", [None, 5, 16], ids=["full", "W5", "W16"])
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+def test_query_offsets(case, probe, window):
+    """Queries aligned to the end of longer key segments (``cu_seqlens_k``) against the float64 reference: output
+    and every gradient, GQA 4:2, D = 16, a window shorter than the query segments (W5) or, in the zigzag, longer
+    than every query segment and shorter than the longest key segment (W16: still a window); keys that no query
+    sees (a segment without queries, the left of a window) get exactly zero dk and dv, though the buffers start
+    NaN."""
+    lq, lk, max_seqlen, max_seqlen_k = OFFSET_CASES[case]
+    q, k, v, r, cu, cu_k = offset_inputs(lq, lk, 4, 2, 16, probe)
+    grads = check_against_reference(q, k, v, r, cu=cu, window=window, max_seqlen=max_seqlen, cu_k=cu_k,
+                                    max_seqlen_k=max_seqlen_k)
+    unseen = _unseen_keys(cu, cu_k, window)
+    assert unseen.any() == (case == "zigzag" or window is not None)  # the zigzag's first segment has no query
+    for g in grads[1:3]:
+        assert g[0, unseen].eq(0).all()
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "softmax"])
+def test_query_offsets_equal_lengths_are_documents(probe):
+    """With cu_seqlens_k == cu_seqlens every offset is 0: the same output and gradients, bit for bit, as packed
+    documents without query offsets (the same phases and the same sums)."""
+    q, k, v, r, cu, _ = offset_inputs([17, 3, 33], [17, 3, 33], 4, 2, 16, probe)
+    results = []
+    for cu_k in (None, cu):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, r) if t is not None]
+        out = parallax_triton(*ins[:3], ins[3] if probe else None, cu_seqlens=cu, window_size=7, cu_seqlens_k=cu_k)
+        results.append([out, *torch.autograd.grad(out, ins, torch.linspace(-1, 1, out.numel()).view_as(out))])
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "W20"])
+@pytest.mark.parametrize("tma", [False, True], ids=["plain", "tma"])
+def test_query_offsets_pinned_tiles(tma, window):
+    """Query offsets at tiles of 32 × 16 (row passes: key positions m0 + offset not aligned to BN; column pass:
+    BN = 32 > BM) and with the TMA candidates, whose K/V descriptors span the key tokens (not the queries'):
+    forward and the two backward passes, pinned, against float64."""
+    lq, lk = [10, 37], [50, 70]
+    q, k, v, r, cu, cu_k = offset_inputs(lq, lk, 4, 2, 16, True)
+    ins = [t.double().requires_grad_(True) for t in (q, k, v, r)]
+    ref = naive_parallax(*ins, cu_seqlens=cu, window_size=window, cu_seqlens_k=cu_k)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ins, do)
+    tiles = dict(num_warps=1, num_stages=1, TMA=tma)
+    keys = dict(cu=cu, window=window, max_seqlen=37, cu_k=cu_k, max_seqlen_k=70)
+    out = run_fwd_at(q, k, v, r, dict(tiles, BM=32, BN=16), **keys)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < BUDGET[torch.float32][0]
+    grads = run_bwd_at(q, k, v, r, do.float(), dict(tiles, BM=32, BN=16), dict(tiles, BN=32, BM=16), **keys)
+    for name, g, gr in zip("qkvr", grads, ref_grads):
+        assert torch.isfinite(g).all(), f"d{name} has unwritten (NaN) elements"
+        assert rel_err(g, gr) < BUDGET[torch.float32][1], f"d{name} rel err {rel_err(g, gr):.3g}"
+
+
+def test_query_offsets_through_the_custom_op():
+    """Under a dispatch mode the op ``attnlab::parallax_fwd`` runs (its schema takes cu_seqlens_k, max_seqlen_k; its
+    autograd returns no gradient for them): the same output and gradients as the eager path, dk/dv in k's shape."""
+    q, k, v, r, cu, cu_k = offset_inputs([0, 7, 13], [5, 20, 13], 4, 2, 16, True)
+    results = []
+    for mode in (contextlib.nullcontext, _Passthrough):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v, r)]
+        with mode():
+            out = parallax_triton(*ins, cu_seqlens=cu, window_size=6, cu_seqlens_k=cu_k)
+            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append([out.detach(), *(t.grad for t in ins)])
+    assert results[0][2].shape == k.shape
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_query_offsets_torch_compile_fullgraph():
+    """The fake kernels give dk, dv k's token count, not q's: torch.compile traces fwd and bwd as one graph."""
+    q, k, v, r, cu, cu_k = offset_inputs([4, 13], [20, 13], 2, 1, 16, True)
+    q, k, v, r = (t.requires_grad_(True) for t in (q, k, v, r))
+
+    def f(q, k, v, r):
+        return (parallax_triton(q, k, v, r, cu_seqlens=cu, max_seqlen=13, cu_seqlens_k=cu_k,
+                                max_seqlen_k=20) * 2).sum()
+
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, r), (q, k, v, r))
+    ref_grads = torch.autograd.grad(f(q, k, v, r), (q, k, v, r))
+    for g, gr in zip(grads, ref_grads):
+        assert g.shape == gr.shape and rel_err(g, gr) < 1e-6
+
+
+def test_query_offsets_argument_checks():
+    q, k, v, r, cu, cu_k = offset_inputs([3, 5], [4, 9], 2, 1, 16, True)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):  # keys of another length need their own segments
+        parallax_triton(q, k, v, r, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        parallax_triton(q, k, v, r, cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        parallax_triton(q, k, v, r, cu_seqlens=cu[:2], cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        naive_parallax(q, k, v, r, cu_seqlens_k=cu_k)
+
+
+def test_public_dispatch_query_offsets():
+    """``parallax_attention(cu_seqlens_k=...)``: impl='triton' (interpreter here) equals impl='reference'."""
+    from attention.ops.parallax import parallax_attention
+
+    q, k, v, r, cu, cu_k = offset_inputs([0, 7, 13], [5, 20, 13], 2, 1, 16, True)
+    a = parallax_attention(q, k, v, r, cu_seqlens=cu, cu_seqlens_k=cu_k, window_size=4, impl="triton")
+    b = parallax_attention(q, k, v, r, cu_seqlens=cu, cu_seqlens_k=cu_k, window_size=4, impl="reference")
+    assert rel_err(a, b) < 2e-5
 
 
 # -------------------------------------------------------------------- decode
@@ -626,22 +769,37 @@ def test_gpu_realistic(case, dtype):
     check_against_reference(q, k, v, r, cu=cu, window=window, ref_dtype=torch.float32)
 
 
+def gpu_segments(layout, D, probe):
+    """bf16 inputs on the GPU and their segments (keywords of ``run_fwd_at`` / ``run_bwd_at``): "docs", packed
+    documents of 300, 1400 and 348 tokens; "offsets", a context-parallel shard of 0, 300, 1400 and 348 queries over
+    200, 800, 1800 and 400 keys (query offsets)."""
+    if layout == "docs":
+        q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
+        return q, k, v, r, dict(cu=torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda"),
+                                max_seqlen=1400)
+    q, k, v, r, cu, cu_k = offset_inputs([0, 300, 1400, 348], [200, 800, 1800, 400], 4, 2, D, probe,
+                                         dtype=torch.bfloat16, device="cuda")
+    return q, k, v, r, dict(cu=cu, max_seqlen=1400, cu_k=cu_k, max_seqlen_k=1800)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["docs", "offsets"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_every_fwd_candidate(D, monkeypatch):
+def test_gpu_every_fwd_candidate(D, layout, monkeypatch):
     """Each forward candidate of the short list and of the tune report's extras (TMA / warp-specialised ones
-    included) pinned, probe and softmax, bf16, packed documents, against the float32 reference."""
+    included) pinned, probe and softmax, bf16, packed documents or query offsets (the TMA descriptors of K/V span
+    the key tokens), against the float32 reference."""
     from attention.ops.parallax.triton.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
-    cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
     for probe in (True, False):
-        q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
-        ref = naive_parallax(*(t.float() for t in (q, k, v)), r.float() if probe else None, cu_seqlens=cu)
+        q, k, v, r, seg = gpu_segments(layout, D, probe)
+        ref = naive_parallax(*(t.float() for t in (q, k, v)), r.float() if probe else None, cu_seqlens=seg["cu"],
+                             cu_seqlens_k=seg.get("cu_k"))
         for c in prune_fwd(configs(FWD_SPECS + TUNE_EXTRA_FWD, ("BM", "BN")), {}, D=D, HAS_PROBE=probe):
             cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             spec = tuple(cfg.items())
-            out = run_fwd_at(q, k, v, r, cfg, cu=cu, max_seqlen=1400)
+            out = run_fwd_at(q, k, v, r, cfg, **seg)
             assert torch.isfinite(out).all(), spec
             assert rel_err(out, ref) < BUDGET[torch.bfloat16][0], (spec, rel_err(out, ref))
 
@@ -676,20 +834,21 @@ def test_gpu_tma_launch_in_a_new_thread():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["docs", "offsets"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_every_bwd_candidate(D, monkeypatch):
+def test_gpu_every_bwd_candidate(D, layout, monkeypatch):
     """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
-    pinned, in pairs, probe and softmax, bf16, packed documents: every gradient against the float32 reference."""
+    pinned, in pairs, probe and softmax, bf16, packed documents or query offsets: every gradient against the float32
+    reference (with offsets, the 200 keys of the segment without queries get exactly zero dk, dv)."""
     from attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
                                                        prune_bwd)
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
-    cu = torch.tensor([0, 300, 1700, 2048], dtype=torch.int32, device="cuda")
     pinned = lambda c: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)  # noqa: E731
     for probe in (True, False):
-        q, k, v, r = make_inputs(1, 2048, 4, 2, D, probe, device="cuda", dtype=torch.bfloat16)
+        q, k, v, r, seg = gpu_segments(layout, D, probe)
         ins = [t.float().requires_grad_(True) for t in (q, k, v, r) if t is not None]
-        ref = naive_parallax(*ins[:3], ins[3] if probe else None, cu_seqlens=cu)
+        ref = naive_parallax(*ins[:3], ins[3] if probe else None, cu_seqlens=seg["cu"], cu_seqlens_k=seg.get("cu_k"))
         do = torch.randn_like(ref)
         ref_grads = torch.autograd.grad(ref, ins, do)
         dqs = [pinned(c) for c in prune_bwd(configs(DQ_SPECS + TUNE_EXTRA_DQ, ("BM", "BN")), {}, D=D,
@@ -698,10 +857,12 @@ def test_gpu_every_bwd_candidate(D, monkeypatch):
                                              HAS_PROBE=probe)]
         for i in range(max(len(dqs), len(dkvs))):
             dq_cfg, dkv_cfg = dqs[i % len(dqs)], dkvs[i % len(dkvs)]
-            grads = run_bwd_at(q, k, v, r, do.bfloat16(), dq_cfg, dkv_cfg, cu=cu, max_seqlen=1400)
+            grads = run_bwd_at(q, k, v, r, do.bfloat16(), dq_cfg, dkv_cfg, **seg)
             for name, g, gr in zip("qkvr", grads, ref_grads):
                 assert torch.isfinite(g).all(), (name, dq_cfg, dkv_cfg)
                 assert rel_err(g, gr) < BUDGET[torch.bfloat16][1], (name, dq_cfg, dkv_cfg, rel_err(g, gr))
+            if layout == "offsets":
+                assert all(g[0, :200].eq(0).all() for g in grads[1:3]), (dq_cfg, dkv_cfg)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,12 @@ Without a probe t = t̄ = β = 0 and these reduce to FlashAttention's (g1 = p (a
 - Column pass (``_parallax_bwd_dkv_kernel``): per key tile and KV head; loops over the q heads of the GQA
   group inside the program, so dK/dV accumulate per kv head in registers (no per-q-head buffer, no atomics).
 
+``Q_OFFSET`` (context parallelism, ``fwd.py``): queries at CU[s] .. CU[s+1], keys at CU_K[s] .. CU_K[s+1] of K/V
+([1, NT_K, HKV, D]), query j of a document at key position OFF + j (OFF = Lk − Lq). The row pass compares the rows'
+key positions o_m + OFF with the keys; the column pass, per key tile of the document's Lk keys, compares the
+queries with the keys' positions in query coordinates o_n − OFF. Key tiles that no query sees (a document with no
+query here) store dK = dV = 0.
+
 ``TMA`` (autotune candidates at D >= 128 on sm_90+, ``common.DQ_SPECS`` / ``DKV_SPECS``): the mask-free blocks'
 streamed tiles (K/V in the row pass, Q/ρ/dO in the column pass) load through device-side tensor descriptors.
 """
@@ -21,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.triton.common import (_col_phases, _row_phases, _row_program, _tile_descriptor,
-                                                   dkv_configs, dq_configs, prune_bwd)
+from attention.ops.parallax.triton.common import (_col_phases, _row_phases, _row_program, _segment,
+                                                   _tile_descriptor, dkv_configs, dq_configs, prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
 
@@ -30,6 +36,7 @@ from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m, lo, hi, L,
               W, qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
               MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr):
+    """o_m: the rows' key positions (query index + OFF); L: the document's key count."""
     o_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
@@ -64,21 +71,19 @@ def _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, 
     return dq, dr
 
 
-@triton.autotune(configs=dq_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+@triton.autotune(configs=dq_configs(),
+                 key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC", "Q_OFFSET"],
                  prune_configs_by={"early_config_prune": prune_bwd})
 @triton.jit
-def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, DR, CU, scale, qk_scale, W, T, NT,
-                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, DR, CU, CU_K, scale, qk_scale, W, T,
+                            NT, NT_K, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                            WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False):
+                            WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, Q_OFFSET: tl.constexpr,
+                            TMA: tl.constexpr = False):
+    """Q, R, O, DO, VBAR, DQ, DR: [B|1, NT/B, HQ, D]; K, V: [B|1, NT_K/B, HKV, D]; LSE … BETA: [HQ, NT] fp32."""
     tl.static_assert(BM % BN == 0)
     i_m, i_h, i_b = _row_program(HQ)
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
-    else:
-        bos = i_b.to(tl.int64) * T
-        L = T
+    bos, L, bos_k, L_k, OFF = _segment(CU, CU_K, i_b, T, IS_VARLEN, Q_OFFSET)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -105,23 +110,26 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
         b_r = b_q
         beta = tau
         tbar = tau
-    p_k0 = K + bos * (HKV * D) + i_kh * D
-    p_v0 = V + bos * (HKV * D) + i_kh * D
-    desc_k = _tile_descriptor(K, NT, HKV * D, BN, D, TMA)
-    desc_v = _tile_descriptor(V, NT, HKV * D, BN, D, TMA)
-    row0 = bos.to(tl.int32)
+    o_p = o_m + OFF  # the rows' key positions
+    p_k0 = K + bos_k * (HKV * D) + i_kh * D
+    p_v0 = V + bos_k * (HKV * D) + i_kh * D
+    nt_k = NT_K if Q_OFFSET else NT  # K/V's tokens: the queries' without offsets
+    desc_k = _tile_descriptor(K, nt_k, HKV * D, BN, D, TMA)
+    desc_v = _tile_descriptor(V, nt_k, HKV * D, BN, D, TMA)
+    row0 = bos_k.to(tl.int32)
     col0 = i_kh * D
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dr = tl.zeros([BM, D], dtype=tl.float32)
 
-    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
+    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, OFF, L_k, W, BM, BN, WINDOW, Q_OFFSET)
     if WINDOW:
         dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
-                           o_m, start, a_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC, False)
+                           o_p, start, a_hi, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC,
+                           False)
     dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
-                       o_m, b_lo, b_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC, TMA)
+                       o_p, b_lo, b_hi, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC, TMA)
     dq, dr = _dq_inner(dq, dr, b_q, b_r, b_do, lse, tau, beta, tbar, p_k0, p_v0, desc_k, desc_v, row0, col0,
-                       o_m, c_lo, end, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC, False)
+                       o_p, c_lo, end, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC, False)
     tl.store(DQ + off_q, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if HAS_PROBE:
         tl.store(DR + off_q, dr.to(DR.dtype.element_ty), mask=row_ok[:, None])
@@ -133,7 +141,8 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, desc_q, desc_r,
                MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr,
                USE_DESC: tl.constexpr):
     """Q, R, DO point at (document start, q head); LSE … BETA at that head's row of the document, so the
-    per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF.
+    per-tile offsets fit int32 (fewer address registers in the loop than int64) unless LONG_OFF. o_n: the keys'
+    positions in query coordinates (key index − OFF); L: the document's query count.
 
     EARLY (probe, D ≥ 128): K·Rᵀ and V·dOᵀ are issued right after K·Qᵀ, before the exponentials, which they
     overlap; it paid at D = 128 and not at D = 64, which keeps the late issue."""
@@ -201,36 +210,35 @@ def _dkv_inner(dk, dv, b_k, b_v, Q, R, DO, LSE, TBAR, TAU, BETA, desc_q, desc_r,
     return dk, dv
 
 
-@triton.autotune(configs=dkv_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+@triton.autotune(configs=dkv_configs(),
+                 key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC", "Q_OFFSET"],
                  prune_configs_by={"early_config_prune": prune_bwd})
 @triton.jit
-def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, scale, qk_scale, W, T, NT,
+def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, CU_K, scale, qk_scale, W, T, NT,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
                              WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, LONG_OFF: tl.constexpr,
-                             TMA: tl.constexpr = False):
+                             Q_OFFSET: tl.constexpr, TMA: tl.constexpr = False):
+    """Q, R, DO: [B|1, NT/B, HQ, D]; K, V, DK, DV: [B|1, ·, HKV, D] (q's tokens, or with Q_OFFSET the keys' own,
+    segmented by CU_K); LSE … BETA: [HQ, NT] fp32."""
     tl.static_assert(BN % BM == 0)
     i_n, pair, _, _ = tile_program(GROUP_PROGRAMS)  # key tile 0 sees the most query rows: heaviest first
     i_kh = pair % HKV
     i_b = pair // HKV
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
-    else:
-        bos = i_b.to(tl.int64) * T
-        L = T
+    bos, L, bos_k, L_k, OFF = _segment(CU, CU_K, i_b, T, IS_VARLEN, Q_OFFSET)
     n0 = i_n * BN
-    if n0 >= L:
+    if n0 >= L_k:
         return
     o_n = n0 + tl.arange(0, BN)
     o_d = tl.arange(0, D)
-    col_ok = o_n < L
-    off_kv = (bos + o_n[:, None]) * (HKV * D) + i_kh * D + o_d[None, :]
+    col_ok = o_n < L_k
+    off_kv = (bos_k + o_n[:, None]) * (HKV * D) + i_kh * D + o_d[None, :]
     b_k = tl.load(K + off_kv, mask=col_ok[:, None], other=0.0)
     b_v = tl.load(V + off_kv, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
-    start, a_hi, b_lo, b_hi, c_lo, end = _col_phases(n0, L, W, BM, BN, WINDOW)
+    start, a_hi, b_lo, b_hi, c_lo, end = _col_phases(n0, OFF, L, W, BM, BN, WINDOW, Q_OFFSET)
+    o_nq = o_n - OFF  # the keys' positions in query coordinates
     G: tl.constexpr = HQ // HKV
     desc_q = _tile_descriptor(Q, NT, HQ * D, BM, D, TMA)
     desc_do = _tile_descriptor(DO, NT, HQ * D, BM, D, TMA)
@@ -242,13 +250,13 @@ def _parallax_bwd_dkv_kernel(Q, K, V, R, DO, LSE, TBAR, TAU, BETA, DK, DV, CU, s
         off_row = i_h.to(tl.int64) * NT + bos
         p_lse, p_tbar, p_tau, p_beta = LSE + off_row, TBAR + off_row, TAU + off_row, BETA + off_row
         dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
-                            row0, i_h * D, o_n, start, a_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
+                            row0, i_h * D, o_nq, start, a_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
                             WINDOW, DOT_PREC, LONG_OFF, False)
         dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
-                            row0, i_h * D, o_n, b_lo, b_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, False,
+                            row0, i_h * D, o_nq, b_lo, b_hi, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, False,
                             WINDOW, DOT_PREC, LONG_OFF, TMA)
         dk, dv = _dkv_inner(dk, dv, b_k, b_v, p_q, p_r, p_do, p_lse, p_tbar, p_tau, p_beta, desc_q, desc_r, desc_do,
-                            row0, i_h * D, o_n, c_lo, end, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
+                            row0, i_h * D, o_nq, c_lo, end, L, W, scale, qk_scale, HQ, D, BM, HAS_PROBE, True,
                             WINDOW, DOT_PREC, LONG_OFF, False)
     if not HAS_PROBE:  # the softmax column pass leaves the scale of dK = scale·Σ g1 q to here
         dk *= scale

@@ -1,4 +1,4 @@
-"""Shared pieces of the streaming kernels: autotune configuration lists and the key-range phases.
+"""Shared pieces of the streaming kernels: autotune configuration lists, segment geometry and the key-range phases.
 
 Masking is paid only where it is needed. A query tile [m0, m0+BM) of one document of length L sees the keys
 [max(0, m0-W+1), min(m0+BM, L)). Key blocks split into three phases (BN-aligned, document-relative):
@@ -11,6 +11,16 @@ free_hi = m0 (the first row's causal limit, needs BM % BN == 0) and free_lo is c
 the tile (m0 + BM - 1 - W + 1 = m0 + BM - W): computing it from the first row would skip the window mask on
 rows that need it (docs/kernels.md, "Softmax and Parallax"). When free_lo >= free_hi, C alone covers [start, end).
 The column pass mirrors this over query blocks for a key tile.
+
+Query offsets (``Q_OFFSET``, context parallelism: ``cu_seqlens_k`` next to ``cu_seqlens``): segment s holds Lq
+queries and Lk >= Lq keys, aligned bottom-right as in flash-attention, so query j sits at key position
+OFF + j (OFF = Lk - Lq) and sees keys n <= OFF + j (and OFF + j - n < W). The row passes run the phases above with
+the key position p0 = m0 + OFF of the tile's first row in place of m0 and Lk in place of L; p0 is not BN-aligned
+in general, so free_hi = p0 // BN * BN (the blocks entirely <= p0). The column pass puts its key tile into query
+coordinates (n0 - OFF, negative for keys before the first query's position): its first row block
+max(n0 - OFF, 0) // BM * BM, the rows that see every key of the tile from cdiv(n0 + BN - 1 - OFF, BM) * BM on, the
+window's bounds shifted by -OFF. Without ``Q_OFFSET`` OFF is the constant 0 and the kernels compile to the code
+they compiled to before offsets existed.
 """
 
 from __future__ import annotations
@@ -33,16 +43,31 @@ def _row_program(HQ: tl.constexpr):
 
 
 @triton.jit
-def _row_phases(m0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
-    """Key-block phases (A, B, C above) for the query tile starting at m0. Returns 6 bounds."""
-    end = tl.minimum(m0 + BM, L)
-    free_hi = m0  # BM % BN == 0, so m0 is BN-aligned
-    if WINDOW:
-        start = tl.maximum(m0 - W + 1, 0) // BN * BN
-        free_lo = tl.maximum(tl.cdiv(tl.maximum(m0 + BM - W, 0), BN) * BN, start)
+def _segment(CU, CU_K, i_b, T, IS_VARLEN: tl.constexpr, Q_OFFSET: tl.constexpr):
+    """(bos, L, bos_k, L_k, OFF) of batch row or document i_b: its first query token and query count, its first key
+    token and key count, and the key position of its first query (OFF = L_k - L). CU, CU_K: [S+1] int32 offsets of
+    the queries and (Q_OFFSET) of the keys; without Q_OFFSET the keys are the queries' tokens and OFF is 0."""
+    if IS_VARLEN:
+        bos = tl.load(CU + i_b).to(tl.int64)
+        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
     else:
-        start = 0
-        free_lo = 0
+        bos = i_b.to(tl.int64) * T
+        L = T
+    if Q_OFFSET:
+        bos_k = tl.load(CU_K + i_b).to(tl.int64)
+        L_k = (tl.load(CU_K + i_b + 1) - tl.load(CU_K + i_b)).to(tl.int32)
+        off = L_k - L
+    else:
+        bos_k = bos
+        L_k = L
+        off = 0
+    return bos, L, bos_k, L_k, off
+
+
+@triton.jit
+def _phases(start, free_lo, free_hi, end):
+    """The three phases' (A, B, C) bounds from the first masked block, the mask-free range and the end. Returns
+    (start, a_hi, b_lo, b_hi, c_lo, end)."""
     has_free = (free_lo < free_hi).to(tl.int32)
     a_hi = has_free * free_lo + (1 - has_free) * start  # no mask-free block: A empty, C = [start, end)
     b_lo = has_free * free_lo
@@ -52,22 +77,47 @@ def _row_phases(m0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constex
 
 
 @triton.jit
-def _col_phases(n0, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
-    """Query-block phases for the key tile [n0, n0+BN): rows i with j <= i < j + W (BN % BM == 0)."""
-    start = n0  # BM-aligned since BN % BM == 0
+def _row_phases(m0, OFF, L_k, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr,
+                Q_OFFSET: tl.constexpr):
+    """Key-block phases (A, B, C above) for the query tile starting at m0 (query-local), whose rows sit at key
+    positions m0 + OFF onwards, over L_k keys. Returns 6 bounds."""
+    p0 = m0 + OFF  # key position of the tile's first row
+    end = tl.minimum(p0 + BM, L_k)
+    if Q_OFFSET:
+        free_hi = p0 // BN * BN  # p0 >= 0: blocks entirely <= p0
+    else:
+        free_hi = p0  # BM % BN == 0, so m0 is BN-aligned
     if WINDOW:
-        end = tl.minimum(L, n0 + BN - 1 + W)
-        free_hi = tl.minimum(L // BM * BM, (n0 + W) // BM * BM)
+        start = tl.maximum(p0 - W + 1, 0) // BN * BN
+        free_lo = tl.maximum(tl.cdiv(tl.maximum(p0 + BM - W, 0), BN) * BN, start)
+    else:
+        start = 0
+        free_lo = 0
+    return _phases(start, free_lo, free_hi, end)
+
+
+@triton.jit
+def _col_phases(n0, OFF, L, W, BM: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, Q_OFFSET: tl.constexpr):
+    """Query-block phases for the key tile [n0, n0+BN) over L queries: rows i with j <= i + OFF < j + W
+    (BN % BM == 0). With an offset the tile's first rows may lie before the first query (n0 - OFF < 0): those
+    bounds are clamped to 0 before they are divided (Triton's division truncates toward zero). The window's bounds
+    need no clamp: where negative, the rows' range is empty and no row is mask-free (free_hi <= 0 <= free_lo)
+    however the division rounds."""
+    if Q_OFFSET:
+        start = tl.maximum(n0 - OFF, 0) // BM * BM  # the block of the first row that sees key n0
+    else:
+        start = n0  # BM-aligned since BN % BM == 0
+    if WINDOW:
+        end = tl.minimum(L, n0 + BN - 1 + W - OFF)
+        free_hi = tl.minimum(L // BM * BM, (n0 + W - OFF) // BM * BM)
     else:
         end = L
         free_hi = L // BM * BM  # unmasked loads need full row blocks
-    free_lo = n0 + BN  # rows past the diagonal block see every key of the tile
-    has_free = (free_lo < free_hi).to(tl.int32)
-    a_hi = has_free * free_lo + (1 - has_free) * start  # no mask-free block: A empty, C = [start, end)
-    b_lo = has_free * free_lo
-    b_hi = has_free * free_hi
-    c_lo = has_free * free_hi + (1 - has_free) * start
-    return start, a_hi, b_lo, b_hi, c_lo, end
+    if Q_OFFSET:
+        free_lo = tl.cdiv(tl.maximum(n0 + BN - 1 - OFF, 0), BM) * BM  # rows that see the tile's last key
+    else:
+        free_lo = n0 + BN  # rows past the diagonal block see every key of the tile
+    return _phases(start, free_lo, free_hi, end)
 
 
 @triton.jit

@@ -12,6 +12,12 @@ GQA reads the kv head ``h // (HQ // HKV)`` directly (no repeated K/V). Packed do
 per (document, head); keys never leave the document. Optional constexprs (autotune candidates at D >= 128,
 ``common.FWD_SPECS``): ``TMA`` loads the mask-free key blocks' K/V tiles through device-side tensor descriptors,
 ``WS`` warp-specialises that loop.
+
+``Q_OFFSET`` (query offsets, context parallelism): document s holds its Lq queries at CU[s] .. CU[s+1] and its
+Lk >= Lq keys at CU_K[s] .. CU_K[s+1] of K/V ([1, NT_K, HKV, D], NT_K != NT in general), the queries aligned to the
+last keys (bottom-right: query j at key position OFF + j, OFF = Lk − Lq; ``common.py``). A program's rows o_m then
+sit at key positions o_m + OFF, which the mask and the phases compare with the keys; Q, O and the row statistics
+stay indexed by the query. Without it OFF is the constant 0 and the kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.triton.common import (_row_phases, _row_program, _tile_descriptor, fwd_configs,
-                                                   prune_fwd)
+from attention.ops.parallax.triton.common import (_row_phases, _row_program, _segment, _tile_descriptor,
+                                                   fwd_configs, prune_fwd)
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
@@ -30,7 +36,9 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
                qk_scale, STRIDE_KV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HAS_PROBE: tl.constexpr,
                MASK: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr,
                WS: tl.constexpr):
-    """EARLY (not WS): the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials, which it overlaps;
+    """o_m: the rows' key positions (query index + OFF); L: the document's key count.
+
+    EARLY (not WS): the probe's R·Kᵀ is issued right after Q·Kᵀ, before the exponentials, which it overlaps;
     the warp-specialised loop measured no gain from it and keeps the late issue."""
     EARLY: tl.constexpr = not WS
     o_d = tl.arange(0, D)
@@ -76,22 +84,20 @@ def _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, ro
     return acc1, acc2, d1, d2, m_i
 
 
-@triton.autotune(configs=fwd_configs(), key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC"],
+@triton.autotune(configs=fwd_configs(),
+                 key=["D", "HQ", "HKV", "HAS_PROBE", "IS_VARLEN", "WINDOW", "DOT_PREC", "Q_OFFSET"],
                  prune_configs_by={"early_config_prune": prune_fwd})
 @triton.jit
-def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
+def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, CU_K, qk_scale, W, T, NT, NT_K,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, HAS_PROBE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr = False,
-                         WS: tl.constexpr = False):
+                         WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, Q_OFFSET: tl.constexpr,
+                         TMA: tl.constexpr = False, WS: tl.constexpr = False):
+    """Q, R, O, VBAR: [B|1, NT/B, HQ, D]; K, V: [B|1, NT_K/B, HKV, D] (NT_K = NT without Q_OFFSET); LSE, TBAR:
+    [HQ, NT] fp32. CU, CU_K: the queries' and (Q_OFFSET) the keys' [S+1] document offsets."""
     tl.static_assert(BM % BN == 0)
     i_m, i_h, i_b = _row_program(HQ)
-    if IS_VARLEN:
-        bos = tl.load(CU + i_b).to(tl.int64)
-        L = (tl.load(CU + i_b + 1) - tl.load(CU + i_b)).to(tl.int32)
-    else:
-        bos = i_b.to(tl.int64) * T
-        L = T
+    bos, L, bos_k, L_k, OFF = _segment(CU, CU_K, i_b, T, IS_VARLEN, Q_OFFSET)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -105,11 +111,13 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
         b_r = tl.load(R + off_q, mask=row_ok[:, None], other=0.0)
     else:
         b_r = b_q
-    p_k0 = K + bos * (HKV * D) + i_kh * D
-    p_v0 = V + bos * (HKV * D) + i_kh * D
-    desc_k = _tile_descriptor(K, NT, HKV * D, BN, D, TMA)
-    desc_v = _tile_descriptor(V, NT, HKV * D, BN, D, TMA)
-    row0 = bos.to(tl.int32)
+    o_p = o_m + OFF  # the rows' key positions
+    p_k0 = K + bos_k * (HKV * D) + i_kh * D
+    p_v0 = V + bos_k * (HKV * D) + i_kh * D
+    nt_k = NT_K if Q_OFFSET else NT  # K/V's tokens: the queries' without offsets
+    desc_k = _tile_descriptor(K, nt_k, HKV * D, BN, D, TMA)
+    desc_v = _tile_descriptor(V, nt_k, HKV * D, BN, D, TMA)
+    row0 = bos_k.to(tl.int32)
     col0 = i_kh * D
 
     acc1 = tl.zeros([BM, D], dtype=tl.float32)
@@ -118,17 +126,17 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, qk_scale, W, T, NT,
     d2 = tl.zeros([BM], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
 
-    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, L, W, BM, BN, WINDOW)
+    start, a_hi, b_lo, b_hi, c_lo, end = _row_phases(m0, OFF, L_k, W, BM, BN, WINDOW, Q_OFFSET)
     if WINDOW:
         acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0,
-                                             o_m, start, a_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW,
-                                             DOT_PREC, False, False)
-    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
-                                         b_lo, b_hi, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW, DOT_PREC,
-                                         TMA, WS)
-    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_m,
-                                         c_lo, end, L, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW, DOT_PREC,
-                                         False, False)
+                                             o_p, start, a_hi, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True,
+                                             WINDOW, DOT_PREC, False, False)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_p,
+                                         b_lo, b_hi, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, False, WINDOW,
+                                         DOT_PREC, TMA, WS)
+    acc1, acc2, d1, d2, m_i = _fwd_inner(acc1, acc2, d1, d2, m_i, b_q, b_r, p_k0, p_v0, desc_k, desc_v, row0, col0, o_p,
+                                         c_lo, end, L_k, W, qk_scale, HKV * D, D, BN, HAS_PROBE, True, WINDOW,
+                                         DOT_PREC, False, False)
 
     # -- epilogue --
     d1 = tl.where(row_ok, d1, 1.0)

@@ -1,6 +1,7 @@
 """torch.library custom ops around the Triton kernels (opaque to torch.compile: no graph break).
 
-- ``attnlab::parallax_fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, window) -> (o, lse, vbar, tbar)
+- ``attnlab::parallax_fwd``    (q, k, v, r?, cu_seqlens?, scale, max_seqlen, cu_seqlens_k?, max_seqlen_k, window)
+                                -> (o, lse, vbar, tbar)
 - ``attnlab::parallax_bwd``    (do, q, k, v, r?, o, lse, vbar, tbar, ...) -> (dq, dk, dv, dr)
 - ``attnlab::parallax_decode`` (q, k_cache, v_cache, seqlens, r?, scale, window, num_splits, fused_merge) -> o
 
@@ -9,6 +10,12 @@ calls outside any dispatch mode run the same forward and backward through an ``a
 the op's dispatch layers (``attend``).
 Tensors use the ``[B, T, H, D]`` layout; with ``cu_seqlens`` the batch is one flattened row (B = 1).
 Row statistics (lse in log2 units, t̄, τ, β) are fp32 ``[HQ, B*T]``.
+Query offsets (context parallelism): with ``cu_seqlens_k`` [S+1] next to ``cu_seqlens`` [S+1], k and v are
+``[1, Nk, HKV, D]`` with their own segment offsets (Nk != Nq = B*T in general; segment s: Lk >= Lq), and query j
+of a segment sits at key position Lk − Lq + j, seeing the keys up to it (bottom-right causal, as flash-attention
+aligns Tq != Tk); dk, dv have k's shape, and keys that no query sees get zero gradients. ``max_seqlen_k``: the
+longest key segment (0: computed, a host sync). Without ``cu_seqlens_k`` the kernels compile without the offset
+(``Q_OFFSET``).
 """
 
 from __future__ import annotations
@@ -32,14 +39,21 @@ from attention.ops.tiles import tile_grid
 
 Tensor = torch.Tensor
 
-def _geometry(q: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int):
-    """(T per program row, number of program rows, longest sequence, varlen flag)."""
+
+def _longest(cu_seqlens: Tensor, max_seqlen: int) -> int:
+    """max_seqlen, or where it is 0 the longest segment of the [S+1] offsets ``cu_seqlens`` (a host sync)."""
+    return max_seqlen if max_seqlen > 0 else int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def _geometry(q: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, cu_seqlens_k: Optional[Tensor] = None,
+              max_seqlen_k: int = 0):
+    """(T per program row, number of program rows, longest query sequence, longest key sequence, varlen flag)."""
     B, T = q.shape[:2]
     if cu_seqlens is None:
-        return T, B, T, False
-    if max_seqlen <= 0:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-    return T, cu_seqlens.numel() - 1, max_seqlen, True
+        return T, B, T, T, False
+    max_seqlen = _longest(cu_seqlens, max_seqlen)
+    max_seqlen_k = max_seqlen if cu_seqlens_k is None else _longest(cu_seqlens_k, max_seqlen_k)
+    return T, cu_seqlens.numel() - 1, max_seqlen, max_seqlen_k, True
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
@@ -83,82 +97,100 @@ def _launch(job: tuple, config: Optional[dict], follow=None) -> None:
         kernel.fn[grid](*args, **meta, **config)
 
 
-def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int) -> dict:
+def _meta(q: Tensor, k: Tensor, probe: bool, varlen: bool, W: int, q_offset: bool) -> dict:
     return dict(HQ=q.shape[2], HKV=k.shape[2], D=q.shape[3], HAS_PROBE=probe, IS_VARLEN=varlen, WINDOW=W > 0,
-                DOT_PREC=_dot_prec(q.dtype))
+                DOT_PREC=_dot_prec(q.dtype), Q_OFFSET=q_offset)
 
 
-def _fwd_job(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size) -> tuple:
+def _layout(q: Tensor, k: Tensor, r: Optional[Tensor], lse: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int,
+            window_size: int, cu_seqlens_k: Optional[Tensor], max_seqlen_k: int) -> tuple:
+    """What the three jobs share: (T per program row, program rows, longest query and key sequences, window, the
+    kernels' CU and CU_K arguments (``lse`` stands in for an absent one), their meta-parameters)."""
+    T_arg, NB, Tmax, Tmax_k, varlen = _geometry(q, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
+    W = _window(window_size, Tmax_k)  # a query sees at most Tmax_k keys: a window that long is no window
+    q_offset = cu_seqlens_k is not None
+    cu = cu_seqlens if varlen else lse
+    meta = _meta(q, k, r is not None, varlen, W, q_offset)
+    return T_arg, NB, Tmax, Tmax_k, W, cu, cu_seqlens_k if q_offset else cu, meta
+
+
+def _fwd_job(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, cu_seqlens_k=None,
+             max_seqlen_k=0) -> tuple:
     B, T, HQ = q.shape[:3]
-    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
-    W = _window(window_size, Tmax)
+    T_arg, NB, Tmax, _, W, cu, cu_k, meta = _layout(q, k, r, lse, cu_seqlens, max_seqlen, window_size, cu_seqlens_k,
+                                                    max_seqlen_k)
     probe = r is not None
     grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
-    args = (q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse,
-            cu_seqlens if varlen else lse, scale * LOG2E, W, T_arg, B * T)
-    return _parallax_fwd_kernel, grid, args, _meta(q, k, probe, varlen, W)
+    args = (q, k, v, r if probe else q, o, lse, vbar if probe else o, tbar if probe else lse, cu, cu_k,
+            scale * LOG2E, W, T_arg, B * T, k.shape[0] * k.shape[1])
+    return _parallax_fwd_kernel, grid, args, meta
 
 
-def _dq_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq,
-            dr) -> tuple:
+def _dq_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq, dr,
+            cu_seqlens_k=None, max_seqlen_k=0) -> tuple:
     B, T, HQ = q.shape[:3]
-    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
-    W = _window(window_size, Tmax)
+    T_arg, NB, Tmax, _, W, cu, cu_k, meta = _layout(q, k, r, lse, cu_seqlens, max_seqlen, window_size, cu_seqlens_k,
+                                                    max_seqlen_k)
     probe = r is not None
     grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BM"]), HQ * NB)  # noqa: E731
     args = (q, k, v, r if probe else q, o, do, lse, vbar if probe else o, tbar if probe else lse, tau, beta,
-            dq, dr if probe else dq, cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
-    return _parallax_bwd_dq_kernel, grid, args, _meta(q, k, probe, varlen, W)
+            dq, dr if probe else dq, cu, cu_k, scale, scale * LOG2E, W, T_arg, B * T, k.shape[0] * k.shape[1])
+    return _parallax_bwd_dq_kernel, grid, args, meta
 
 
-def _dkv_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk,
-             dv) -> tuple:
+def _dkv_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk, dv,
+             cu_seqlens_k=None, max_seqlen_k=0) -> tuple:
     B, T = q.shape[:2]
     HKV = k.shape[2]
-    T_arg, NB, Tmax, varlen = _geometry(q, cu_seqlens, max_seqlen)
-    W = _window(window_size, Tmax)
+    T_arg, NB, Tmax, Tmax_k, W, cu, cu_k, meta = _layout(q, k, r, lse, cu_seqlens, max_seqlen, window_size,
+                                                         cu_seqlens_k, max_seqlen_k)
     probe = r is not None
-    grid = lambda META: tile_grid(triton.cdiv(Tmax, META["BN"]), HKV * NB)  # noqa: E731
-    args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv,
-            cu_seqlens if varlen else lse, scale, scale * LOG2E, W, T_arg, B * T)
-    long_off = (Tmax + 256) * q.shape[2] * q.shape[3] >= 2**31  # the column pass's per-document int32 offsets
-    return _parallax_bwd_dkv_kernel, grid, args, dict(_meta(q, k, probe, varlen, W), LONG_OFF=long_off)
+    grid = lambda META: tile_grid(triton.cdiv(Tmax_k, META["BN"]), HKV * NB)  # noqa: E731
+    args = (q, k, v, r if probe else q, do, lse, tbar if probe else lse, tau, beta, dk, dv, cu, cu_k, scale,
+            scale * LOG2E, W, T_arg, B * T)
+    long_off = (Tmax + 256) * q.shape[2] * q.shape[3] >= 2**31  # the column pass's per-document int32 query offsets
+    return _parallax_bwd_dkv_kernel, grid, args, dict(meta, LONG_OFF=long_off)
 
 
-def _bwd_stand_ins(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size) -> tuple:
+def _bwd_stand_ins(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, cu_seqlens_k=None,
+                   max_seqlen_k=0) -> tuple:
     """The backward's two jobs with the forward's buffers standing in for do, tau, beta and the gradients: same
     dtypes, shapes and scalars, so the same compiled kernels. Compiling needs no launch, so nothing is written."""
     probe = r is not None
     args = (o, q, k, v, r, o, lse, vbar, tbar, lse, tbar if probe else lse, cu_seqlens, scale, max_seqlen,
             window_size)
-    return _dq_job(*args, o, vbar if probe else None), _dkv_job(*args, k, v)
+    keys = dict(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+    return _dq_job(*args, o, vbar if probe else None, **keys), _dkv_job(*args, k, v, **keys)
 
 
 def launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, config=None,
-               backward: bool = False) -> None:
+               backward: bool = False, *, cu_seqlens_k=None, max_seqlen_k=0) -> None:
     """Forward kernel into preallocated o, lse (and vbar, tbar with a probe). ``backward``: a backward will follow,
     so the backward kernels' candidates compile in the same pool as the forward's at a new key (the cold first
-    fwd+bwd then waits for one pool, not three)."""
+    fwd+bwd then waits for one pool, not three). ``cu_seqlens_k``, ``max_seqlen_k``: query offsets (module
+    docstring)."""
     args = (q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
-    _launch(_fwd_job(*args), config, (lambda: _bwd_stand_ins(*args)) if backward else None)
+    keys = dict(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+    _launch(_fwd_job(*args, **keys), config, (lambda: _bwd_stand_ins(*args, **keys)) if backward else None)
 
 
 def launch_dq(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq, dr,
-              config=None) -> None:
+              config=None, *, cu_seqlens_k=None, max_seqlen_k=0) -> None:
     """Row pass: writes tau (and beta with a probe), dq (and dr)."""
     _launch(_dq_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dq,
-                    dr), config)
+                    dr, cu_seqlens_k, max_seqlen_k), config)
 
 
 def launch_dkv(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk, dv,
-               config=None) -> None:
-    """Column pass (reads tau, beta from the row pass): writes dk, dv."""
+               config=None, *, cu_seqlens_k=None, max_seqlen_k=0) -> None:
+    """Column pass (reads tau, beta from the row pass): writes dk, dv (zeros for keys that no query sees)."""
     _launch(_dkv_job(do, q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size, dk,
-                     dv), config)
+                     dv, cu_seqlens_k, max_seqlen_k), config)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-             max_seqlen: int, window_size: int, backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             max_seqlen: int, cu_seqlens_k: Optional[Tensor], max_seqlen_k: int, window_size: int,
+             backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o, lse, vbar, tbar): the forward of both paths (``attend``)."""
     B, T, HQ, D = q.shape
     probe = r is not None
@@ -166,12 +198,14 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: O
     lse = empty(HQ, B * T, device=q.device, dtype=torch.float32)
     vbar = empty_like(q) if probe else q.new_empty(0)
     tbar = empty_like(lse) if probe else lse.new_empty(0)
-    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, backward=backward)
+    launch_fwd(q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size, backward=backward,
+               cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     return o, lse, vbar, tbar
 
 
 def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor, vbar: Tensor,
               tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
+              cu_seqlens_k: Optional[Tensor], max_seqlen_k: int,
               window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dr): the backward of both paths; dr is empty without a probe."""
     probe = r is not None
@@ -181,14 +215,16 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], 
     dr = empty_like(q) if probe else q.new_empty(0)
     tau = empty_like(lse)
     beta = empty_like(lse) if probe else tau
-    max_seqlen = _geometry(q, cu_seqlens, max_seqlen)[2]  # one host sync at most, shared by both passes
+    # at most one host sync per unknown length, shared by both passes
+    _, _, max_seqlen, max_seqlen_k, _ = _geometry(q, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k)
     args = (do.contiguous(), q, k, v, r, o, lse, vbar, tbar, tau, beta, cu_seqlens, scale, max_seqlen, window_size)
-    launch_dq(*args, dq, dr)
-    launch_dkv(*args, dk, dv)
+    keys = dict(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+    launch_dq(*args, dq, dr, **keys)
+    launch_dkv(*args, dk, dv, **keys)
     return dq, dk, dv, dr
 
 
-def _fwd_fake(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
+def _fwd_fake(q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size):
     B, T, HQ, D = q.shape
     lse = q.new_empty(HQ, B * T, dtype=torch.float32)
     if r is None:
@@ -198,37 +234,43 @@ def _fwd_fake(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size):
 
 @attnlab_op("parallax_fwd", _fwd_fake, keep_under_sac=True)
 def parallax_fwd(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-                 max_seqlen: int, window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 max_seqlen: int, cu_seqlens_k: Optional[Tensor], max_seqlen_k: int,
+                 window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # requires_grad only: the op's autograd runs this body with grad mode off even when a backward follows, so an
     # op call under torch.no_grad() on inputs that require grad still compiles the backward's candidates
     needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, r))
-    return _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, needs_grad)
+    return _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size, needs_grad)
 
 
-def _bwd_fake(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size):
+def _bwd_fake(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k,
+              window_size):
     dr = torch.empty_like(q) if r is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dr  # dk, dv: k's shape (Nk keys)
 
 
 @attnlab_op("parallax_bwd", _bwd_fake)
 def parallax_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], o: Tensor, lse: Tensor,
                  vbar: Tensor, tbar: Tensor, cu_seqlens: Optional[Tensor], scale: float, max_seqlen: int,
+                 cu_seqlens_k: Optional[Tensor], max_seqlen_k: int,
                  window_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, window_size)
+    return _backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k,
+                     window_size)
 
 
 def _save(ctx, inputs: tuple, output: tuple) -> None:
-    """What both paths' backward reads: ``inputs`` = (q, k, v, r, cu_seqlens, scale, max_seqlen, window_size),
-    ``output`` = (o, lse, vbar, tbar)."""
-    q, k, v, r, cu_seqlens, scale, max_seqlen, window_size = inputs
-    ctx.save_for_backward(q, k, v, r, *output, cu_seqlens)
-    ctx.args = (scale, max_seqlen, window_size)
+    """What both paths' backward reads: ``inputs`` = (q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k,
+    max_seqlen_k, window_size), ``output`` = (o, lse, vbar, tbar)."""
+    q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size = inputs
+    ctx.save_for_backward(q, k, v, r, *output, cu_seqlens, cu_seqlens_k)
+    ctx.args = (scale, max_seqlen, max_seqlen_k, window_size)
 
 
 def _grads(ctx, do: Tensor, backward) -> tuple:
     """(dq, dk, dv, dr or None) from what ``_save`` kept; ``backward``: ``parallax_bwd`` (the op) or ``_backward``."""
-    q, k, v, r, o, lse, vbar, tbar, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv, dr = backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, *ctx.args)
+    q, k, v, r, o, lse, vbar, tbar, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+    scale, max_seqlen, max_seqlen_k, window_size = ctx.args
+    dq, dk, dv, dr = backward(do, q, k, v, r, o, lse, vbar, tbar, cu_seqlens, scale, max_seqlen, cu_seqlens_k,
+                              max_seqlen_k, window_size)
     return dq, dk, dv, (dr if r is not None else None)
 
 
@@ -238,7 +280,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, do, _dlse, _dvbar, _dtbar):
-    return *_grads(ctx, do, parallax_bwd), None, None, None, None
+    return *_grads(ctx, do, parallax_bwd), None, None, None, None, None, None
 
 
 parallax_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -248,26 +290,29 @@ class _Eager(torch.autograd.Function):
     """The custom ops' forward and backward without their dispatch layers (``attend``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward):
-        output = _forward(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
-        _save(ctx, (q, k, v, r, cu_seqlens, scale, max_seqlen, window_size), output)
+    def forward(ctx, q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size, backward):
+        inputs = (q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size)
+        output = _forward(*inputs, backward)
+        _save(ctx, inputs, output)
         return output[0]
 
     @staticmethod
     def backward(ctx, do):
-        return *_grads(ctx, do, _backward), None, None, None, None, None
+        return *_grads(ctx, do, _backward), None, None, None, None, None, None, None
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, r: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-           max_seqlen: int, window_size: int) -> Tensor:
+           max_seqlen: int, window_size: int, cu_seqlens_k: Optional[Tensor] = None, max_seqlen_k: int = 0) -> Tensor:
     """o = attention of q, k, v (and the probe r), differentiable: through the custom op ``attnlab::parallax_fwd``
     where something must see the op (``torch.compile``; any TorchDispatchMode, e.g. selective activation
     checkpointing's, whose save list names it; fake tensors), else through ``_Eager``, the same kernels and
-    buffers without the op's dispatch layers (about half the host time per fwd+bwd)."""
+    buffers without the op's dispatch layers (about half the host time per fwd+bwd). ``cu_seqlens_k``,
+    ``max_seqlen_k``: query offsets (module docstring)."""
+    args = (q, k, v, r, cu_seqlens, scale, max_seqlen, cu_seqlens_k, max_seqlen_k, window_size)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return parallax_fwd(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size)[0]
+        return parallax_fwd(*args)[0]
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, r))
-    return _Eager.apply(q, k, v, r, cu_seqlens, scale, max_seqlen, window_size, backward)
+    return _Eager.apply(*args, backward)
 
 
 # ---------------------------------------------------------------- decode
