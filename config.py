@@ -405,20 +405,9 @@ def check_context_parallel(job_config) -> None:
         if seq_len % (2 * cp):
             raise ValueError(f"{section}.seq_len={seq_len}: must be a multiple of 2 x {key} = {2 * cp} (each rank "
                              "holds two equal chunks of every sequence)")
-    if job_config.attention.impl == "triton":
-        raise ValueError(f"attention.impl='triton' with {key}={cp}: the Triton attention kernels take no query offset "
-                         "yet; use 'auto' (masked SDPA for softmax, the reference for Parallax)")
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"compile.enable with {key}={cp}: the blocks compile as one graph each, and the key/value "
                          "all-gather breaks it; set compile.enable = false")
-    dense = sorted(n for n in used if getattr(REGISTRY[n].cls, "context_parallel_dense", False))
-    if dense:
-        from torchtitan.tools.logging import logger
-
-        T = job_config.training.seq_len
-        logger.warning(f"{dense} under context parallelism run the reference attention: float32 scores of "
-                       f"{T // cp} x {T} per head and row ({T * T // cp * 4 / 2**30:.2f} GiB at training.seq_len={T}); "
-                       "the Triton kernels take no query offset yet")
 
 
 def validate_config(job_config) -> None:

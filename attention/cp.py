@@ -11,8 +11,10 @@ class; the configuration refuses the others):
 
 - softmax / Parallax: the keys and values of every rank, all-gathered into global order ([B, T, HKV, D] each,
   :meth:`ContextParallel.gather`); in the backward each rank receives the summed gradient of its own keys and
-  values. Queries, and Parallax's probe ρ (one per query), stay local. The document mask spans the shards: a
-  query sees the keys of its own document up to its own global position (:meth:`ContextParallel.visibility`).
+  values (a reduce-scatter). Queries, and Parallax's probe ρ (one per query), stay local. Each chunk's queries
+  attend over the row's keys up to the chunk's end as variable-length segments, one per document piece, queries
+  aligned at their segment's end (:meth:`ContextParallel.segments`): the document mask spans the shards, and the
+  attention kernels (flash varlen, the project's Triton kernels, the reference) run unchanged.
 - the delta-rule family (DeltaNet, GDN, KDA): the state entering each chunk (:func:`delta_rule_cp`). Each rank runs
   its chunks once more from the identity to get their transitions, all-gathers them ([B, 2N, H, K, V + K]) and
   composes the states entering its chunks; no rank waits for another's recurrence.
@@ -20,6 +22,8 @@ class; the configuration refuses the others):
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -73,18 +77,51 @@ class ContextParallel:
         inputs = {k: self.shard(v) for k, v in input_dict.items()}
         return inputs.pop("input"), self.shard(labels), inputs, {}
 
-    def visibility(self, docs: torch.Tensor, window: int | None = None) -> torch.Tensor:
-        """[B, 1, T/N, T] bool: which keys (global order) each local query sees. ``docs``: [B, T] document index of
-        every token of the row in global order (0 everywhere for one causal sequence per row); a query sees the
-        keys of its document at or before its position (the last ``window`` of them when given)."""
+    def segments(self, docs: torch.Tensor, half: int) -> "Segments":
+        """The attention of this rank's chunk ``half`` (0: chunk r, 1: chunk 2N − 1 − r; c tokens per row) as
+        variable-length segments with queries at the end of their keys. ``docs``: [B, T] document index of every
+        token of the row in global order (:func:`documents`; 0 everywhere for one causal sequence per row).
+
+        The chunk's queries, flattened over the B rows ([B·c]), see the row's keys up to the chunk's end
+        (hi = (chunk + 1)·c of each row, flattened: [B·hi]). Per row the keys split at the start of the document
+        holding the chunk's first token and at every document start inside the chunk; each piece is a segment whose
+        queries are the chunk's tokens in it, the last of its keys (a query at key position j of its segment sees
+        keys 0..j, flash-attention's bottom-right causal alignment). The keys before the first document are a
+        segment without queries."""
         B, T = docs.shape
-        q = self.global_index(T // self.size, docs.device)  # [Tq]
-        k = torch.arange(T, device=docs.device)
-        seen = k[None, :] <= q[:, None]
-        if window:
-            seen = seen & (q[:, None] - k[None, :] < window)
-        same_doc = docs[:, q, None] == docs[:, None, :]  # [B, Tq, T]
-        return (same_doc & seen)[:, None]
+        c = T // (2 * self.size)
+        chunk = self.chunks()[half]
+        lo, hi = chunk * c, (chunk + 1) * c
+        d = docs[:, :hi]
+        is_start = torch.ones_like(d, dtype=torch.bool)
+        is_start[:, 1:] = d[:, 1:] != d[:, :-1]
+        pos = torch.arange(hi, device=d.device)
+        first = torch.where(is_start, pos, 0).cummax(1).values[:, lo]  # [B] start of the chunk's first document
+        bound = torch.zeros_like(is_start)
+        bound[:, 0] = True
+        bound[:, lo + 1:] = is_start[:, lo + 1:]
+        bound[torch.arange(B, device=d.device), first] = True
+        starts = bound.reshape(-1).nonzero().flatten()  # segment starts over the B·hi keys
+        row, key = starts // hi, starts % hi
+        end_k, end_q = starts.new_tensor([B * hi]), starts.new_tensor([B * c])
+        cu_k = torch.cat([starts, end_k]).to(torch.int32)
+        cu_q = torch.cat([row * c + (key - lo).clamp(min=0), end_q]).to(torch.int32)
+        lens = torch.stack([cu_q.diff(), cu_k.diff()]).amax(1).tolist()  # one host sync per forward
+        return Segments(cu_q, cu_k, lens[0], lens[1], hi)
+
+
+@dataclass
+class Segments:
+    """One chunk's attention as variable-length segments (:meth:`ContextParallel.segments`)."""
+
+    cu_q: torch.Tensor
+    """[S + 1] int32: segment offsets over the chunk's B·c queries (a segment may have none)."""
+    cu_k: torch.Tensor
+    """[S + 1] int32: segment offsets over the B·keys keys, the first ``keys`` of each row."""
+    max_q: int
+    max_k: int
+    keys: int
+    """Keys per row the chunk sees: the row's tokens up to the chunk's end."""
 
 
 class _Gather(torch.autograd.Function):
@@ -98,11 +135,20 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # every rank holds the gradient of all T keys from its own queries: sum over the group, keep our tokens
-        # (an all-reduce, which gloo has; NCCL's reduce-scatter would move half the bytes)
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.cp.group)
-        return ctx.cp.shard(grad, ctx.dim), None, None
+        # every rank holds the gradient of all T tokens from its own queries: sum over the group, keep our tokens.
+        # NCCL reduce-scatters, with each rank's two chunks put next to each other first; gloo (no reduce-scatter)
+        # all-reduces and cuts out its own.
+        cp, dim = ctx.cp, ctx.dim
+        if dist.get_backend(cp.group) != "nccl":
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=cp.group)
+            return cp.shard(grad, dim), None, None
+        parts = grad.chunk(2 * cp.size, dim)
+        by_rank = torch.cat([p for r in range(cp.size) for p in (parts[r], parts[2 * cp.size - 1 - r])], dim)
+        by_rank = by_rank.movedim(dim, 0).contiguous()
+        out = by_rank.new_empty(by_rank.shape[0] // cp.size, *by_rank.shape[1:])
+        dist.reduce_scatter_tensor(out, by_rank, group=cp.group)
+        return out.movedim(0, dim), None, None
 
 
 def documents(positions: torch.Tensor) -> torch.Tensor:

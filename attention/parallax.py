@@ -52,10 +52,6 @@ class ParallaxOptions(SoftmaxOptions):
 class ParallaxAttention(SoftmaxAttention):
     """Softmax attention with a learned probe ρ = RMSNorm(W_R x) (optionally gated and RoPE'd)."""
 
-    context_parallel_dense = True
-    """Under context parallelism it runs the reference attention (:meth:`SoftmaxAttention.mix_cp`): dense float32
-    scores of T/N × T per head and row, which the configuration reports at start."""
-
     def __init__(self, args: AttentionArgs, opts: ParallaxOptions):
         super().__init__(args, opts)
         if opts.wr_init not in ("normal", "zero"):

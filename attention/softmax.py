@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attention.ops.common import check_impl, visibility_mask
 from attention.ops.parallax import parallax_attention, parallax_decode
-from attention.ops.parallax.naive import naive_parallax
 from attention.registry import register_attention
 
 SOFTMAX_IMPLS = ("auto", "reference", "triton")
@@ -63,23 +62,55 @@ def _varlen_params() -> frozenset:
 
 def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> torch.Tensor:
     """Packed documents on CUDA through torch's flash varlen kernel."""
-    from torch.nn.attention.varlen import varlen_attn
-
     B, T, HQ, D = q.shape
     flat = [t.reshape(B * T, t.shape[2], D) for t in (q, k, v)]
     cu = ctx.cu_seqlens.to(torch.int32)
+    return _flash_varlen(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, window, scale).view(B, T, HQ, D)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, window: int | None, scale: float) -> torch.Tensor:
+    """torch's ``varlen_attn`` (flash), causal: q [NQ, HQ, D], k and v [NK, HKV, D] -> [NQ, HQ, D]. Segment s has
+    queries cu_q[s]:cu_q[s+1] and keys cu_k[s]:cu_k[s+1], the queries aligned at the end of the keys (flash's
+    bottom-right causal mask; equal lengths are the ordinary causal one)."""
+    from torch.nn.attention.varlen import varlen_attn
+
     params = _varlen_params()
     if "window_size" in params:  # (left, right): (-1, 0) is causal; varlen_attn is NOT causal by default
         kw = {"window_size": (window - 1 if window else -1, 0)}
     else:  # older signature (torch 2.11): a causal flag, no window (``mix`` routes windows elsewhere)
         kw = {"is_causal": True}
-    if HQ != k.shape[2]:
+    if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:  # torch 2.11's varlen_attn has no GQA: repeat the kv heads
-            flat[1], flat[2] = (t.repeat_interleave(HQ // k.shape[2], dim=1) for t in flat[1:])
-    o = varlen_attn(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, scale=scale, **kw)
-    return o.view(B, T, HQ, D)
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **kw)
+
+
+def attend_chunks(q, k, v, r, ctx: AttentionContext, window: int | None, scale: float, impl: str) -> torch.Tensor:
+    """This rank's queries over the whole row's keys under context parallelism. q, r: [B, 2c, HQ, D], the rank's two
+    chunks of c tokens per row; k, v: [B, T, HKV, D], the row in global order. Each chunk's queries attend over the
+    row's keys up to the chunk's end as variable-length segments, the queries aligned at the end of their keys
+    (:meth:`attention.cp.ContextParallel.segments`): torch's flash varlen kernel for softmax ("auto" on CUDA in
+    fp16/bf16), else ``parallax_attention`` (the Triton kernels, or the reference on CPU and for "reference").
+    Returns [B, 2c, HQ, D]."""
+    cp = ctx.cp
+    B, c = q.shape[0], q.shape[1] // 2
+    flash = (r is None and impl == "auto" and q.is_cuda and q.dtype in _FLASH_DTYPES
+             and (not window or "window_size" in _varlen_params()))
+    out = []
+    for half in (0, 1):
+        seg = ctx.once(("cp_segments", half), lambda half=half: cp.segments(ctx.cp_docs, half))
+        qh, rh = (None if t is None else t[:, half * c:(half + 1) * c].reshape(B * c, *t.shape[2:]) for t in (q, r))
+        kh, vh = (t[:, :seg.keys].reshape(B * seg.keys, *t.shape[2:]) for t in (k, v))
+        if flash:
+            o = _flash_varlen(qh, kh, vh, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, window, scale)
+        else:
+            o = parallax_attention(qh[None], kh[None], vh[None], None if rh is None else rh[None], scale=scale,
+                                   cu_seqlens=seg.cu_q, max_seqlen=seg.max_q, cu_seqlens_k=seg.cu_k,
+                                   max_seqlen_k=seg.max_k, window_size=window, impl=impl)
+        out.append(o.view(B, c, *o.shape[-2:]))
+    return torch.cat(out, 1)
 
 
 @dataclass
@@ -126,18 +157,9 @@ class SoftmaxAttention(QKVAttentionBase):
                                   window_size=window, impl=impl)
 
     def mix_cp(self, q, k, v, r, ctx: AttentionContext, window: int | None) -> torch.Tensor:
-        """Context parallelism (:mod:`attention.cp`): the local queries [B, T/N, HQ, D] over the whole row's keys and
-        values, all-gathered from the CP group ([B, T, HKV, D]), under the document mask across the shards. Softmax
-        ("auto") runs masked SDPA, Parallax and "reference" the reference: the Triton kernels take no query offset
-        yet (the configuration refuses ``impl = "triton"`` with context parallelism)."""
-        k, v = ctx.cp.gather(k), ctx.cp.gather(v)
-        mask = ctx.once(("cp_visibility", window), lambda: ctx.cp.visibility(ctx.cp_docs, window))  # [B, 1, T/N, T]
-        if r is None and self.args.impl == "auto":
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=q.shape[2] != k.shape[2])
-            return o.transpose(1, 2)
-        return naive_parallax(q, k, v, r, scale=self.scale, mask=mask)
+        """Context parallelism (:mod:`attention.cp`): the keys and values of the whole row, all-gathered from the
+        CP group ([B, T, HKV, D]), under this rank's queries (:func:`attend_chunks`)."""
+        return attend_chunks(q, ctx.cp.gather(k), ctx.cp.gather(v), r, ctx, window, self.scale, self.args.impl)
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype) -> KVCache:
         """Empty cache for ``max_len`` tokens per sequence: k, v [B, max_len, HKV, D], seqlens [B] = 0."""

@@ -42,18 +42,95 @@ def test_shards_put_back_together_in_order(n):
     assert {sum(i + 1 for i in cp.chunks()) for cp in ranks} == {2 * n + 1}
 
 
-def test_visibility_is_the_full_mask_at_each_shards_rows():
-    """Causal and document masks, with and without a window: a shard's rows of the one-process mask."""
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
+def _segment_mask(seg, B: int, c: int, T: int, window) -> torch.Tensor:
+    """[B, c, T] bool: which keys of the row each of the chunk's queries sees, read off the segments as the kernels
+    read them (query j of a segment of Lq queries and Lk keys sees its keys 0 .. Lk - Lq + j)."""
+    mask = torch.zeros(B, c, T, dtype=torch.bool)
+    for s in range(seg.cu_q.numel() - 1):
+        q0, q1, k0, k1 = (int(x) for x in (seg.cu_q[s], seg.cu_q[s + 1], seg.cu_k[s], seg.cu_k[s + 1]))
+        assert k1 - k0 >= q1 - q0 and (q1 == q0 or (q0 // c == (q1 - 1) // c == k0 // seg.keys))  # one row
+        for j in range(q1 - q0):
+            last = k0 + (k1 - k0) - (q1 - q0) + j  # flattened position of the query's own key
+            first = k0 if not window else max(k0, last - window + 1)
+            row = (q0 + j) // c
+            mask[row, (q0 + j) % c, first % seg.keys:last % seg.keys + 1] = True
+    return mask
+
+
+def test_segments_give_each_chunk_the_full_masks_rows():
+    """Causal and document masks (documents crossing the chunks, one starting at a chunk's first token), with and
+    without a window: a chunk's segments see exactly the one-process mask's rows of its queries."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
     B, T = positions.shape
     starts = (positions.reshape(-1) == 0).nonzero().flatten()
     cu = torch.cat([starts, torch.tensor([B * T])]).to(torch.int32)
     for window in (None, 3):
-        full = visibility_mask(B, T, "cpu", cu, window).expand(B, 1, T, T)
-        for r in range(3):
-            cp = ContextParallel(None, 3, r)
-            rows = full[:, :, cp.global_index(T // 3, "cpu")]
-            assert torch.equal(cp.visibility(documents(positions), window), rows)
+        full = visibility_mask(B, T, "cpu", cu, window).expand(B, 1, T, T)[:, 0]
+        for n in (2, 3):
+            for r in range(n):
+                cp = ContextParallel(None, n, r)
+                rows = full[:, cp.global_index(T // n, "cpu")]  # [B, T / n, T]
+                c = T // (2 * n)
+                for half, chunk in enumerate(cp.chunks()):
+                    seg = cp.segments(documents(positions), half)
+                    assert seg.keys == (chunk + 1) * c and seg.cu_k[-1] == B * seg.keys and seg.cu_q[-1] == B * c
+                    assert (seg.max_q, seg.max_k) == (int(seg.cu_q.diff().max()), int(seg.cu_k.diff().max()))
+                    got = _segment_mask(seg, B, c, T, window)
+                    assert torch.equal(got, rows[:, half * c:(half + 1) * c]), (window, n, r, half)
+
+
+def _rank_outputs_against_one_process(impl, device, dtype, D, probe, window, n, T, tol):
+    """Every rank's chunks through :func:`attend_chunks` (the whole row's keys handed over directly, as the
+    all-gather would) against the reference over the full rows: outputs, and the gradients of q, k, v (and ρ)
+    summed over the ranks. The kernels' outputs start as NaN (tests/conftest.py): an element left unwritten shows."""
+    from attention.base import AttentionContext
+    from attention.ops.parallax.naive import naive_parallax
+    from attention.softmax import attend_chunks
+
+    torch.manual_seed(0)
+    B, HQ, HKV = 2, 4, 2
+    # row 0: documents of 5, 11, 1 tokens and the rest, crossing the chunks; row 1: one causal sequence
+    row0 = torch.cat([torch.arange(m) for m in (5, 11, 1, T)])[:T]
+    positions = torch.stack([row0, torch.arange(T)]).to(device)
+    q, k, v = (torch.randn(B, T, h, D, device=device, dtype=dtype, requires_grad=True) for h in (HQ, HKV, HKV))
+    r = torch.randn(B, T, HQ, D, device=device, dtype=dtype, requires_grad=True) if probe else None
+    g = torch.randn(B, T, HQ, D, device=device, dtype=dtype)
+    starts = (positions.reshape(-1) == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
+    leaves = [t for t in (q, k, v, r) if t is not None]
+    ref = naive_parallax(*(t.double() for t in (q, k, v)), None if r is None else r.double(), cu_seqlens=cu,
+                         window_size=window)
+    want = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    loss = 0
+    for rank in range(n):
+        cp = ContextParallel(None, n, rank)
+        ctx = AttentionContext(positions=cp.shard(positions), cp=cp, cp_docs=documents(positions))
+        o = attend_chunks(cp.shard(q), k, v, None if r is None else cp.shard(r), ctx, window, D**-0.5, impl)
+        torch.testing.assert_close(o.double(), cp.shard(ref), atol=tol, rtol=tol)
+        loss = loss + (o.double() * cp.shard(g).double()).sum()
+    got = torch.autograd.grad(loss, leaves)
+    for name, a, b in zip("qkvr", got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), b.double(), atol=tol * 4, rtol=tol * 4, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("impl,probe,window", [("reference", False, None), ("reference", True, 5),
+                                               ("triton", True, None), ("triton", False, 7)])
+def test_each_ranks_chunks_attend_as_the_full_rows(impl, probe, window):
+    """CPU: the reference and the Triton kernels (interpreter, T = 36: chunks of 9 and 4.5-tile rows) over the
+    segments of 2 and 3 ranks."""
+    for n in (2, 3):
+        _rank_outputs_against_one_process(impl, "cpu", torch.float32, 16, probe, window, n, 36, 2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,probe,window", [("auto", False, None), ("triton", False, None), ("auto", True, None),
+                                               ("auto", True, 300), ("auto", False, 300)])
+def test_each_ranks_chunks_attend_as_the_full_rows_on_gpu(impl, probe, window):
+    """CUDA, bf16, D = 128, 4 ranks over rows of 2040 tokens: softmax through flash varlen ("auto") and the Triton
+    kernel, Parallax through the Triton kernels, with and without a window."""
+    _rank_outputs_against_one_process(impl, "cuda", torch.bfloat16, 128, probe, window, 4, 2040, 2e-2)
 
 
 def _cfg(*flags):
@@ -64,7 +141,6 @@ def _cfg(*flags):
     (["--model.attention", "hla"], "mechanism 'hla' does not run under context parallelism yet; supported: "),
     (["--model.layer_pattern", "softmax,lla"], "mechanism 'lla' does not run under context parallelism yet"),
     (["--training.seq_len", "30"], "training.seq_len=30: must be a multiple of 2 x parallelism.context_parallel_degree"),
-    (["--attention.impl", "triton"], "attention.impl='triton' with parallelism.context_parallel_degree=2"),
     (["--compile.enable"], "compile.enable with parallelism.context_parallel_degree=2"),
 ])
 def test_what_context_parallelism_cannot_run_fails_naming_the_key(flags, message):
