@@ -187,6 +187,11 @@ def test_two_context_ranks_train_and_validate_as_one_process(runs):
     assert 4 in val_one and sorted(val_one) == sorted(val_two)
     for s in val_one:
         assert abs(val_one[s] - val_two[s]) <= 1e-4, (s, val_one[s], val_two[s])
+    # tokens/s per GPU: each of the 2 ranks runs half of a step's 2 x 16 tokens in the step's time (torchtitan
+    # divides by the CP degree; dividing twice would halve it). Step 4: no validation or save before it.
+    rec = {r["step"]: r for r in read_metrics(root / "cp2") if "tps" in r}
+    ratio = rec[4]["tps"] * 2 * (rec[4]["elapsed_s"] - rec[3]["elapsed_s"]) / 32
+    assert 0.7 < ratio < 1.43, (rec[4]["tps"], ratio)
 
 
 @pytest.mark.parametrize("runs", cells(("gdn",)), indirect=True)

@@ -175,7 +175,6 @@ class TrainMetrics(MetricsProcessor):
         drop_titan_metrics_lines()
         self.lr_wd: dict[str, float] = {}
         self.document_flops: DocumentFlops | None = None  # the trainer sets it for block_causal runs
-        self.cp_degree = parallel_dims.cp  # under context parallelism a rank runs 1/cp of the tokens it counts
         self.start(0)
 
     def start(self, step: int) -> None:
@@ -210,7 +209,6 @@ class TrainMetrics(MetricsProcessor):
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if self.document_flops is not None and self.document_flops.total:  # MFU and tflops of the documents run
             self.num_flops_per_token = self.document_flops.per_token(self.ntokens_since_last_log)
-        self.ntokens_since_last_log //= self.cp_degree  # tokens/s and MFU per GPU
         end, elapsed, eta = self._progress(step)
         ppl = perplexity(global_avg_loss)
         ours = {"loss_metrics/perplexity": ppl, "time_metrics/elapsed(s)": elapsed, "time_metrics/eta(s)": eta,
