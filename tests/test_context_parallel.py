@@ -80,10 +80,16 @@ def test_segments_give_each_chunk_the_full_masks_rows():
                     assert torch.equal(got, rows[:, half * c:(half + 1) * c]), (window, n, r, half)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def _rank_outputs_against_one_process(impl, device, dtype, D, probe, window, n, T, tol):
     """Every rank's chunks through :func:`attend_chunks` (the whole row's keys handed over directly, as the
-    all-gather would) against the reference over the full rows: outputs, and the gradients of q, k, v (and ρ)
-    summed over the ranks. The kernels' outputs start as NaN (tests/conftest.py): an element left unwritten shows."""
+    all-gather would) against the float64 reference over the full rows: the relative error of the outputs and of
+    the gradients of q, k, v (and ρ) summed over the ranks, within ``tol`` = (outputs, gradients). The kernels'
+    outputs start as NaN (tests/conftest.py): an element left unwritten shows."""
     from attention.base import AttentionContext
     from attention.ops.parallax.naive import naive_parallax
     from attention.softmax import attend_chunks
@@ -94,7 +100,7 @@ def _rank_outputs_against_one_process(impl, device, dtype, D, probe, window, n, 
     row0 = torch.cat([torch.arange(m) for m in (5, 11, 1, T)])[:T]
     positions = torch.stack([row0, torch.arange(T)]).to(device)
     q, k, v = (torch.randn(B, T, h, D, device=device, dtype=dtype, requires_grad=True) for h in (HQ, HKV, HKV))
-    r = torch.randn(B, T, HQ, D, device=device, dtype=dtype, requires_grad=True) if probe else None
+    r = (0.3 * torch.randn(B, T, HQ, D, device=device)).to(dtype).requires_grad_() if probe else None
     g = torch.randn(B, T, HQ, D, device=device, dtype=dtype)
     starts = (positions.reshape(-1) == 0).nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
@@ -107,12 +113,11 @@ def _rank_outputs_against_one_process(impl, device, dtype, D, probe, window, n, 
         cp = ContextParallel(None, n, rank)
         ctx = AttentionContext(positions=cp.shard(positions), cp=cp, cp_docs=documents(positions))
         o = attend_chunks(cp.shard(q), k, v, None if r is None else cp.shard(r), ctx, window, D**-0.5, impl)
-        torch.testing.assert_close(o.double(), cp.shard(ref), atol=tol, rtol=tol)
+        assert _rel(o, cp.shard(ref)) < tol[0], (rank, _rel(o, cp.shard(ref)))
         loss = loss + (o.double() * cp.shard(g).double()).sum()
     got = torch.autograd.grad(loss, leaves)
     for name, a, b in zip("qkvr", got, want):
-        assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.double(), b.double(), atol=tol * 4, rtol=tol * 4, msg=lambda m: f"d{name}: {m}")
+        assert torch.isfinite(a).all() and _rel(a, b) < tol[1], (f"d{name}", _rel(a, b))
 
 
 @pytest.mark.parametrize("impl,probe,window", [("reference", False, None), ("reference", True, 5),
@@ -121,7 +126,7 @@ def test_each_ranks_chunks_attend_as_the_full_rows(impl, probe, window):
     """CPU: the reference and the Triton kernels (interpreter, T = 36: chunks of 9 and 4.5-tile rows) over the
     segments of 2 and 3 ranks."""
     for n in (2, 3):
-        _rank_outputs_against_one_process(impl, "cpu", torch.float32, 16, probe, window, n, 36, 2e-5)
+        _rank_outputs_against_one_process(impl, "cpu", torch.float32, 16, probe, window, n, 36, (2e-6, 2e-6))
 
 
 @pytest.mark.gpu
@@ -130,7 +135,7 @@ def test_each_ranks_chunks_attend_as_the_full_rows(impl, probe, window):
 def test_each_ranks_chunks_attend_as_the_full_rows_on_gpu(impl, probe, window):
     """CUDA, bf16, D = 128, 4 ranks over rows of 2040 tokens: softmax through flash varlen ("auto") and the Triton
     kernel, Parallax through the Triton kernels, with and without a window."""
-    _rank_outputs_against_one_process(impl, "cuda", torch.bfloat16, 128, probe, window, 4, 2040, 2e-2)
+    _rank_outputs_against_one_process(impl, "cuda", torch.bfloat16, 128, probe, window, 4, 2040, (2e-2, 4e-2))
 
 
 def _cfg(*flags):
