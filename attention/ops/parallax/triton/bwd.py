@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.triton.common import (_col_phases, _row_phases, _row_program, _segment,
+from attention.ops.parallax.triton.common import (_col_phases, _kv_tiles, _row_phases, _row_program, _segment,
                                                    _tile_descriptor, dkv_configs, dq_configs, prune_bwd)
 from attention.ops.tiles import GROUP_PROGRAMS, tile_program
 
@@ -111,13 +111,7 @@ def _parallax_bwd_dq_kernel(Q, K, V, R, O, DO, LSE, VBAR, TBAR, TAU, BETA, DQ, D
         beta = tau
         tbar = tau
     o_p = o_m + OFF  # the rows' key positions
-    p_k0 = K + bos_k * (HKV * D) + i_kh * D
-    p_v0 = V + bos_k * (HKV * D) + i_kh * D
-    nt_k = NT_K if Q_OFFSET else NT  # K/V's tokens: the queries' without offsets
-    desc_k = _tile_descriptor(K, nt_k, HKV * D, BN, D, TMA)
-    desc_v = _tile_descriptor(V, nt_k, HKV * D, BN, D, TMA)
-    row0 = bos_k.to(tl.int32)
-    col0 = i_kh * D
+    p_k0, p_v0, desc_k, desc_v, row0, col0 = _kv_tiles(K, V, bos_k, i_kh, NT, NT_K, HKV, D, BN, TMA, Q_OFFSET)
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dr = tl.zeros([BM, D], dtype=tl.float32)
 

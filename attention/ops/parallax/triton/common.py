@@ -131,6 +131,20 @@ def _tile_descriptor(A, NT, WIDTH: tl.constexpr, ROWS: tl.constexpr, D: tl.const
     return desc
 
 
+@triton.jit
+def _kv_tiles(K, V, bos_k, i_kh, NT, NT_K, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr,
+              Q_OFFSET: tl.constexpr):
+    """What a row pass streams its K/V tiles from: pointers at (the segment's first key, kv head ``i_kh``), their
+    descriptors over the key tokens (NT_K with query offsets, else the queries' NT) and the descriptors' coordinates
+    of that key and head. Returns (p_k0, p_v0, desc_k, desc_v, row0, col0)."""
+    p_k0 = K + bos_k * (HKV * D) + i_kh * D
+    p_v0 = V + bos_k * (HKV * D) + i_kh * D
+    nt_k = NT_K if Q_OFFSET else NT
+    desc_k = _tile_descriptor(K, nt_k, HKV * D, BN, D, TMA)
+    desc_v = _tile_descriptor(V, nt_k, HKV * D, BN, D, TMA)
+    return p_k0, p_v0, desc_k, desc_v, bos_k.to(tl.int32), i_kh * D
+
+
 def spec_kwargs(spec, names) -> dict:
     """Kernel meta-parameters of a (tile0, tile1, warps, stages[, tma, ws]) tuple (ws: the forward only)."""
     kw = dict(zip(names, spec[:2]))

@@ -25,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.parallax.triton.common import (_row_phases, _row_program, _segment, _tile_descriptor,
-                                                   fwd_configs, prune_fwd)
+from attention.ops.parallax.triton.common import (_kv_tiles, _row_phases, _row_program, _segment, fwd_configs,
+                                                   prune_fwd)
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) = 2^(x·log2e)
 
@@ -112,13 +112,7 @@ def _parallax_fwd_kernel(Q, K, V, R, O, LSE, VBAR, TBAR, CU, CU_K, qk_scale, W, 
     else:
         b_r = b_q
     o_p = o_m + OFF  # the rows' key positions
-    p_k0 = K + bos_k * (HKV * D) + i_kh * D
-    p_v0 = V + bos_k * (HKV * D) + i_kh * D
-    nt_k = NT_K if Q_OFFSET else NT  # K/V's tokens: the queries' without offsets
-    desc_k = _tile_descriptor(K, nt_k, HKV * D, BN, D, TMA)
-    desc_v = _tile_descriptor(V, nt_k, HKV * D, BN, D, TMA)
-    row0 = bos_k.to(tl.int32)
-    col0 = i_kh * D
+    p_k0, p_v0, desc_k, desc_v, row0, col0 = _kv_tiles(K, V, bos_k, i_kh, NT, NT_K, HKV, D, BN, TMA, Q_OFFSET)
 
     acc1 = tl.zeros([BM, D], dtype=tl.float32)
     acc2 = tl.zeros([BM, D], dtype=tl.float32)
