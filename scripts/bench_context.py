@@ -79,17 +79,26 @@ def command(args, mechanism: str, seq_len: int, dump: Path, cp: int = 1) -> list
 
 def measure(args, mechanism: str, seq_len: int, cp: int, out: Path, devices: str = "") -> dict:
     """Run one row (on the GPUs ``devices`` when given); its tok/s, MFU, memory, loss (and busy/wall ms when
-    traced), or {} when it failed."""
+    traced), or {"failed": why} ("timeout", "out of memory" or "error", read from the row's log)."""
     from trainer.metrics import read_records
 
     dump = out / (f"{mechanism}_T{seq_len}" + (f"_cp{cp}" if cp > 1 else ""))
-    run(command(args, mechanism, seq_len, dump, cp), out / f"{dump.name}.log", Path(args.repo), devices,
-        args.row_timeout or None)
+    log = run(command(args, mechanism, seq_len, dump, cp), out / f"{dump.name}.log", Path(args.repo), devices,
+              args.row_timeout or None)
     path = dump / "metrics.jsonl"
     records = read_records(path) if path.exists() else []
     if args.profile:  # the profiler's warm-up and traced steps run slower
         records = [r for r in records if r["step"] < first_profiled(args)]
-    return summarize(records, args.warmup) | profiled(args, dump)
+    r = summarize(records, args.warmup)
+    if not r:
+        return {"failed": "timeout" if "\nkilled after " in log else "out of memory" if "OutOfMemoryError" in log
+                else "error"}
+    return r | profiled(args, dump)
+
+
+def _ok(r: dict | None) -> bool:
+    """Whether a row ran (it has a tok/s)."""
+    return bool(r) and "tps" in r
 
 
 def _mfu(r: dict) -> str:
@@ -109,11 +118,11 @@ def table(results: dict, tokens: int) -> str:
     for (mech, T, cp), r in results.items():
         base, one = results.get(("softmax", T, cp)), results.get((mech, T, 1))
         head = f"{mech:14s} {T:7d} {cp:3d} {tokens // T:5d}"
-        if not r:
-            lines.append(f"{head} {'failed':>10s}")
+        if not _ok(r):
+            lines.append(f"{head} {'failed':>10s} ({r.get('failed', 'error')})")
             continue
-        ratio = f"{r['tps'] / base['tps']:8.3f}" if base else f"{'n/a':>8s}"
-        scaled = f"{r['tps'] / one['tps']:6.3f}" if one else f"{'n/a':>6s}"
+        ratio = f"{r['tps'] / base['tps']:8.3f}" if _ok(base) else f"{'n/a':>8s}"
+        scaled = f"{r['tps'] / one['tps']:6.3f}" if _ok(one) else f"{'n/a':>6s}"
         lines.append(f"{head} {r['tps']:10,.0f} {ratio} {scaled} {_mfu(r)} {r['mem']:6.1f} "
                      f"{1e3 * tokens / cp / r['tps']:9.1f} {busy(r, tokens // cp):>6s}")
     return "\n".join(lines)
@@ -129,7 +138,7 @@ def plot(results: dict, tokens: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[tuple[str, int], list] = {}
     for (mech, T, cp), r in results.items():
-        if r:
+        if _ok(r):
             lines.setdefault((mech, cp), []).append((T, r["tps"]))
     for (mech, cp), points in lines.items():
         ax.plot(*zip(*sorted(points)), marker="o", label=_label(mech, cp))
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[row] = r
             save(results, args.tokens, out / "results.json")
         line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  busy % {busy(r, args.tokens // cp)}"
-                if r else "failed")
+                if _ok(r) else f"failed ({r['failed']})")
         print(f"{_label(mech, cp):14s} T={T:<7d} B={args.tokens // T:<4d} {line}"
               + (f" [GPU {devices}]" if devices else ""), flush=True)
         return r

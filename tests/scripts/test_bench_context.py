@@ -38,7 +38,7 @@ def test_sweep_keeps_tokens_per_step_and_reports_every_row(monkeypatch, tmp_path
                     f.write(json.dumps({"step": step, "loss": 3.0, "tps": tps, "memory_gib": 0.5 * step,
                                         "mfu": 12.5 if mech == "softmax" else None}) + "\n")
         log.write_text("")
-        return ""
+        return "" if (mech, T) in TPS else "torch.OutOfMemoryError: CUDA out of memory."
 
     monkeypatch.setattr(bench_context, "run", fake_run)
     results = bench_context.main([
@@ -47,15 +47,15 @@ def test_sweep_keeps_tokens_per_step_and_reports_every_row(monkeypatch, tmp_path
         "--ac", "full", "--out", str(tmp_path / "out")])
     assert launched == [("softmax", 16, 4), ("softmax", 32, 2), ("gdn", 16, 4), ("gdn", 32, 2)]
     assert results[("softmax", 32, 1)]["tps"] == 200.0 and results[("softmax", 32, 1)]["mem"] == 2.0
-    assert results[("gdn", 32, 1)] == {}
+    assert results[("gdn", 32, 1)] == {"failed": "out of memory"}
     out = capsys.readouterr().out
     table = out[out.index("mechanism "):].splitlines()
     assert table[1].split() == ["softmax", "16", "1", "4", "400", "1.000", "1.000", "12.5", "2.0", "160.0", "n/a"]
     assert table[3].split() == ["gdn", "16", "1", "4", "300", "0.750", "1.000", "n/a", "2.0", "213.3", "n/a"]
-    assert table[4].split() == ["gdn", "32", "1", "2", "failed"]
+    assert table[4].split() == ["gdn", "32", "1", "2", "failed", "(out", "of", "memory)"]
     assert "activation checkpointing: full" in out
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert saved["tokens"] == 64 and saved["rows"]["gdn/16/1"]["tps"] == 300.0 and saved["rows"]["gdn/32/1"] == {}
+    assert saved["tokens"] == 64 and saved["rows"]["gdn/16/1"]["tps"] == 300.0 and saved["rows"]["gdn/32/1"] == {"failed": "out of memory"}
     assert (tmp_path / "out" / "tps_vs_seq_len.png").read_bytes()[:4] == b"\x89PNG"
 
     # --results: the saved rows and a second file's (which wins where both have a row) make one table, no run
@@ -117,7 +117,7 @@ def test_context_parallel_rows_run_on_n_processes_with_the_degree_set(tmp_path):
 
 def test_rows_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path):
     """``--gpus 4 --cp 1,2``: the one-GPU rows four at a time on GPUs 0-3, the CP = 2 rows two at a time on 0,1
-    and 2,3; no two rows running at once share a GPU."""
+    and 2,3; no two rows running at once share a GPU. Rows killed at --row-timeout report it."""
     import threading
     import time
 
@@ -133,12 +133,13 @@ def test_rows_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path):
         with lock:
             running.difference_update(gpus)
         log.write_text("")
-        return ""
+        return "step 1\nkilled after 9 s\n"  # no metrics: every row ran past --row-timeout
 
     monkeypatch.setattr(bench_context, "run", fake_run)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    bench_context.main(["--data", "d", "--tokenizer", "t", "--mechanisms", "softmax,gdn", "--seq-lens", "16,32",
+    results = bench_context.main(["--data", "d", "--tokenizer", "t", "--mechanisms", "softmax,gdn", "--seq-lens", "16,32",
                         "--tokens", "64", "--cp", "1,2", "--gpus", "4", "--no-profile", "--steps", "4", "--warmup",
                         "1", "--out", str(tmp_path / "o")])
+    assert all(r == {"failed": "timeout"} for r in results.values())
     assert len(seen) == 8 and {d for _, d in seen[:4]} == {"0", "1", "2", "3"}
     assert {d for _, d in seen[4:]} == {"0,1", "2,3"}
