@@ -53,6 +53,14 @@ class ContextParallel:
         a, b = self.chunks()
         return torch.cat([parts[a], parts[b]], dim)
 
+    def by_rank(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``x`` with ``dim`` moved first and its 2N chunks reordered by the rank that holds them (rank 0's two, then
+        rank 1's, ...), contiguous: the input of a reduce-scatter whose r-th piece is :meth:`shard` of rank r with
+        ``dim`` first. One copy."""
+        parts = x.movedim(dim, 0).chunk(2 * self.size, 0)
+        n = 2 * self.size
+        return torch.cat([parts[i] for r in range(self.size) for i in (r, n - 1 - r)], 0)
+
     def global_index(self, local_len: int, device) -> torch.Tensor:
         """[local_len] int64: the global position in the row of each local token."""
         c = local_len // 2
@@ -136,16 +144,14 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # every rank holds the gradient of all T tokens from its own queries: sum over the group, keep our tokens.
-        # NCCL reduce-scatters, with each rank's two chunks put next to each other first; gloo (no reduce-scatter)
-        # all-reduces and cuts out its own.
+        # NCCL reduce-scatters (each rank's two chunks put next to each other first, ``by_rank``); gloo (no
+        # reduce-scatter) all-reduces and cuts out its own.
         cp, dim = ctx.cp, ctx.dim
         if dist.get_backend(cp.group) != "nccl":
             grad = grad.contiguous().clone()
             dist.all_reduce(grad, group=cp.group)
             return cp.shard(grad, dim), None, None
-        parts = grad.chunk(2 * cp.size, dim)
-        by_rank = torch.cat([p for r in range(cp.size) for p in (parts[r], parts[2 * cp.size - 1 - r])], dim)
-        by_rank = by_rank.movedim(dim, 0).contiguous()
+        by_rank = cp.by_rank(grad, dim)
         out = by_rank.new_empty(by_rank.shape[0] // cp.size, *by_rank.shape[1:])
         dist.reduce_scatter_tensor(out, by_rank, group=cp.group)
         return out.movedim(0, dim), None, None

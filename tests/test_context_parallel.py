@@ -40,6 +40,10 @@ def test_shards_put_back_together_in_order(n):
         assert torch.equal(cp.assemble(parts, 1), x)
     # the load balance: rank r's two chunks see (r + 1) + (2n - r) = 2n + 1 chunks of keys under a causal mask
     assert {sum(i + 1 for i in cp.chunks()) for cp in ranks} == {2 * n + 1}
+    # the reduce-scatter layout (NCCL's backward of the gather): piece r is rank r's shard, the sequence dim first
+    y = torch.arange(2 * 12 * n * 3).view(2, 12 * n, 3)
+    pieces = ranks[0].by_rank(y, 1).chunk(n, 0)
+    assert all(torch.equal(pieces[r], cp.shard(y, 1).movedim(1, 0)) for r, cp in enumerate(ranks))
 
 
 def _segment_mask(seg, B: int, c: int, T: int, window) -> torch.Tensor:
