@@ -268,15 +268,16 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = [(m, T, cp) for cp in args.cp for m in args.mechanisms for T in args.seq_lens]
 
-    results: dict[tuple[str, int, int], dict] = {}
+    done: dict[tuple[str, int, int], dict] = {}
+    ordered = lambda: {row: done[row] for row in rows if row in done}  # noqa: E731  (the sweep's order)
     lock = threading.Lock()
 
     def one(row: tuple[str, int, int], devices: str = "") -> dict:
         mech, T, cp = row
         r = measure(args, mech, T, cp, out, devices)
         with lock:  # results.json after every row: a sweep cut short keeps the rows it finished
-            results[row] = r
-            save(results, args.tokens, out / "results.json")
+            done[row] = r
+            save(ordered(), args.tokens, out / "results.json")
         line = (f"tps {r['tps']:10,.0f}  mfu {_mfu(r)}%  mem {r['mem']:6.1f}GiB  busy % {busy(r, args.tokens // cp)}"
                 if _ok(r) else f"failed ({r['failed']})")
         print(f"{_label(mech, cp):14s} T={T:<7d} B={args.tokens // T:<4d} {line}"
@@ -290,8 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             for row in todo:
                 one(row)
-    results = {row: results[row] for row in rows}
-    save(results, args.tokens, out / "results.json")
+    results = ordered()
     plot_path = Path(args.plot) if args.plot else out / "tps_vs_seq_len.png"
     plot(results, args.tokens, plot_path)
     ac = "each config's" if args.ac == "config" else args.ac
