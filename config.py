@@ -394,9 +394,8 @@ def check_context_parallel(job_config) -> None:
     key = "parallelism.context_parallel_degree"
     if cp < 1:
         raise ValueError(f"{key}={cp}: must be >= 1")
-    used = {m.attention, *m.layer_pattern}
     supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
-    for name in sorted(used):
+    for name in sorted({m.attention, *m.layer_pattern}):
         if name not in supported:
             raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism yet; "
                              f"supported: {supported}")
