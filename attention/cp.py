@@ -14,7 +14,7 @@ class; the configuration refuses the others):
   values (a reduce-scatter). Queries, and Parallax's probe ρ (one per query), stay local. Each chunk's queries
   attend over the row's keys up to the chunk's end as variable-length segments, one per document piece, queries
   aligned at their segment's end (:meth:`ContextParallel.segments`): the document mask spans the shards, and the
-  attention kernels (flash varlen, the project's Triton kernels, the reference) run unchanged.
+  attention kernels (the project's Triton kernels, the reference) run unchanged.
 - the delta-rule family (DeltaNet, GDN, KDA): the state entering each chunk (:func:`delta_rule_cp`). Each rank runs
   its chunks once more from the identity to get their transitions, all-gathers them ([B, 2N, H, K, V + K]) and
   composes the states entering its chunks; no rank waits for another's recurrence.

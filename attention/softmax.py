@@ -5,7 +5,8 @@ adapter applies unchanged. Kernels (``[attention] impl``):
 
 - "auto": torch's fused kernels: SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA
   torch's ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``scripts/analyze.py``), a boolean-masked
-  SDPA (exact, O(T²) memory). These are torch's paths, not the project's, so they have no word of their own in
+  SDPA (exact, O(T²) memory); under context parallelism the "triton" kernel on CUDA (:func:`attend_chunks`).
+  These are torch's paths, not the project's, so they have no word of their own in
   the ``impl`` vocabulary (``attention.ops.common.IMPLS``); Parallax (a probe) resolves "auto" per
   ``attention.ops.parallax``;
 - "reference": the PyTorch oracle ``naive_parallax`` (float32, float64 for float64 inputs);
@@ -61,54 +62,45 @@ def _varlen_params() -> frozenset:
 
 
 def _varlen(q, k, v, ctx: AttentionContext, window: int | None, scale: float) -> torch.Tensor:
-    """Packed documents on CUDA through torch's flash varlen kernel."""
-    B, T, HQ, D = q.shape
-    flat = [t.reshape(B * T, t.shape[2], D) for t in (q, k, v)]
-    cu = ctx.cu_seqlens.to(torch.int32)
-    return _flash_varlen(*flat, cu, cu, ctx.max_seqlen, ctx.max_seqlen, window, scale).view(B, T, HQ, D)
-
-
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, window: int | None, scale: float) -> torch.Tensor:
-    """torch's ``varlen_attn`` (flash), causal: q [NQ, HQ, D], k and v [NK, HKV, D] -> [NQ, HQ, D]. Segment s has
-    queries cu_q[s]:cu_q[s+1] and keys cu_k[s]:cu_k[s+1], the queries aligned at the end of the keys (flash's
-    bottom-right causal mask; equal lengths are the ordinary causal one)."""
+    """Packed documents on CUDA through torch's flash varlen kernel (``varlen_attn``), causal within each
+    document: q [B, T, HQ, D], k and v [B, T, HKV, D] -> [B, T, HQ, D]."""
     from torch.nn.attention.varlen import varlen_attn
 
+    B, T, HQ, D = q.shape
+    q, k, v = (t.reshape(B * T, t.shape[2], D) for t in (q, k, v))
+    cu = ctx.cu_seqlens.to(torch.int32)
     params = _varlen_params()
     if "window_size" in params:  # (left, right): (-1, 0) is causal; varlen_attn is NOT causal by default
         kw = {"window_size": (window - 1 if window else -1, 0)}
     else:  # older signature (torch 2.11): a causal flag, no window (``mix`` routes windows elsewhere)
         kw = {"is_causal": True}
-    if q.shape[1] != k.shape[1]:
+    if HQ != k.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:  # torch 2.11's varlen_attn has no GQA: repeat the kv heads
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **kw)
+            k, v = (t.repeat_interleave(HQ // k.shape[1], dim=1) for t in (k, v))
+    o = varlen_attn(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, scale=scale, **kw)
+    return o.view(B, T, HQ, D)
 
 
 def attend_chunks(q, k, v, r, ctx: AttentionContext, window: int | None, scale: float, impl: str) -> torch.Tensor:
     """This rank's queries over the whole row's keys under context parallelism. q, r: [B, 2c, HQ, D], the rank's two
     chunks of c tokens per row; k, v: [B, T, HKV, D], the row in global order. Each chunk's queries attend over the
     row's keys up to the chunk's end as variable-length segments, the queries aligned at the end of their keys
-    (:meth:`attention.cp.ContextParallel.segments`): torch's flash varlen kernel for softmax ("auto" on CUDA in
-    fp16/bf16), else ``parallax_attention`` (the Triton kernels, or the reference on CPU and for "reference").
-    Returns [B, 2c, HQ, D]."""
+    (:meth:`attention.cp.ContextParallel.segments`), through ``parallax_attention`` ("auto": the project's Triton
+    kernels on CUDA, the reference on CPU), softmax included: on an H100 its GQA-aware Triton kernel trains softmax
+    under CP faster than torch's flash varlen (FA2, which in torch 2.11 also needs the KV heads repeated; numbers in
+    benchmarks/README.md). Returns [B, 2c, HQ, D]."""
     cp = ctx.cp
     B, c = q.shape[0], q.shape[1] // 2
-    flash = (r is None and impl == "auto" and q.is_cuda and q.dtype in _FLASH_DTYPES
-             and (not window or "window_size" in _varlen_params()))
     out = []
     for half in (0, 1):
         seg = ctx.once(("cp_segments", half), lambda half=half: cp.segments(ctx.cp_docs, half))
         qh, rh = (None if t is None else t[:, half * c:(half + 1) * c].reshape(B * c, *t.shape[2:]) for t in (q, r))
         kh, vh = (t[:, :seg.keys].reshape(B * seg.keys, *t.shape[2:]) for t in (k, v))
-        if flash:
-            o = _flash_varlen(qh, kh, vh, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, window, scale)
-        else:
-            o = parallax_attention(qh[None], kh[None], vh[None], None if rh is None else rh[None], scale=scale,
-                                   cu_seqlens=seg.cu_q, max_seqlen=seg.max_q, cu_seqlens_k=seg.cu_k,
-                                   max_seqlen_k=seg.max_k, window_size=window, impl=impl)
+        o = parallax_attention(qh[None], kh[None], vh[None], None if rh is None else rh[None], scale=scale,
+                               cu_seqlens=seg.cu_q, max_seqlen=seg.max_q, cu_seqlens_k=seg.cu_k,
+                               max_seqlen_k=seg.max_k, window_size=window, impl=impl)
         out.append(o.view(B, c, *o.shape[-2:]))
     return torch.cat(out, 1)
 
