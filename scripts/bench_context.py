@@ -135,7 +135,7 @@ def plot(results: dict, tokens: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     lines: dict[tuple[str, int], list] = {}
     for (mech, T, cp), r in results.items():
         if _ok(r):
@@ -150,7 +150,7 @@ def plot(results: dict, tokens: int, path: Path) -> None:
     ax.set_ylabel("training tokens/s per GPU")
     ax.set_title(f"{tokens:,} tokens per step, causal mask")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the lines fill the plot
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
