@@ -20,6 +20,7 @@ from attention import build_attention
 from attention.base import AttentionArgs, AttentionContext
 from attention.cp import documents
 from models.args import ModelArgs
+from models.loss import linear_cross_entropy
 
 
 class TransformerBlock(nn.Module):
@@ -48,6 +49,18 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.weight_init_std)
 
 
+class Head(nn.Linear):
+    """The LM head, dim -> vocab without bias. ``head(x)`` gives the logits; ``head(x, labels, chunk_tokens)`` the
+    summed cross-entropy of those logits, ``chunk_tokens`` tokens at a time, without holding them
+    (:func:`models.loss.linear_cross_entropy`). One module for both, so FSDP's hooks on it, which gather
+    ``output.weight`` for the forward and again for the backward when it was resharded, fire on either path."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        return linear_cross_entropy(x.flatten(0, -2), self.weight, labels.flatten(), chunk_tokens)
+
+
 class Transformer(ModelProtocol):
     def __init__(self, model_args: ModelArgs):
         super().__init__(model_args)
@@ -57,7 +70,7 @@ class Transformer(ModelProtocol):
             {str(i): TransformerBlock(i, mech, args) for i, mech in enumerate(args.layer_mechanisms())}
         )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Head(args.dim, args.vocab_size, bias=False)
         if args.enable_weight_tying:
             self.output.weight = self.tok_embeddings.weight
         self._rope_tables: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # not state: rebuilt on demand
@@ -119,10 +132,16 @@ class Transformer(ModelProtocol):
         ctx.use_rope_table(self.rope_table(self.model_args.head_dim, length, device))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                ctx: AttentionContext | None = None) -> torch.Tensor:
-        """tokens: [B, T] int64 -> logits [B, T, vocab]. ``ctx`` overrides the context (decoding)."""
+                ctx: AttentionContext | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
+        """tokens: [B, T] int64 -> logits [B, T, vocab]. ``ctx`` overrides the context (decoding). With ``labels``
+        [B, T] (training under ``training.loss_chunk_tokens``): the summed cross-entropy over the labels that are not
+        torchtitan's IGNORE_INDEX instead, an fp32 scalar, computed ``loss_chunk_tokens`` tokens at a time without
+        the [B, T, vocab] logits (:class:`Head`)."""
         ctx = ctx if ctx is not None else self.context(tokens, positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, ctx)
-        return self.output(self.norm(h))
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), labels, loss_chunk_tokens)
