@@ -2,16 +2,17 @@
 
 Precedence: command line (``--section.key value``) > TOML file > the defaults below and torchtitan's.
 Sections added or extended here: ``[model]`` (attention choice), ``[training]`` (``stop_after_step``,
-``nonfinite_skips``), ``[checkpoint]`` (``partial_load``), ``[attention]`` (one sub-table per registered mechanism,
-e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the optimizer/scheduler fields of
-``optim/config.py``. :func:`parse_config` reads argv into the merged ``JobConfig``; :func:`validate_config` checks
-every key's type (from the dataclass annotations) and range once at start, naming the key, the value and what is
-valid.
+``nonfinite_skips``, ``loss_chunk_tokens``), ``[checkpoint]`` (``partial_load``), ``[attention]`` (one sub-table per
+registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
+optimizer/scheduler fields of ``optim/config.py``. :func:`parse_config` reads argv into the merged ``JobConfig``;
+:func:`validate_config` checks every key's type (from the dataclass annotations) and range once at start, naming the
+key, the value and what is valid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -111,6 +112,13 @@ class Training:
     """Steps with a non-finite loss or gradient norm that are skipped (no optimizer update) before the run stops;
     0 = stop at the first one. 0 costs no extra host sync (checked at log steps and before every checkpoint save);
     > 0 decides before every optimizer step, one host sync and all-reduce per step."""
+    loss_chunk_tokens: int = 0
+    """Compute the training loss N tokens at a time (0 = off: torchtitan's loss of the whole [batch, seq_len,
+    vocab] logits). The logits of one chunk exist at a time, so the loss needs O(N·vocab) memory instead of
+    O(tokens·vocab): Qwen3's 151,936-entry head at 65,536 tokens a rank makes 18.5 GiB of bf16 logits (and twice
+    that in their fp32 upcast); a chunk peaks at about 6·N·vocab bytes in bf16, 3.5 GiB at N = 4096
+    (models/loss.py). Same loss and gradients, no recomputation; validation, evaluation and decoding keep the full
+    logits. The head must stay out of float8/MX conversion (``filter_fqns`` holds "output")."""
 
 
 @dataclass
@@ -350,7 +358,7 @@ _POS, _NONNEG, _UNIT = "> 0", ">= 0", "in [0, 1]"
 RANGES: dict[str, str] = {
     "training.steps": _POS, "training.seq_len": _POS, "training.local_batch_size": _POS,
     "training.max_norm": _POS, "training.stop_after_step": _NONNEG, "training.nonfinite_skips": _NONNEG,
-    "training.gc_freq": _POS,
+    "training.gc_freq": _POS, "training.loss_chunk_tokens": _NONNEG,
     "optimizer.lr": _NONNEG, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS,
     "optimizer.beta1": "in [0, 1)", "optimizer.beta2": "in [0, 1)", "optimizer.adam_beta1": "in [0, 1)",
     "optimizer.adam_beta2": "in [0, 1)", "optimizer.adam_eps": _POS, "optimizer.muon_momentum": "in [0, 1)",
@@ -409,6 +417,19 @@ def check_context_parallel(job_config) -> None:
                          "all-gather breaks it; set compile.enable = false")
 
 
+def check_loss_chunks(job_config) -> None:
+    """``training.loss_chunk_tokens`` runs the head's matmuls itself (models/loss.py), in the compute dtype: a float8
+    or MX converter must leave the head alone, i.e. have it in its ``filter_fqns`` (matched as torchtitan does: an
+    entry contained in the name "output")."""
+    n, converters = job_config.training.loss_chunk_tokens, job_config.model.converters
+    for name in ("quantize.linear.float8", "quantize.linear.mx"):
+        filters = functools.reduce(getattr, name.split("."), job_config).filter_fqns
+        if name in converters and not any(f in "output" for f in filters):
+            raise ValueError(f"training.loss_chunk_tokens={n} with model.converters {name!r}: the chunked loss runs "
+                             f"the head's matmuls itself and cannot run it in low precision; add \"output\" to "
+                             f"{name}.filter_fqns, or set training.loss_chunk_tokens = 0")
+
+
 def validate_config(job_config) -> None:
     """Fail before training starts, naming the key, the value and what is valid."""
     check_types(job_config)
@@ -440,3 +461,5 @@ def validate_config(job_config) -> None:
                              "parallelism; set it to 1")
     if p.context_parallel_degree != 1:
         check_context_parallel(job_config)
+    if job_config.training.loss_chunk_tokens:
+        check_loss_chunks(job_config)

@@ -8,8 +8,9 @@ Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` me
 parses and validates it). ``AttnTrainer`` is torchtitan's ``Trainer`` with this project's TrainSpec and the
 components of ``trainer/`` (docs/architecture.md) in its loop: CPU support, the run folder's locks and start-time
 checks, the non-finite guard, the checkpoint load and save checks, metrics with perplexity and progress, a stop
-with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, and each rank's
-shard of the batch under context parallelism (``attention/cp.py``).
+with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, each rank's
+shard of the batch under context parallelism (``attention/cp.py``), and the loss computed by the model in chunks
+without the logits under ``training.loss_chunk_tokens`` (``models/loss.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class AttnTrainer(Trainer):
             # torchtitan's train_step calls optimizers.step(): the guard decides first whether the step runs
             self.optimizers.step = functools.partial(self._optimizer_step, self.optimizers.step)
             self.run_guard.check_disk(self.model_parts)
+            if job_config.training.loss_chunk_tokens:
+                # the model returns its summed loss (post_dataloading_process hands it the labels); the validator,
+                # built above with torchtitan's cross-entropy, keeps reading the logits
+                self.loss_fn = model_summed_loss
             if job_config.model.attn_mask_type == "block_causal":  # MFU counts each document's own attention
                 model = self.model_parts[0]
                 self.metrics_processor.document_flops = DocumentFlops(
@@ -86,7 +91,12 @@ class AttnTrainer(Trainer):
 
     def post_dataloading_process(self, input_dict, labels):
         cp = self.model_parts[0].cp  # context parallelism: this rank's shard of every row (attention.cp)
-        return super().post_dataloading_process(input_dict, labels) if cp is None else cp.shard_batch(input_dict, labels)
+        inputs, labels, extra_inputs, extra_kwargs = (
+            super().post_dataloading_process(input_dict, labels) if cp is None else cp.shard_batch(input_dict, labels))
+        chunk = self.job_config.training.loss_chunk_tokens
+        if chunk:  # the model computes the loss itself, chunk tokens at a time, and never makes the logits
+            extra_kwargs = {**extra_kwargs, "labels": labels, "loss_chunk_tokens": chunk}
+        return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *args, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(*args, **kwargs)
@@ -129,6 +139,13 @@ class AttnTrainer(Trainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         restore_rng_state(state_dict)
+
+
+def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's ``loss_fn(pred, labels)`` under ``training.loss_chunk_tokens``: the model took the labels and
+    returned the summed cross-entropy (``models.model.Transformer.forward``), which passes through unchanged;
+    torchtitan's ``forward_backward_step`` then divides it by the global token count as it does the logits' loss."""
+    return loss_sum
 
 
 def preflight(job_config) -> None:

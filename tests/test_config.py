@@ -52,10 +52,30 @@ def test_toml_values_are_type_and_range_checked(tmp_path, extra, replace, messag
     ("--training.dataloader.num_workers", "2", r"training.dataloader.num_workers=2: must be 0 or 1\. .*read every "
      r"document again"),
     ("--validation.dataloader.num_workers", "3", r"validation.dataloader.num_workers=3: must be 0 or 1"),
+    ("--training.loss_chunk_tokens", "-1", r"training.loss_chunk_tokens=-1: must be >= 0"),
 ])
 def test_command_line_ranges(flag, value, message):
     with pytest.raises(ValueError, match=message):
         parse_config(["--job.config_file", DEFAULT_CONFIG, flag, value])
+
+
+@pytest.mark.parametrize("flags,refused", [
+    (["--model.converters", "quantize.linear.float8"], "quantize.linear.float8"),  # float8's filter_fqns: [] by default
+    (["--model.converters", "quantize.linear.mx", "--quantize.linear.mx.filter_fqns", "attention.wq"],
+     "quantize.linear.mx"),
+    (["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "attention.wq,output"],
+     None),
+    (["--model.converters", "quantize.linear.mx"], None),  # MX leaves "output" alone by default
+])
+def test_the_chunked_loss_refuses_a_low_precision_head(flags, refused):
+    """``training.loss_chunk_tokens`` runs the head's matmuls itself: a float8/MX converter must skip the head."""
+    argv = ["--job.config_file", DEFAULT_CONFIG, "--training.loss_chunk_tokens", "8", *flags]
+    if refused is None:
+        assert parse_config(argv).training.loss_chunk_tokens == 8
+        return
+    with pytest.raises(ValueError, match=rf"training.loss_chunk_tokens=8 with model.converters '{refused}': .*; add "
+                                         rf'"output" to {refused}.filter_fqns, or set training.loss_chunk_tokens = 0'):
+        parse_config(argv)
 
 
 def test_valid_values_pass_and_ints_are_numbers(tmp_path):
