@@ -214,6 +214,22 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, corpus, tmp_
         assert abs(got[s] - two[s]) <= 1e-4, (s, got[s], two[s])
 
 
+@pytest.mark.parametrize("runs", cells(("softmax",)), indirect=True)
+def test_the_chunked_loss_under_context_parallelism_trains_as_one_process(runs, corpus, tmp_path):
+    """``training.loss_chunk_tokens = 5`` on each rank's shard (2 rows of 8 tokens: chunks of 5, the last of 1)
+    against the logits' loss on one process: training and validation losses."""
+    attention, one, _, root = runs
+    seed = ("--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0"))
+    got = _train(corpus, tmp_path, attention, 2, *seed, "--training.loss_chunk_tokens", "5")
+    assert sorted(got) == sorted(one)
+    for s in one:
+        assert abs(got[s] - one[s]) <= 1e-4, (s, got[s], one[s])
+    val_one, val_got = ({r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
+                        for d in (root / "one", tmp_path))
+    assert val_one and sorted(val_one) == sorted(val_got)
+    assert all(abs(val_one[s] - val_got[s]) <= 1e-4 for s in val_one), (val_one, val_got)
+
+
 @pytest.mark.slow
 def test_four_context_ranks_train_a_hybrid_as_one_process(corpus, tmp_path):
     """CP = 4 (8 chunks of 4 tokens, each holding a short convolution's 3 inputs of history) on the GDN + Parallax

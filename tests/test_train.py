@@ -70,6 +70,41 @@ def test_fsdp_two_process_gloo_matches_one_process(corpus, tmp_path):
         assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
 
 
+@pytest.fixture(scope="module")
+def logits_loss(corpus, tmp_path_factory):
+    """(the seed checkpoint's flags, the run): 3 steps of 4 rows of 16 tokens on one process with torchtitan's loss
+    of the logits, from a seed checkpoint."""
+    root = tmp_path_factory.mktemp("logits_loss")
+    run_train(tiny_args(corpus, root / "seed", 1, 16, 4, "--checkpoint.create_seed_checkpoint"))
+    init = ["--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0")]
+    run_train(tiny_args(corpus, root / "run", 3, 16, 4, *init))
+    return init, root / "run"
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    # 2 micro-batches of 2 rows: gradient accumulation
+    pytest.param(1, ["--training.global_batch_size", "4"], id="accumulated"),
+    pytest.param(2, ["--parallelism.fsdp_reshard_after_forward", "default"], id="fsdp-default"),
+    pytest.param(2, ["--parallelism.fsdp_reshard_after_forward", "always"], id="fsdp-always"),
+    # the blocks compiled, the head and loss eager; a cold compile takes half a minute on 2 cores
+    pytest.param(1, ["--training.global_batch_size", "4", "--compile.enable"], id="compiled", marks=pytest.mark.slow),
+])
+def test_the_chunked_loss_trains_as_the_logits_loss(logits_loss, corpus, tmp_path, nproc, extra):
+    """``training.loss_chunk_tokens = 5`` (each rank's 32 tokens a micro-batch in chunks of 5, the last of 2) against
+    the logits' loss from the same seed: with gradient accumulation on one process (the validation loss, from the
+    logits, too), under FSDP on 2 gloo processes with the head's group kept or resharded after the forward, and
+    (-m slow) with compile on."""
+    init, want = logits_loss
+    run_train(tiny_args(corpus, tmp_path, 3, 16, 2, *init, "--training.loss_chunk_tokens", "5", *extra), nproc=nproc)
+    a, b = losses(want), losses(tmp_path)
+    assert sorted(b) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
+    if nproc == 1:  # two ranks validate on other rows
+        val_a, val_b = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (want, tmp_path))
+        assert val_a and len(val_a) == len(val_b) and all(abs(x - y) <= 1e-5 for x, y in zip(val_a, val_b))
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--model.attention", "nope"], "model.attention='nope' is not registered; choose from"),
     (["--model.layer_pattern", "softmax,nope"], r"model.layer_pattern\[1\]='nope' is not registered"),
@@ -93,6 +128,9 @@ def test_bad_config_fails_before_training(corpus, tmp_path, extra, message):
     (["--optimizer.name", "sgd"], "optimizer.name='sgd' is not registered; choose from ['adam', 'adamw', 'muon']"),
     (["--model.n_heads", "6", "--model.n_kv_heads", "4"], "model.n_heads=6 is not a multiple of model.n_kv_heads=4"),
     (["--model.vocab_size", "8"], "tokens, more than the model's 8 embedding rows; set model.vocab_size"),
+    (["--training.loss_chunk_tokens", "-4"], "training.loss_chunk_tokens=-4: must be >= 0"),
+    (["--training.loss_chunk_tokens", "8", "--model.converters", "quantize.linear.float8"],
+     "training.loss_chunk_tokens=8 with model.converters 'quantize.linear.float8'"),
 ])
 def test_config_error_is_one_line_before_anything_is_written(corpus, tmp_path, extra, message):
     """No traceback and no trainer start (torchtitan's start writes comm_traces/ into the dump folder)."""

@@ -134,3 +134,25 @@ def test_the_models_loss_path_gives_every_parameters_gradient(tied):
     assert _rel(got.detach(), want.detach()) < 2e-6
     for k, p in model.named_parameters():
         assert _rel(p.grad, want_grads[k]) < 1e-5, (k, _rel(p.grad, want_grads[k]))
+
+
+@pytest.mark.gpu
+def test_qwen3_head_on_cuda_in_bf16_in_less_memory():
+    """Qwen3's head (V = 151,936, D = 1024) over 16,384 tokens in bf16 on CUDA, in chunks of 1,024: the loss and
+    gradients of the full logits, and the forward and backward's peak memory above their inputs under the bf16
+    logits of all tokens (2·T·V bytes), which the full path exceeds."""
+    T, V, D, N = 16384, 151936, 1024, 1024
+    h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w = 0.03 * torch.randn(V, D, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (T,), device="cuda")
+    labels[::7] = IGNORE_INDEX
+    peaks, results = [], []
+    for fn in (_reference, lambda *a: linear_cross_entropy(*a, N)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        results.append(_loss_and_grads(fn, h, w, labels))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    for name, a, b in zip(("loss", "grad h", "grad W"), results[1], results[0]):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+    assert peaks[1] < 2 * T * V < peaks[0], peaks
