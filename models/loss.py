@@ -32,16 +32,19 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
 def _chunk(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int,
            grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: (summed loss [] fp32, d loss / d logits [n, V] in ``h``'s dtype, or None without ``grad``).
-    h: [n, D] and w: [V, D] in the compute dtype, labels: [n]."""
+    h: [n, D] and w: [V, D] in the compute dtype, labels: [n]. Works in place on the one fp32 [n, V] buffer
+    (``torch.logsumexp`` would allocate a second)."""
     logits = (h @ w.t()).float()  # [n, V]
     valid = (labels != ignore_index).unsqueeze(1)  # [n, 1]
     target = labels.unsqueeze(1).where(valid, 0)  # [n, 1]
-    lse = logits.logsumexp(1, keepdim=True)  # [n, 1]
-    loss = (lse - logits.gather(1, target)).where(valid, 0).sum()
+    picked = logits.gather(1, target)  # [n, 1] the labels' logits
+    top = logits.amax(1, keepdim=True)  # [n, 1]
+    e = logits.sub_(top).exp_()  # [n, V] exp(logits − max)
+    total = e.sum(1, keepdim=True)  # [n, 1]
+    loss = (top + total.log() - picked).where(valid, 0).sum()  # logsumexp − the label's logit
     if not grad:
         return loss, None
-    # softmax in place of the logits; an ignored row subtracts +inf, so exp gives 0: no gradient, no extra pass
-    p = logits.sub_(lse.masked_fill(~valid, float("inf"))).exp_()  # [n, V]
+    p = e.mul_(total.reciprocal().where(valid, 0))  # softmax; an ignored row is 0: no gradient
     p.scatter_add_(1, target, -valid.to(p.dtype))  # minus the one-hot of each counted label
     return loss, p.to(h.dtype)
 
