@@ -1,18 +1,19 @@
 """Cross-entropy of the LM head computed a chunk of tokens at a time, so the [T, V] logits never exist.
 
 torchtitan's loss (``torchtitan.components.loss.cross_entropy_loss``) takes the logits: at 65,536 tokens a step and
-Qwen3's 151,936-entry head, the bf16 logits, their fp32 upcast and its gradient take 18.5 GiB. Here the rows of
-the final hidden states are taken N at a time (``chunk_tokens``); for each chunk
+Qwen3's 151,936-entry head the bf16 logits alone take 18.5 GiB, their fp32 upcast and its gradient twice that each.
+Here the rows of the final hidden states are taken N at a time (``chunk_tokens``); for each chunk
 
     logits = h[chunk] @ Wᵀ                          # [N, V], compute dtype, then upcast to fp32
-    loss  += Σ_rows (logsumexp(logits) − logits[label])
+    loss  += Σ_counted rows (logsumexp(logits) − logits[label])
     g      = softmax(logits) − onehot(label)        # d loss / d logits, 0 on ignored rows
     grad_h[chunk] = g @ W,   grad_W += gᵀ @ h[chunk]
 
 so the forward computes the gradients as it goes and leaves only grad_h [T, D] and grad_W [V, D] (fp32) for the
 backward, which scales them by the incoming gradient (torchtitan's 1 / global token count). Peak extra memory is
-O(N·V), and the head runs its three matmuls once, where recomputing each chunk's logits in the backward
-(activation checkpointing) would run the forward matmul twice. This is liger-kernel's FusedLinearCrossEntropy
+O(N·V), about 6·N·V bytes in bf16 (the chunk's fp32 logits and their bf16 gradient), and the head runs its three
+matmuls once, where recomputing each chunk's logits in the backward (activation checkpointing) would run the
+forward matmul twice. This is liger-kernel's FusedLinearCrossEntropy
 (Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training", 2024) in plain PyTorch.
 """
 
