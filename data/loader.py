@@ -149,7 +149,7 @@ def _source(job_config, split: str):
     key = "training.dataset_path" if local else "training.dataset"
     ds, field = open_text_dataset(spec, key, local=local, text_field=d.text_field, split=d.hub_split,
                                   streaming=d.streaming, max_bad=d.max_bad_records, subset=d.hub_subset)
-    if d.val_every > 0 and job_config.validation.enable:  # hold out every k-th document for validation
+    if d.val_every > 0 and v.enable and not v.dataset_path:  # hold out every k-th document for validation
         keep = (lambda _, i: i % d.val_every == 0) if split == "val" else (lambda _, i: i % d.val_every != 0)
         ds = ds.filter(keep, with_indices=True)
         empty = len(ds) == 0 if isinstance(ds, Dataset) else next(iter(ds), None) is None

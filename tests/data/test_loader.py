@@ -157,6 +157,23 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
     assert calls[-1][0] == ("x/y", None)
 
 
+@pytest.mark.parametrize("val_path", [False, True])
+def test_training_split_holds_out_documents_only_without_a_validation_file(corpus, val_path):
+    """``data.val_every`` holds every k-th training document out for validation only when
+    ``validation.dataset_path`` is empty; with a validation file, training reads every document."""
+    from config import DEFAULT_CONFIG, parse_config
+    from data.loader import _source
+
+    flags = ["--job.config_file", DEFAULT_CONFIG, "--training.dataset_path", corpus["train"],
+             "--validation.enable", "--data.val_every", "4"]
+    cfg = parse_config(flags + (["--validation.dataset_path", corpus["val"]] if val_path else []))
+    train = [r["text"] for r in _source(cfg, "train")[0]]
+    every = [json.loads(line)["text"] for line in open(corpus["train"])]
+    assert train == (every if val_path else [t for i, t in enumerate(every) if i % 4])
+    val = [r["text"] for r in _source(cfg, "val")[0]]
+    assert val == ([json.loads(line)["text"] for line in open(corpus["val"])] if val_path else every[::4])
+
+
 def test_state_is_a_snapshot(corpus):
     """The dataset state does not change as packing goes on: the loader's worker pickles it later, in a thread."""
     ds, _ = _dataset(corpus, seq_len=10)
