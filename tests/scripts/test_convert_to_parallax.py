@@ -28,13 +28,14 @@ def trained(tmp_path_factory):
     return root, corpus, root / "run" / "checkpoint" / "step-20"
 
 
-def _batch(corpus) -> torch.Tensor:
-    """[3, 16] token ids of the first training documents (BOS + words), as the trainer sees them."""
+def _batch(corpus, n: int = 3) -> torch.Tensor:
+    """[n, 17] token ids of the first ``n`` training documents (BOS, 15 words, EOS): the trainer's first rows of 16
+    inputs and 16 labels, one document each."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(corpus["tokenizer"]) / "tokenizer.json"))
-    lines = Path(corpus["train"]).read_text().splitlines()[:3]
-    return torch.tensor([[0] + tok.encode(json.loads(line)["text"]).ids for line in lines])
+    lines = Path(corpus["train"]).read_text().splitlines()[:n]
+    return torch.tensor([[0] + tok.encode(json.loads(line)["text"]).ids + [1] for line in lines])
 
 
 def _loss(args, sd, tokens, impl):
@@ -105,10 +106,14 @@ def test_convert_same_loss_then_finetune(trained, capsys, monkeypatch):
     for i in range(a_px.n_layers):
         assert torch.count_nonzero(sd_ft[f"layers.{i}.attention.wr.weight"]) > 0
     assert not torch.equal(sd_ft["layers.0.attention.wq.weight"], sd_px["layers.0.attention.wq.weight"])
-    # the fine-tune started from the converted weights, not from a fresh init: its step-1 loss is the
-    # converted model's loss on its first batch, far below a random model's log(64) ≈ 4.16
+    # the fine-tune started from the converted weights, not from a fresh init: its step-1 loss is the converted
+    # model's loss on its first batch (the first two documents), which differs from a fresh model's
     first = json.loads((ft / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["loss"] < 3.5
+    rows = _batch(corpus, 2)
+    converted = _loss(a_px, sd_px, rows, "auto").item()
+    assert abs(first["loss"] - converted) < 1e-4, (first["loss"], converted)
+    fresh = build_model(a_px, None)
+    assert abs(_loss(a_px, fresh.state_dict(), rows, "auto").item() - converted) > 0.1
 
 
 def test_top_half_with_gate_and_hf_source(trained, capsys, monkeypatch):
