@@ -5,10 +5,9 @@ adapter applies unchanged. Kernels (``[attention] impl``):
 
 - "auto": torch's fused kernels: SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA
   torch's ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``scripts/analyze.py``), a boolean-masked
-  SDPA (exact, O(T²) memory); under context parallelism the "triton" kernel on CUDA (:func:`attend_chunks`).
-  These are torch's paths, not the project's, so they have no word of their own in
+  SDPA (exact, O(T²) memory). These are torch's paths, not the project's, so they have no word of their own in
   the ``impl`` vocabulary (``attention.ops.common.IMPLS``); Parallax (a probe) resolves "auto" per
-  ``attention.ops.parallax``;
+  ``attention.ops.parallax``; under context parallelism "auto" is the "triton" kernel on CUDA (:func:`attend_chunks`);
 - "reference": the PyTorch oracle ``naive_parallax`` (float32, float64 for float64 inputs);
 - "triton": the project's streaming kernel (``attention/ops/parallax``, probe off).
 """
