@@ -24,17 +24,14 @@ def naive_parallax(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     window_size: int | None = None,
-    mask: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     q: [B, T, HQ, D]; k, v: [B, T, HKV, D] with HQ % HKV == 0 (GQA); r: [B, T, HQ, D] or None.
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (no attention across them).
     window_size: each query sees at most this many most recent keys (itself included).
-    mask: [B|1, 1, T, TK] bool, which keys each query sees, instead of the three above; then k, v may hold
-          TK != T keys (context parallelism: local queries over the whole row's keys).
-    cu_seqlens_k: [N+1] int32 key segment offsets over k, v's flattened Bk*Tk tokens, with cu_seqlens (query
-          offsets, context parallelism): segment s's query j sits at key position Lk - Lq + j of its keys and sees
+    cu_seqlens_k: [N+1] int32 key segment offsets over k, v's flattened Bk*Tk tokens (Tk may differ from T), with
+          cu_seqlens (query offsets, context parallelism): segment s's query j sits at key position Lk - Lq + j of its keys and sees
           those up to it (bottom-right causal, :func:`attention.ops.common.offset_visibility_mask`).
     scale: applied to q·k only; default D**-0.5.
     Returns o: [B, T, HQ, D] in q's dtype.
@@ -44,20 +41,18 @@ def naive_parallax(
     if HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of kv heads ({HKV})")
     if cu_seqlens_k is not None:  # one flattened row of queries against one of keys
-        if cu_seqlens is None or mask is not None:
-            raise ValueError("cu_seqlens_k needs cu_seqlens (the query segments) and no mask")
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (the query segments)")
         mask = offset_visibility_mask(cu_seqlens, cu_seqlens_k, window_size)  # [1, 1, B*T, Nk]
-        o = naive_parallax(*(t.flatten(0, 1)[None] if t is not None else None for t in (q, k, v, r)), scale=scale,
-                           mask=mask)
-        return o.view(B, T, HQ, D)
+        q, k, v, r = (None if t is None else t.flatten(0, 1)[None] for t in (q, k, v, r))
+    else:
+        mask = visibility_mask(B, T, q.device, cu_seqlens, window_size)  # [B|1, 1, T, T]
     scale = D**-0.5 if scale is None else scale
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     G = HQ // HKV
     qf = q.to(ct).transpose(1, 2)  # [B, HQ, T, D]
     kf = k.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)  # [B, HQ, T, D]
     vf = v.to(ct).transpose(1, 2).repeat_interleave(G, dim=1)
-    if mask is None:
-        mask = visibility_mask(B, T, q.device, cu_seqlens, window_size)  # [B|1, 1, T, T]
     s = (qf @ kf.transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)  # [B, HQ, T, T]
     if r is None:
@@ -66,8 +61,8 @@ def naive_parallax(
         t = r.to(ct).transpose(1, 2) @ kf.transpose(-1, -2)  # [B, HQ, T, T], t_ij = ρ_i·k_j
         tbar = (p * t).sum(-1, keepdim=True)
         w = p * (1 + tbar - t)  # s_ij of eq. (8)
-    o = w @ vf  # [B, HQ, T, D]
-    return o.transpose(1, 2).to(q.dtype)
+    o = w @ vf  # [B, HQ, T, D] ([1, HQ, B*T, D] with cu_seqlens_k)
+    return o.transpose(1, 2).reshape(B, T, HQ, D).to(q.dtype)
 
 
 def naive_parallax_decode(
