@@ -40,9 +40,10 @@ class ContextParallel:
         """The CP group of a one-dimensional device mesh (torchtitan's ``parallel_dims.get_mesh("cp")``)."""
         return ContextParallel(mesh.get_group(), mesh.size(), mesh.get_local_rank())
 
-    def chunks(self) -> tuple[int, int]:
-        """The two chunks (of 2N) this rank holds, in local order."""
-        return self.rank, 2 * self.size - 1 - self.rank
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        """The two chunks (of 2N) this rank (or ``rank``) holds, in local order."""
+        rank = self.rank if rank is None else rank
+        return rank, 2 * self.size - 1 - rank
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's T / N tokens of ``x`` (T along ``dim``, a multiple of 2N): chunks r and 2N − 1 − r."""
@@ -58,8 +59,7 @@ class ContextParallel:
         rank 1's, ...), contiguous: the input of a reduce-scatter whose r-th piece is :meth:`shard` of rank r with
         ``dim`` first. One copy."""
         parts = x.movedim(dim, 0).chunk(2 * self.size, 0)
-        n = 2 * self.size
-        return torch.cat([parts[i] for r in range(self.size) for i in (r, n - 1 - r)], 0)
+        return torch.cat([parts[i] for r in range(self.size) for i in self.chunks(r)], 0)
 
     def global_index(self, local_len: int, device) -> torch.Tensor:
         """[local_len] int64: the global position in the row of each local token."""
