@@ -134,12 +134,11 @@ def test_each_ranks_chunks_attend_as_the_full_rows(impl, probe, window):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,probe,window", [("auto", False, None), ("auto", True, None), ("auto", True, 300),
-                                               ("auto", False, 300)])
-def test_each_ranks_chunks_attend_as_the_full_rows_on_gpu(impl, probe, window):
+@pytest.mark.parametrize("probe,window", [(False, None), (True, None), (True, 300), (False, 300)])
+def test_each_ranks_chunks_attend_as_the_full_rows_on_gpu(probe, window):
     """CUDA, bf16, D = 128, 4 ranks over rows of 2040 tokens: softmax and Parallax through the Triton kernels
     ("auto"), with and without a window."""
-    _rank_outputs_against_one_process(impl, "cuda", torch.bfloat16, 128, probe, window, 4, 2040, (2e-2, 4e-2))
+    _rank_outputs_against_one_process("auto", "cuda", torch.bfloat16, 128, probe, window, 4, 2040, (2e-2, 4e-2))
 
 
 def _cfg(*flags):

@@ -55,7 +55,8 @@ def test_sweep_keeps_tokens_per_step_and_reports_every_row(monkeypatch, tmp_path
     assert table[4].split() == ["gdn", "32", "1", "2", "failed", "(out", "of", "memory)"]
     assert "activation checkpointing: full" in out
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert saved["tokens"] == 64 and saved["rows"]["gdn/16/1"]["tps"] == 300.0 and saved["rows"]["gdn/32/1"] == {"failed": "out of memory"}
+    assert saved["tokens"] == 64 and saved["rows"]["gdn/16/1"]["tps"] == 300.0
+    assert saved["rows"]["gdn/32/1"] == {"failed": "out of memory"}
     assert (tmp_path / "out" / "tps_vs_seq_len.png").read_bytes()[:4] == b"\x89PNG"
 
     # --results: the saved rows and a second file's (which wins where both have a row) make one table, no run
@@ -137,9 +138,9 @@ def test_rows_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench_context, "run", fake_run)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    results = bench_context.main(["--data", "d", "--tokenizer", "t", "--mechanisms", "softmax,gdn", "--seq-lens", "16,32",
-                        "--tokens", "64", "--cp", "1,2", "--gpus", "4", "--no-profile", "--steps", "4", "--warmup",
-                        "1", "--out", str(tmp_path / "o")])
+    results = bench_context.main(["--data", "d", "--tokenizer", "t", "--mechanisms", "softmax,gdn", "--seq-lens",
+                                  "16,32", "--tokens", "64", "--cp", "1,2", "--gpus", "4", "--no-profile", "--steps",
+                                  "4", "--warmup", "1", "--out", str(tmp_path / "o")])
     assert all(r == {"failed": "timeout"} for r in results.values())
     assert len(seen) == 8 and {d for _, d in seen[:4]} == {"0", "1", "2", "3"}
     assert {d for _, d in seen[4:]} == {"0,1", "2,3"}
