@@ -22,7 +22,6 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
@@ -37,6 +36,7 @@ from trainer.nonfinite import NonFiniteGuard
 from trainer.preemption import StopSignals
 from trainer.run_guard import RunGuard
 from trainer.spec import register_train_spec
+from trainer.teardown import destroy_process_groups
 
 
 class AttnTrainer(Trainer):
@@ -208,11 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         preflight(cfg)
     except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
         sys.exit(f"train.py: error: {e}")
-    trainer = run(cfg)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if trainer.stop_signal:
-        sys.exit(128 + trainer.stop_signal)  # the shell's status of a process ended by that signal (STOP_SIGNALS)
+    stop_signal = run(cfg).stop_signal
+    destroy_process_groups()
+    if stop_signal:
+        sys.exit(128 + stop_signal)  # the shell's status of a process ended by that signal (STOP_SIGNALS)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch import nn
 from optim.build import build_optimizers
 from optim.config import Optimizer
 from scripts.bench_common import median_ms as _time
+from trainer.teardown import destroy_process_groups
 
 
 class Attn(nn.Module):
@@ -177,7 +178,7 @@ def main():
             print(f"fwd+bwd B{args.batch}_T{args.seq}: {train_ms:.1f} ms; full step = {micro} microbatches "
                   f"({args.global_batch} sequences, one GPU, gradient accumulation)")
     if dist_on:
-        torch.distributed.destroy_process_group()
+        destroy_process_groups()
 
 
 if __name__ == "__main__":

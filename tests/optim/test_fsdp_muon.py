@@ -14,6 +14,7 @@ from torch import nn
 from optim.build import build_lr_schedulers, build_optimizers
 from optim.config import LRScheduler, Optimizer
 from tests.utils import free_port
+from trainer.teardown import destroy_process_groups
 
 STEPS = 5
 
@@ -137,7 +138,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             with open(out, "w") as f:
                 f.write(f"{worst} {worst_s1}")
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def test_fsdp2_muon_equals_single_process(tmp_path):
