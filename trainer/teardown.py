@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def destroy_process_groups() -> None:
-    """Destroy every process group now; call once nothing of the run (trainer, model, optimizer) is referenced.
+    """Destroy every process group now, at the end of the process, after its last collective.
 
     ``dist.destroy_process_group`` drops only torch's own references to the groups. A device mesh holds its groups
     too (``_pg_registry``, where torch's version has one), and DTensor's caches (sharding propagation, redistribute
@@ -19,7 +19,7 @@ def destroy_process_groups() -> None:
     GIL to free them and cannot take it: the process aborts ("terminate called without an active exception") after
     training has finished. With the meshes' references dropped first, the groups go inside
     ``destroy_process_group``, whose destructors join their worker threads."""
-    gc.collect()  # the trainer's reference cycles
+    gc.collect()  # reference cycles (the trainer's) that still hold meshes
     for obj in gc.get_objects():
         if isinstance(obj, DeviceMesh):
             getattr(obj, "_pg_registry", {}).clear()
