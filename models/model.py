@@ -142,6 +142,6 @@ class Transformer(ModelProtocol):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, ctx)
-        if labels is None:
+        if labels is None:  # x alone: a head a float8/MX converter swapped in is a plain Linear
             return self.output(self.norm(h))
         return self.output(self.norm(h), labels, loss_chunk_tokens)

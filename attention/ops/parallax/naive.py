@@ -31,8 +31,8 @@ def naive_parallax(
     cu_seqlens: [N+1] int32 document offsets over the flattened B*T tokens (no attention across them).
     window_size: each query sees at most this many most recent keys (itself included).
     cu_seqlens_k: [N+1] int32 key segment offsets over k, v's flattened Bk*Tk tokens (Tk may differ from T), with
-          cu_seqlens (query offsets, context parallelism): segment s's query j sits at key position Lk - Lq + j of its keys and sees
-          those up to it (bottom-right causal, :func:`attention.ops.common.offset_visibility_mask`).
+          cu_seqlens (query offsets, context parallelism): segment s's query j sits at key position Lk - Lq + j of
+          its keys and sees those up to it (bottom-right causal, :func:`attention.ops.common.offset_visibility_mask`).
     scale: applied to q·k only; default D**-0.5.
     Returns o: [B, T, HQ, D] in q's dtype.
     """
