@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Multi-node training under Slurm: one torchrun agent per node, meeting through torch's c10d rendezvous on the
-# job's first node; torchrun starts one train.py per GPU and FSDP2 shards over all of them.
+# job's first node; torchrun starts one trainer (python -m attnlab.train) per GPU and FSDP2 shards over all of them.
 #
-#   sbatch --nodes=2 --gpus-per-node=8 scripts/slurm_train.sh --job.config_file configs/paper/qwen3_1.7b_parallax.toml
+#   sbatch --nodes=2 --gpus-per-node=8 scripts/slurm_train.sh --job.config_file attnlab/configs/paper/qwen3_1.7b_parallax.toml
 #
-# Arguments go to train.py as they are. The run folder (job.dump_folder) and the data must be on a file system every
+# Arguments go to the trainer as they are. The run folder (job.dump_folder) and the data must be on a file system every
 # node sees: each rank writes its own shards of every checkpoint there. Environment: GPUS_PER_NODE (default
 # SLURM_GPUS_ON_NODE, else 8), RDZV_PORT (default 29500), PYTHON (default python3). docs/multinode.md has the
 # plain torchrun commands this runs on each node.
@@ -19,4 +19,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 srun --kill-on-bad-exit=1 "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc_per_node="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}" \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:${RDZV_PORT:-29500}" \
-    train.py "$@"
+    -m attnlab.train "$@"

@@ -7,10 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Correctness needs one compiled tile per autotune key, not the fastest: without this the GPU tests spent minutes
-# autotuning on a cold machine (attention/ops/autotune.py). Benchmarks do not go through pytest.
+# autotuning on a cold machine (attnlab/attention/ops/autotune.py). Benchmarks do not go through pytest.
 os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
 if torch.cuda.is_available():  # the same for fla-core's kernels (imported later, inside the tests)
-    from attention.ops.autotune import first_config_for_fla
+    from attnlab.attention.ops.autotune import first_config_for_fla
 
     first_config_for_fla()
 
@@ -31,16 +31,16 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    """Every Triton op's output buffers are NaN before its kernels run (attention/ops/outputs.py), so an element a
+    """Every Triton op's output buffers are NaN before its kernels run (attnlab/attention/ops/outputs.py), so an element a
     kernel does not write fails the test that reads it."""
-    from attention.ops import outputs
+    from attnlab.attention.ops import outputs
 
     monkeypatch.setattr(outputs, "POISON_OUTPUTS", True)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """The tiny word-level corpus and tokenizer of scripts/tiny_runs.py, one per test module."""
+    """The tiny word-level corpus and tokenizer of attnlab/testing/tiny_runs.py, one per test module."""
     from tests.utils import make_corpus
 
     return make_corpus(tmp_path_factory.mktemp("corpus"))

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from config import DEFAULT_CONFIG, check_types, parse_config
+from attnlab.config import DEFAULT_CONFIG, check_types, parse_config
 from tests.utils import REPO
 
 
 def _toml(tmp_path, extra: str, replace: tuple[str, str] | None = None) -> str:
-    text = (REPO / "configs" / "debug_cpu.toml").read_text()
+    text = (REPO / "attnlab" / "configs" / "debug_cpu.toml").read_text()
     if replace:
         assert replace[0] in text
         text = text.replace(*replace)
@@ -139,7 +139,7 @@ def test_help_documents_the_project_keys():
 def test_model_dimensions_override_the_flavor():
     """``[model] dim/n_layers/n_heads/n_kv_heads/head_dim/hidden_dim`` on top of a flavor (0 = the flavor's),
     reaching the model arguments torchtitan builds from."""
-    from models.args import get_flavor
+    from attnlab.models.args import get_flavor
 
     cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.dim", "96", "--model.n_layers", "3",
                         "--model.n_heads", "6", "--model.n_kv_heads", "3", "--model.head_dim", "16",

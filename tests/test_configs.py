@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from trainer.spec import register_train_spec
-from models.args import get_flavor
-from models.model import Transformer
-from config import parse_config
+from attnlab.trainer.spec import register_train_spec
+from attnlab.models.args import get_flavor
+from attnlab.models.model import Transformer
+from attnlab.config import parse_config
 from tests.utils import REPO
 
-CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
-PAPER = REPO / "configs" / "paper"
+CONFIGS = sorted((REPO / "attnlab" / "configs").rglob("*.toml"))
+PAPER = REPO / "attnlab" / "configs" / "paper"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -26,8 +26,8 @@ def test_config_builds_on_meta(path):
 
 
 def test_generated_configs_are_current(tmp_path):
-    """configs/paper/ holds exactly what scripts/make_configs.py writes (no hand edits drift)."""
-    import scripts.make_configs as mk
+    """attnlab/configs/paper/ holds exactly what attnlab/tools/make_configs.py writes (no hand edits drift)."""
+    import attnlab.tools.make_configs as mk
 
     mk.main(["--out", str(tmp_path)])
     written = sorted(tmp_path.iterdir())
@@ -37,7 +37,7 @@ def test_generated_configs_are_current(tmp_path):
 
 
 def test_make_configs_help_writes_nothing(tmp_path, capsys):
-    import scripts.make_configs as mk
+    import attnlab.tools.make_configs as mk
 
     with pytest.raises(SystemExit):
         mk.main(["--help", "--out", str(tmp_path)])

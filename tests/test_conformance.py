@@ -7,7 +7,7 @@ Default suite, one row each (two gloo processes):
     3 Muon steps, validation on both ranks at steps 1, 2 and 3, a checkpoint of the sharded state;
   - that checkpoint, read back offline as a tool reads it, exported to a Hugging Face folder and imported again
     (same logits), and decoded with the layers' caches (same logits as the full forward).
-Slow (``-m slow``), per row and optimizer (Muon, AdamW): ``scripts.multigpu_check`` on 1 and 2 processes from one
+Slow (``-m slow``), per row and optimizer (Muon, AdamW): ``attnlab.tools.multigpu_check`` on 1 and 2 processes from one
 seed checkpoint (loss parity at the same global batch) and the resumes 2 -> 1 and 1 -> 2 (losses continue as the
 uninterrupted runs'), within its float32 tolerance.
 """
@@ -20,19 +20,19 @@ import pytest
 import tomli
 import torch
 
-import attention
-from models.decode import generate
-from models.checkpoint_io import build_model
-from models.hf import load_checkpoint, load_tool_checkpoint, save_hf
-from models.run_folder import resolve
-from scripts import multigpu_check
+from attnlab import attention
+from attnlab.models.decode import generate
+from attnlab.checkpoint.dcp import build_model
+from attnlab.checkpoint.hf import load_checkpoint, load_tool_checkpoint, save_hf
+from attnlab.checkpoint.layout import resolve
+from attnlab.tools import multigpu_check
 from tests.utils import REPO, losses, read_metrics, run_train, tiny_args
 
 
 def shipped_patterns() -> list[tuple[str, ...]]:
-    """The mixed layer patterns (more than one mechanism) of every TOML under ``configs/``."""
+    """The mixed layer patterns (more than one mechanism) of every TOML under ``attnlab/configs/``."""
     found = set()
-    for f in sorted((REPO / "configs").rglob("*.toml")):
+    for f in sorted((REPO / "attnlab" / "configs").rglob("*.toml")):
         pattern = tomli.loads(f.read_text()).get("model", {}).get("layer_pattern") or []
         if len(set(pattern)) > 1:
             found.add(tuple(pattern))
@@ -56,7 +56,7 @@ ROWS = [pytest.param((m,), id=m) for m in sorted(attention.REGISTRY)] + [
 def test_matrix_covers_the_registry_and_the_shipped_hybrid():
     ids = {p.id for p in ROWS}
     assert set(attention.REGISTRY) <= ids
-    assert "gdn+gdn+gdn+parallax" in ids  # configs/paper/qwen3_0.6b_hybrid_gdn_parallax.toml
+    assert "gdn+gdn+gdn+parallax" in ids  # attnlab/configs/paper/qwen3_0.6b_hybrid_gdn_parallax.toml
 
 
 @pytest.mark.parametrize("pattern", ROWS)

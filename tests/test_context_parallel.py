@@ -1,4 +1,4 @@
-"""Context parallelism (attention/cp.py) on CPU: the layout, then every mechanism that declares it trained on
+"""Context parallelism (attnlab/attention/cp.py) on CPU: the layout, then every mechanism that declares it trained on
 2 gloo processes (CP = 2) against one process on the same rows, with documents that cross the shards, and a CP run
 resumed on one process. Without the key/value all-gather a shard's queries would miss the other rank's keys,
 without the delta rule's state passing or the short convolution's history a chunk would start from nothing, and
@@ -11,11 +11,11 @@ import shutil
 import pytest
 import torch
 
-from attention.cp import ContextParallel, documents
-from attention.ops.common import visibility_mask
-from attention.registry import REGISTRY
-from config import DEFAULT_CONFIG, parse_config, validate_config
-from scripts.tiny_runs import losses, make_corpus, read_metrics, tiny_args
+from attnlab.attention.cp import ContextParallel, documents
+from attnlab.attention.ops.common import visibility_mask
+from attnlab.attention.registry import REGISTRY
+from attnlab.config import DEFAULT_CONFIG, parse_config, validate_config
+from attnlab.testing.tiny_runs import losses, make_corpus, read_metrics, tiny_args
 from tests.utils import run_train
 
 NAMES = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
@@ -94,9 +94,9 @@ def _rank_outputs_against_one_process(impl, device, dtype, D, probe, window, n, 
     all-gather would) against the float64 reference over the full rows: the relative error of the outputs and of
     the gradients of q, k, v (and ρ) summed over the ranks, within ``tol`` = (outputs, gradients). The kernels'
     outputs start as NaN (tests/conftest.py): an element left unwritten shows."""
-    from attention.base import AttentionContext
-    from attention.ops.parallax.naive import naive_parallax
-    from attention.softmax import attend_chunks
+    from attnlab.attention.base import AttentionContext
+    from attnlab.attention.ops.parallax.naive import naive_parallax
+    from attnlab.attention.softmax import attend_chunks
 
     torch.manual_seed(0)
     B, HQ, HKV = 2, 4, 2

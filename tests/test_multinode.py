@@ -59,7 +59,7 @@ def test_two_nodes_through_c10d_rendezvous_then_resume_on_one(tmp_path):
     assert [r["step"] for r in read_metrics(resumed) if "val_loss" in r] == [4]
 
 
-@pytest.mark.slow  # 4 processes; HSDP 2 x 2 also runs on GPUs (scripts/multigpu_check.py --replicate 2)
+@pytest.mark.slow  # 4 processes; HSDP 2 x 2 also runs on GPUs (attnlab/tools/multigpu_check.py --replicate 2)
 def test_hsdp_two_replicas_of_two_shards_then_resume_on_plain_fsdp(tmp_path):
     """HSDP (the layout for several nodes: replicas across nodes, FSDP shards within one) on 4 gloo processes, its
     step-2 checkpoint resumed on 2 processes of plain FSDP: DCP reshards from the 2 x 2 mesh, and the losses of

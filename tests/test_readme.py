@@ -22,58 +22,58 @@ from tests.utils import REPO
 
 RUN = {
     "python train.py": "trains the embedded default, minutes on a CPU",
-    "python -m scripts.train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
+    "python -m attnlab.tools.train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
     "python train.py --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer --model.vocab_size 2048 "
     "--data.val_every 2 --validation.local_batch_size 2 --training.steps 60 --job.dump_folder runs/my_text":
         "the docs/ block",
-    "python -m scripts.eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
+    "python -m attnlab.tools.eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
 }
 """Run as written, in README order (each block's commands read what the ones before wrote)."""
 
 NETWORK, GPU = "needs the network", "needs a GPU"
 HF_DOWNLOAD = f"{NETWORK} (the Qwen3-0.6B download)"
-USER_RUN = "runs/x, runs/my_run and their data stand for the user's run (tests/scripts/ runs the tool on tiny ones)"
+USER_RUN = "runs/x, runs/my_run and their data stand for the user's run (tests/tools/ runs the tool on tiny ones)"
 CHECKED = {
-    "python -m scripts.fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
+    "python -m attnlab.tools.fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
     "python train.py --training.dataset allenai/c4 --data.hub_subset en --model.hf_assets_path assets/hf/Qwen3-0.6B "
     "--model.vocab_size 151936 --training.steps 100 --job.dump_folder runs/c4": f"{NETWORK} (streams allenai/c4)",
-    "torchrun --nproc_per_node=8 train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml": "needs 8 GPUs",
-    "torchrun --nproc_per_node=1 train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml "
+    "torchrun --nproc_per_node=8 train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml": "needs 8 GPUs",
+    "torchrun --nproc_per_node=1 train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml "
     "--training.global_batch_size 8 --training.steps 20": f"{GPU} (the 0.6B model)",
-    "python train.py --job.config_file configs/paper/qwen3_0.6b_parallax.toml": f"{GPU} (the 0.6B model)",
-    "python -m scripts.smoke_configs --data DATA --tokenizer TOKDIR --local-batch 1 --seq 2048":
+    "python train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml": f"{GPU} (the 0.6B model)",
+    "python -m attnlab.tools.smoke_configs --data DATA --tokenizer TOKDIR --local-batch 1 --seq 2048":
         f"{GPU}; DATA and TOKDIR stand for the user's corpus and tokenizer",
-    "python -m scripts.smoke_configs --data DATA --tokenizer TOKDIR --nproc 4 --only qwen3_0.6b_*": "needs 4 GPUs",
-    "python -m scripts.plot_ppl runs/softmax runs/parallax -o ppl.png --smooth 0.9 --x tokens --skip 50":
-        "needs two training runs (tests/scripts/test_plot_ppl.py plots tiny ones)",
-    "python -m scripts.convert_to_parallax runs/qwen3_0.6b/checkpoint/step-20000 runs/converted/step-0":
-        "needs a trained 0.6B run (tests/scripts/test_convert_to_parallax.py converts a tiny one)",
-    "python -m scripts.convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
-    "python -m scripts.convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
+    "python -m attnlab.tools.smoke_configs --data DATA --tokenizer TOKDIR --nproc 4 --only qwen3_0.6b_*": "needs 4 GPUs",
+    "python -m attnlab.tools.plot_ppl runs/softmax runs/parallax -o ppl.png --smooth 0.9 --x tokens --skip 50":
+        "needs two training runs (tests/tools/test_plot_ppl.py plots tiny ones)",
+    "python -m attnlab.tools.convert_to_parallax runs/qwen3_0.6b/checkpoint/step-20000 runs/converted/step-0":
+        "needs a trained 0.6B run (tests/tools/test_convert_to_parallax.py converts a tiny one)",
+    "python -m attnlab.tools.convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
+    "python -m attnlab.tools.convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
         "SRC and DST stand for the user's folders",
-    "python train.py --job.config_file configs/convert_finetune_parallax.toml --checkpoint.initial_load_path "
+    "python train.py --job.config_file attnlab/configs/convert_finetune_parallax.toml --checkpoint.initial_load_path "
     "runs/converted/step-0": f"{GPU} and {NETWORK} (fine-tunes the converted 0.6B model on c4)",
-    "python -m scripts.export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
-        f"{USER_RUN}; tests/scripts/test_hf_round_trip.py exports a trained run",
-    "python -m scripts.export_hf runs/my_run/checkpoint/step-N hf_out --config configs/my_run.toml": USER_RUN,
-    "python -m scripts.import_hf assets/hf/Qwen3-0.6B runs/qwen3_parallax --parallax [--top-half --rho-gate] --base "
-    "configs/convert_finetune_parallax.toml": f"{HF_DOWNLOAD}; tests/scripts/test_hf_round_trip.py imports one",
-    "python -m scripts.train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
+    "python -m attnlab.tools.export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
+        f"{USER_RUN}; tests/tools/test_hf_round_trip.py exports a trained run",
+    "python -m attnlab.tools.export_hf runs/my_run/checkpoint/step-N hf_out --config attnlab/configs/my_run.toml": USER_RUN,
+    "python -m attnlab.tools.import_hf assets/hf/Qwen3-0.6B runs/qwen3_parallax --parallax [--top-half --rho-gate] --base "
+    "attnlab/configs/convert_finetune_parallax.toml": f"{HF_DOWNLOAD}; tests/tools/test_hf_round_trip.py imports one",
+    "python -m attnlab.tools.train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
     "python train.py --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path my_text/":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
-    "python -m scripts.generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
+    "python -m attnlab.tools.generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
     "--top-k 50 --top-p 0.95": "needs an export (hf_out) of a trained run",
-    "python -m scripts.generate runs/my_run [--step N] --prompt ...": USER_RUN,
-    "python -m scripts.eval_ppl runs/x --data val.jsonl.gz [--step N]": USER_RUN,
-    "python -m scripts.eval_ppl runs/x --data val.jsonl.gz --by-position": USER_RUN,
-    "python -m scripts.passkey runs/x [--lengths 1024,4096] [--depths 0,0.5,1]": USER_RUN,
-    "python -m scripts.analyze runs/x --data val.jsonl.gz": USER_RUN,
-    "python -m scripts.eval_downstream runs/x [--tasks lambada_openai,wikitext] [--limit 200]":
+    "python -m attnlab.tools.generate runs/my_run [--step N] --prompt ...": USER_RUN,
+    "python -m attnlab.tools.eval_ppl runs/x --data val.jsonl.gz [--step N]": USER_RUN,
+    "python -m attnlab.tools.eval_ppl runs/x --data val.jsonl.gz --by-position": USER_RUN,
+    "python -m attnlab.tools.passkey runs/x [--lengths 1024,4096] [--depths 0,0.5,1]": USER_RUN,
+    "python -m attnlab.tools.analyze runs/x --data val.jsonl.gz": USER_RUN,
+    "python -m attnlab.tools.eval_downstream runs/x [--tasks lambada_openai,wikitext] [--limit 200]":
         f"{USER_RUN}; {NETWORK} for the tasks' data",
-    "python -m scripts.synthetic --attention softmax,parallax,gdn --sweep quick":
+    "python -m attnlab.tools.synthetic --attention softmax,parallax,gdn --sweep quick":
         "trains every mechanism on every synthetic task: long on a CPU",
-    "python -m scripts.replicate --corpus CORPUS_DIR --steps 160":
+    "python -m benchmarks.replicate --corpus CORPUS_DIR --steps 160":
         f"{GPU} (~68M-parameter runs); CORPUS_DIR is the user's",
 }
 
@@ -84,13 +84,13 @@ NOT_CHECKED = {
     "python -m pytest -q -m gpu": "the GPU tests",
     "python -m pytest -q -m slow": "the slow tests, this file's run-as-written test included",
     "scripts/wheelhouse.sh wheels 3.12 manylinux_2_28_x86_64 --cuda cu130":
-        f"{NETWORK} (downloads wheels); tests/scripts/test_wheelhouse.py checks the script",
+        f"{NETWORK} (downloads wheels); tests/tools/test_wheelhouse.py checks the script",
     "scripts/wheelhouse.sh wheels-small 3.11 manylinux_2_28_x86_64 --cpu --no-torch":
-        f"{NETWORK} (downloads wheels); tests/scripts/test_wheelhouse.py checks the script",
+        f"{NETWORK} (downloads wheels); tests/tools/test_wheelhouse.py checks the script",
     "bash wheels/install.sh": "installs the wheel folder the wheelhouse command writes",
     "hf download Qwen/Qwen3-0.6B --local-dir assets/hf/Qwen3-0.6B": HF_DOWNLOAD,
     "python train.py --job.config_file runs/qwen3_parallax/config.toml":
-        "its config.toml is written by the import_hf command before it (tests/scripts/test_hf_round_trip.py trains "
+        "its config.toml is written by the import_hf command before it (tests/tools/test_hf_round_trip.py trains "
         "from one)",
 }
 
@@ -136,8 +136,8 @@ class _Parsed(Exception):
 
 def _check_train_flags(flags: list[str]) -> None:
     """train.py's configuration of ``flags``, parsed and preflighted as train.py's main does (nothing built)."""
-    from config import DEFAULT_CONFIG, parse_config
-    from train import preflight
+    from attnlab.config import DEFAULT_CONFIG, parse_config
+    from attnlab.train import preflight
 
     if not any(f.split("=")[0] in ("--job.config_file", "--job.config-file") for f in flags):
         flags = ["--job.config_file", DEFAULT_CONFIG, *flags]

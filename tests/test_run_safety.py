@@ -98,7 +98,7 @@ def test_config_file_in_the_run_folder_is_kept(corpus, tmp_path):
     dump = tmp_path / "run"
     dump.mkdir()
     mine = dump / "config.toml"
-    mine.write_bytes(b"# my notes\n" + (REPO / "configs" / "debug_cpu.toml").read_bytes())
+    mine.write_bytes(b"# my notes\n" + (REPO / "attnlab" / "configs" / "debug_cpu.toml").read_bytes())
     before = mine.read_bytes()
     args = tiny_args(corpus, dump, 1, 16, 2, *NO_VAL)
     args[1] = str(mine)

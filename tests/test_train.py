@@ -147,7 +147,7 @@ def test_config_error_is_one_line_before_anything_is_written(corpus, tmp_path, e
 
 def test_unknown_toml_key_is_named(corpus, tmp_path):
     cfg = tmp_path / "bad.toml"
-    cfg.write_text((REPO / "configs" / "debug_cpu.toml").read_text().replace("[attention]\n", "[attention]\nrope_on_ro = true\n"))
+    cfg.write_text((REPO / "attnlab" / "configs" / "debug_cpu.toml").read_text().replace("[attention]\n", "[attention]\nrope_on_ro = true\n"))
     args = tiny_args(corpus, tmp_path, 2)
     args[1] = str(cfg)
     with pytest.raises(AssertionError, match=r"unknown config key 'rope_on_ro' in \[attention\]"):
@@ -155,8 +155,8 @@ def test_unknown_toml_key_is_named(corpus, tmp_path):
 
 
 def test_heads_must_divide():
-    from attention import build_attention
-    from attention.base import AttentionArgs
+    from attnlab.attention import build_attention
+    from attnlab.attention.base import AttentionArgs
 
     with pytest.raises(ValueError, match="n_heads=6 must be a multiple of model.n_kv_heads=4"):
         build_attention("softmax", AttentionArgs(dim=32, n_heads=6, n_kv_heads=4, head_dim=8))
@@ -184,7 +184,7 @@ def test_plot_ppl_from_two_runs(straight, corpus, tmp_path):
     other = tmp_path / "parallax"
     run_train(tiny_args(corpus, other, 3, 16, 2, "--model.attention", "parallax"))
     png = tmp_path / "ppl.png"
-    subprocess.run([sys.executable, "-m", "scripts.plot_ppl", str(straight), str(other), "-o", str(png)],
+    subprocess.run([sys.executable, "-m", "attnlab.tools.plot_ppl", str(straight), str(other), "-o", str(png)],
                    check=True, cwd=str(REPO))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -217,7 +217,7 @@ def _steps(dump):
 def _assert_finite_checkpoint(step_dir):
     import torch
 
-    from models.checkpoint_io import load_dcp_state
+    from attnlab.checkpoint.dcp import load_dcp_state
 
     sd = load_dcp_state(step_dir)
     assert sd and all(bool(torch.isfinite(v).all()) for v in sd.values() if v.is_floating_point()), step_dir
@@ -311,7 +311,7 @@ def test_second_run_into_a_live_folder_fails_and_stale_lock_is_taken(corpus, tmp
     import os
     import socket
 
-    from trainer.run_guard import RunLock
+    from attnlab.trainer.run_guard import RunLock
 
     dump = tmp_path / "run"
     held = RunLock(str(dump))  # this (live) process holds the folder
@@ -388,7 +388,7 @@ def test_keep_latest_k_keeps_exactly_k_and_converter_keeps_the_mask_type(corpus,
     src = dump / "checkpoint" / "step-5"
     assert json.loads((src / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
     dst = tmp_path / "converted"
-    subprocess.run([sys.executable, "-m", "scripts.convert_to_parallax", str(src), str(dst),
+    subprocess.run([sys.executable, "-m", "attnlab.tools.convert_to_parallax", str(src), str(dst),
                     "--no-progress"], check=True, cwd=str(REPO), capture_output=True)
     assert json.loads((dst / "attnlab.json").read_text())["attn_mask_type"] == "block_causal"
 
@@ -397,7 +397,7 @@ def test_free_space_is_checked_at_start(tmp_path, monkeypatch, caplog):
     import shutil
     from types import SimpleNamespace
 
-    from trainer.run_guard import check_free_space
+    from attnlab.trainer.run_guard import check_free_space
 
     mib = 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10 * mib, total=100 * mib, used=0))
@@ -414,10 +414,10 @@ def test_architecture_changes_ignore_init_only_options():
     import dataclasses
     import json
 
-    from attention.parallax import ParallaxOptions
-    from models.args import ModelArgs
-    from models.checkpoint_io import args_to_dict
-    from trainer.checkpoint import INIT_ONLY_FIELDS, architecture_changes
+    from attnlab.attention.parallax import ParallaxOptions
+    from attnlab.models.args import ModelArgs
+    from attnlab.checkpoint.dcp import args_to_dict
+    from attnlab.trainer.checkpoint import INIT_ONLY_FIELDS, architecture_changes
 
     def record(mask="block_causal", **opts):
         args = ModelArgs(attention="parallax", attn_mask_type=mask,

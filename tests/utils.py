@@ -1,4 +1,4 @@
-"""Shared test helpers: launching real training runs (the tiny corpus and its arguments live in scripts/tiny_runs.py)."""
+"""Shared test helpers: launching real training runs (the tiny corpus and its arguments live in attnlab/testing/tiny_runs.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import socket
 import subprocess
 import sys
 
-from scripts.tiny_runs import REPO, losses, make_corpus, read_metrics, tiny_args
+from pathlib import Path
+
+from attnlab.testing.tiny_runs import losses, make_corpus, read_metrics, tiny_args
+
+REPO = Path(__file__).resolve().parents[1]
 
 __all__ = ["REPO", "free_port", "losses", "make_corpus", "random_qwen3", "read_metrics", "run_train", "tiny_args"]
 
@@ -21,17 +25,18 @@ def free_port() -> int:
 
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, module: str | None = None,
               **popen) -> subprocess.CompletedProcess:
-    """``train.py args`` on ``nproc`` processes (torchrun beyond one); ``module``: ``python -m module args`` instead,
-    a module that prepares the process (registers a mechanism) and then runs ``train.py``."""
+    """``python -m attnlab.train args`` on ``nproc`` processes (torchrun beyond one); ``module``: ``python -m module
+    args`` instead, a module that prepares the process (registers a mechanism) and then runs the trainer."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    entry = ["-m", module] if module else [str(REPO / "train.py")]
+    entry = ["-m", module or "attnlab.train"]
     if nproc == 1:
         cmd = [sys.executable, *entry, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", *entry, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), **popen)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          **{"cwd": str(REPO), **popen})
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
-from attention.base import AttentionArgs, AttentionContext
-from attention.ops.common import check_impl
-from attention.ops.linear_attn import gated_linear_attention
-from attention.registry import REGISTRY, register_attention
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.ops.common import check_impl
+from attnlab.attention.ops.linear_attn import gated_linear_attention
+from attnlab.attention.registry import REGISTRY, register_attention
 
 NAME = "tiny_linear"
 
@@ -99,8 +99,8 @@ def test_not_registered_outside_the_tests():
 
 
 def test_config_section_and_list(tiny):
-    import attention
-    from config import DEFAULT_CONFIG, parse_config
+    from attnlab import attention
+    from attnlab.config import DEFAULT_CONFIG, parse_config
 
     cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.attention", tiny,
                         f"--attention.{tiny}.decay", "0.5"])

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import REGISTRY, build_attention
-from attention.base import AttentionArgs, AttentionContext
+from attnlab.attention import REGISTRY, build_attention
+from attnlab.attention.base import AttentionArgs, AttentionContext
 
 # (mechanism, impl): paths that graph-broke before they became opaque ops, one per op in the default suite (lla's
 # chunked and Triton paths share one op, hla and cala share gla_triton); the rest are slow

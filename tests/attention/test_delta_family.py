@@ -8,11 +8,11 @@ Float64 and tiny sizes (dim 24, 2 heads of K=8, V=12 via expand_v=1.5) so each m
 import pytest
 import torch
 
-import attention  # noqa: F401  (registers the mechanisms)
-from attention.base import AttentionArgs, AttentionContext
-from attention.registry import REGISTRY
-from optim.config import Optimizer
-from optim.groups import route_parameters
+from attnlab import attention  # noqa: F401  (registers the mechanisms)
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.registry import REGISTRY
+from attnlab.optim.config import Optimizer
+from attnlab.optim.groups import route_parameters
 
 MECHS = ["deltanet", "gdn", "kda"]
 # (mechanism, extra options): every mechanism, plus KDA with fla's bounded gate
@@ -160,7 +160,7 @@ def test_kda_gate_lower_bound_out_of_range(lb):
                                                    ("gdn", {}, None), ("deltanet", {}, None)])
 def test_gate_lower_bound_reaches_delta_rule(name, extra, expected, monkeypatch):
     """The module hands its bound to delta_rule (prefill and decode): KDA's when set, None otherwise."""
-    import attention.deltanet as dn
+    import attnlab.attention.deltanet as dn
 
     seen = []
     real = dn.delta_rule

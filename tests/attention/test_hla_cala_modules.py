@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import build_attention, get_mechanism
-from attention.base import AttentionArgs, AttentionContext
-from attention.cala import CALAOptions
-from attention.hla import HLAOptions
-from attention.ops.cala import naive_cala
+from attnlab.attention import build_attention, get_mechanism
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.cala import CALAOptions
+from attnlab.attention.hla import HLAOptions
+from attnlab.attention.ops.cala import naive_cala
 
 ARGS = AttentionArgs(dim=32, n_heads=4, n_kv_heads=2, head_dim=8)
 HLA_OPTS = [

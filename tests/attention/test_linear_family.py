@@ -4,11 +4,11 @@ meta-device init, declared parameter roles."""
 import pytest
 import torch
 
-import attention  # noqa: F401  (registers every mechanism)
-from attention.base import AttentionArgs, AttentionContext
-from attention.registry import build_attention, get_mechanism
-from optim.config import Optimizer
-from optim.groups import route_parameters
+from attnlab import attention  # noqa: F401  (registers every mechanism)
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.registry import build_attention, get_mechanism
+from attnlab.optim.config import Optimizer
+from attnlab.optim.groups import route_parameters
 
 D64 = torch.float64
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention import REGISTRY, build_attention
-from attention.base import AttentionArgs, AttentionContext
+from attnlab.attention import REGISTRY, build_attention
+from attnlab.attention.base import AttentionArgs, AttentionContext
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ["lla", "value_avg", "affine_linear", "mesa", "affine_mesa"]
@@ -116,10 +116,10 @@ def test_bad_options_raise(name, key):
 
 def test_lla_kernel_key_is_unknown(tmp_path):
     """LLA has one Triton kernel: a TOML that still selects one (``attention.lla.kernel``) fails as an unknown key."""
-    from config import parse_config
+    from attnlab.config import parse_config
 
     cfg = tmp_path / "lla.toml"
-    cfg.write_text((REPO / "configs" / "debug_cpu.toml").read_text() + '\n[attention.lla]\nkernel = "v2"\n')
+    cfg.write_text((REPO / "attnlab" / "configs" / "debug_cpu.toml").read_text() + '\n[attention.lla]\nkernel = "v2"\n')
     with pytest.raises(ValueError, match=r"unknown config key 'kernel' in \[attention\.lla\]"):
         parse_config(["--job.config_file", str(cfg)])
 

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-import attention
-from attention.base import AttentionArgs, AttentionContext
-from attention.ops import parallax as parallax_ops
-from attention.ops.parallax.naive import naive_parallax
+from attnlab import attention
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.ops import parallax as parallax_ops
+from attnlab.attention.ops.parallax.naive import naive_parallax
 
 
 def loop_parallax(q, k, v, r, scale, doc=None):
@@ -142,7 +142,7 @@ def test_flops_parallax_twice_softmax():
 def test_auto_falls_back_where_the_kernels_do_not_apply():
     """impl="auto" takes the Triton kernels only on CUDA with a head dim/dtype they support (tiny test models
     use head dim 8, below tl.dot's K >= 16); everything else runs the reference."""
-    from attention.ops.parallax import triton as kernels
+    from attnlab.attention.ops.parallax import triton as kernels
 
     assert kernels.supports(torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16))
     assert not kernels.supports(torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16))
@@ -170,5 +170,5 @@ def test_cuda_auto_path_matches_reference_with_packed_documents(name, window):
     assert parallax_ops.resolve_impl("auto", half[0]) == "triton"
     got = m.mix(*half, ctx).float()
     torch.testing.assert_close(got, expect, rtol=4e-2, atol=4e-2)
-    if name == "softmax":  # float32 on CUDA (scripts/analyze.py) must not reach the half-only flash varlen kernel
+    if name == "softmax":  # float32 on CUDA (attnlab/tools/analyze.py) must not reach the half-only flash varlen kernel
         torch.testing.assert_close(m.mix(q, k, v, r, ctx), expect, rtol=2e-3, atol=2e-3)

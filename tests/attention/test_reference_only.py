@@ -2,8 +2,8 @@
 
 import logging
 
-from attention.base import AttentionArgs
-from attention.registry import REGISTRY, build_attention, describe
+from attnlab.attention.base import AttentionArgs
+from attnlab.attention.registry import REGISTRY, build_attention, describe
 
 
 def test_reference_only_is_listed_and_warns(caplog):

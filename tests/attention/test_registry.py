@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from attention import REGISTRY, build_attention, describe
-from attention.base import AttentionArgs
-from attention.ops.common import IMPLS
+from attnlab.attention import REGISTRY, build_attention, describe
+from attnlab.attention.base import AttentionArgs
+from attnlab.attention.ops.common import IMPLS
 
 
 def test_impls_are_a_subset_of_the_vocabulary():

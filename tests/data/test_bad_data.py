@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from config import parse_config
-from data.loader import build_dataloader, build_tokenizer
-from data.sources import open_text_dataset
+from attnlab.config import parse_config
+from attnlab.data.loader import build_dataloader, build_tokenizer
+from attnlab.data.sources import open_text_dataset
 from tests.utils import make_corpus, tiny_args
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from data.loader import PackedTextDataset, build_tokenizer, document_positions
-from data.sources import open_text_dataset, resolve_files
+from attnlab.data.loader import PackedTextDataset, build_tokenizer, document_positions
+from attnlab.data.sources import open_text_dataset, resolve_files
 from tests.utils import make_corpus
 
 
@@ -136,9 +136,9 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
     """``[data] hub_subset`` names the config of a hub dataset (c4 "en", fineweb-edu "sample-10BT")."""
     from datasets import Dataset
 
-    import data.sources
-    from config import DEFAULT_CONFIG, parse_config
-    from data.loader import _source
+    from attnlab.data import sources as data_sources
+    from attnlab.config import DEFAULT_CONFIG, parse_config
+    from attnlab.data.loader import _source
 
     calls = []
 
@@ -146,7 +146,7 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
         calls.append((args, kw))
         return Dataset.from_list([{"text": f"doc {i}"} for i in range(4)])
 
-    monkeypatch.setattr(data.sources, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(data_sources, "load_dataset", fake_load_dataset)
     cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--training.dataset", "allenai/c4",
                         "--data.hub_subset", "en", "--data.hub_split", "validation", "--data.val_every", "0"])
     ds, field, name = _source(cfg, "train")
@@ -161,8 +161,8 @@ def test_hub_dataset_subset_is_passed_to_load_dataset(monkeypatch):
 def test_training_split_holds_out_documents_only_without_a_validation_file(corpus, val_path):
     """``data.val_every`` holds every k-th training document out for validation only when
     ``validation.dataset_path`` is empty; with a validation file, training reads every document."""
-    from config import DEFAULT_CONFIG, parse_config
-    from data.loader import _source
+    from attnlab.config import DEFAULT_CONFIG, parse_config
+    from attnlab.data.loader import _source
 
     flags = ["--job.config_file", DEFAULT_CONFIG, "--training.dataset_path", corpus["train"],
              "--validation.enable", "--data.val_every", "4"]
@@ -192,7 +192,7 @@ def test_one_worker_reads_what_no_worker_reads_and_its_state_reshards(corpus):
     would each read every document: refused by the config check)."""
     import pickle
 
-    from data.loader import ReshardableDataloader, dataset_state
+    from attnlab.data.loader import ReshardableDataloader, dataset_state
 
     def loader(workers, rank=0, world=1):
         ds, _ = _dataset(corpus, seq_len=10, rank=rank, world=world)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from data.sources import open_text_dataset
+from attnlab.data.sources import open_text_dataset
 
 GOOD = [json.dumps({"text": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3)]
 

@@ -1,13 +1,13 @@
-"""Cached decoding (models/decode.py) against repeated full forwards, for every mechanism with init_cache."""
+"""Cached decoding (attnlab/models/decode.py) against repeated full forwards, for every mechanism with init_cache."""
 
 import pytest
 import torch
 
-import attention
-from attention.base import AttentionArgs, AttentionContext
-from models.args import ModelArgs
-from models.decode import forward_cached, generate, init_caches, sample
-from models.checkpoint_io import build_model
+from attnlab import attention
+from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.models.args import ModelArgs
+from attnlab.models.decode import forward_cached, generate, init_caches, sample
+from attnlab.checkpoint.dcp import build_model
 
 CACHED = sorted(n for n, m in attention.REGISTRY.items() if hasattr(m.cls, "init_cache"))
 
@@ -70,7 +70,7 @@ def test_kv_cache_rows_of_different_lengths_match_reference():
             for b, n in ((0, 9), (1, 6))]
     cache = m.init_cache(2, 12, "cpu", torch.float64)
     # prefill 5 tokens in row 0 and 2 in row 1 by running them separately through a batch-1 view of the cache
-    from attention.softmax import KVCache
+    from attnlab.attention.softmax import KVCache
     for b, n0 in ((0, 5), (1, 2)):
         sub = KVCache(cache.k[b:b + 1], cache.v[b:b + 1], cache.seqlens[b:b + 1])
         m(x[b:b + 1, :n0], AttentionContext(positions=torch.arange(n0)[None], cache=sub))
@@ -101,8 +101,8 @@ def test_cache_overflow_and_sampling_filters():
 
 
 def test_generate_script_greedy_matches_full_forward(tmp_path, capsys):
-    from models.hf import save_hf
-    from scripts import generate as script
+    from attnlab.checkpoint.hf import save_hf
+    from attnlab.tools import generate as script
 
     model = _tiny("parallax")
     save_hf(model.state_dict(), model.model_args, tmp_path / "hf")
@@ -137,16 +137,16 @@ def test_cuda_decode_kernel_matches_full_forward(mech, dtype):
 def test_decode_builds_the_rope_table_once(monkeypatch):
     """Decoding gathers from the model's RoPE table: one table for the whole generation, none per step or layer
     (a per-step table grows with the position), and the tokens equal the full forward's."""
-    import attention.base
-    import models.model
+    from attnlab.attention import base as attention_base
+    from attnlab.models import model as model_module
 
     model = _tiny("parallax")
     prompt = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(3))
     ref, _ = _full_greedy(model, prompt, 4)
     model._rope_tables.clear()
     built = []
-    real = models.model.precompute_rope_cache
-    monkeypatch.setattr(models.model, "precompute_rope_cache", lambda *a: built.append(a) or real(*a))
-    monkeypatch.setattr(attention.base, "precompute_rope_cache", lambda *a: pytest.fail("RoPE table built per step"))
+    real = model_module.precompute_rope_cache
+    monkeypatch.setattr(model_module, "precompute_rope_cache", lambda *a: built.append(a) or real(*a))
+    monkeypatch.setattr(attention_base, "precompute_rope_cache", lambda *a: pytest.fail("RoPE table built per step"))
     res = generate(model, prompt, 4, greedy=True)
     assert torch.equal(res.tokens, ref) and len(built) == 1

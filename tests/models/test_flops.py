@@ -5,13 +5,13 @@ document-masked batch, checked against a count on the batch's block-causal mask.
 import pytest
 import torch
 
-import attention
-from attention.base import AttentionArgs, AttentionContext, causal_pairs
-from attention.ops.common import visibility_mask
-from attention.registry import REGISTRY
-from data.loader import document_lengths
-from models.args import get_flavor
-from models.model import Transformer
+from attnlab import attention
+from attnlab.attention.base import AttentionArgs, AttentionContext, causal_pairs
+from attnlab.attention.ops.common import visibility_mask
+from attnlab.attention.registry import REGISTRY
+from attnlab.data.loader import document_lengths
+from attnlab.models.args import get_flavor
+from attnlab.models.model import Transformer
 
 
 def _pairs(T: int, window: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""models/loss.py: the chunked linear cross-entropy against torchtitan's loss of the full logits (value and every
+"""attnlab/models/loss.py: the chunked linear cross-entropy against torchtitan's loss of the full logits (value and every
 gradient; ignored labels, ragged last chunks, fp32 and bf16), that no tensor holds more than a chunk of logits, and
 the model's loss path (tied and untied head) against its logits path for every parameter."""
 
@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 
-from models.args import ModelArgs
-from models.loss import linear_cross_entropy
-from models.model import Transformer
+from attnlab.models.args import ModelArgs
+from attnlab.models.loss import linear_cross_entropy
+from attnlab.models.model import Transformer
 
 T, V, D = 74, 211, 8  # D·V and T·D below 16·V below T·V: the memory checks tell a chunk of logits from all of them
 

@@ -4,12 +4,12 @@
 import pytest
 import torch
 
-from attention.base import AttentionContext
-from models.args import FLAVORS, get_flavor
+from attnlab.attention.base import AttentionContext
+from attnlab.models.args import FLAVORS, get_flavor
 from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
-import models.model
-from models.model import Transformer
+from attnlab.models import model as model_module
+from attnlab.models.model import Transformer
 
 # Qwen3-0.6B as published (tied embeddings): 596,049,920 parameters.
 QWEN3_06B = 596_049_920
@@ -91,7 +91,7 @@ def test_context_from_positions():
 def test_rope_table_is_built_once_and_matches_torchtitan(monkeypatch):
     model = _tiny("softmax")
     built = []
-    monkeypatch.setattr(models.model, "precompute_rope_cache", lambda *a: built.append(a) or precompute_rope_cache(*a))
+    monkeypatch.setattr(model_module, "precompute_rope_cache", lambda *a: built.append(a) or precompute_rope_cache(*a))
     D, L, theta = model.model_args.head_dim, model.model_args.max_seq_len, model.model_args.rope_theta
     for T in (12, 12, 7):  # three steps, two shapes: one table of max_seq_len rows serves them all
         tokens = torch.randint(0, 64, (2, T))

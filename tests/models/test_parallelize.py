@@ -10,11 +10,11 @@ from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
-from attention.ops.delta_rule.triton import delta_rule_op
-from attention.ops.delta_rule.triton import ops as drops
-from attention.ops.parallax.triton import ops as kops
-from attention.ops.parallax.triton import parallax_triton
-from models.parallelize import sac_save_list
+from attnlab.attention.ops.delta_rule.triton import delta_rule_op
+from attnlab.attention.ops.delta_rule.triton import ops as drops
+from attnlab.attention.ops.parallax.triton import ops as kops
+from attnlab.attention.ops.parallax.triton import parallax_triton
+from attnlab.models.parallelize import sac_save_list
 
 
 def test_save_list_adds_the_attention_ops():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from optim.build import build_lr_schedulers, build_optimizers
-from optim.config import LRScheduler, Optimizer
+from attnlab.optim.build import build_lr_schedulers, build_optimizers
+from attnlab.optim.config import LRScheduler, Optimizer
 
 
 class Toy(nn.Module):
@@ -122,7 +122,7 @@ def test_scheduler_state_with_two_optimizer_types():
 def test_shard_local_adam_equals_torch(name, impl):
     """optim.adam's Adam/AdamW (stepping DTensor shards locally) are torch's on plain tensors, bit for bit; the
     FSDP2 side is tests/optim/test_fsdp_muon.py (distributed == 1 process)."""
-    import optim.adam as ob
+    import attnlab.optim.adam as ob
 
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]

@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from optim.build import build_lr_schedulers, build_optimizers
-from optim.config import LRScheduler, Optimizer
+from attnlab.optim.build import build_lr_schedulers, build_optimizers
+from attnlab.optim.config import LRScheduler, Optimizer
 from tests.utils import free_port
-from trainer.teardown import destroy_process_groups
+from attnlab.trainer.teardown import destroy_process_groups
 
 STEPS = 5
 
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-        from optim.muon import Muon
+        from attnlab.optim.muon import Muon
 
         batches = [torch.randint(0, 30, (2, 7), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
         mesh = init_device_mesh("cpu", (world,))

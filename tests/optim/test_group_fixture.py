@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import attention  # noqa: F401  (registers every mechanism)
-from attention.registry import REGISTRY
-from models.args import get_flavor
-from models.model import Transformer
-from optim.build import build_optimizers
-from optim.config import Optimizer
+from attnlab import attention  # noqa: F401  (registers every mechanism)
+from attnlab.attention.registry import REGISTRY
+from attnlab.models.args import get_flavor
+from attnlab.models.model import Transformer
+from attnlab.optim.build import build_optimizers
+from attnlab.optim.config import Optimizer
 
 FIXTURE = Path(__file__).with_name("group_fixture.json")
 

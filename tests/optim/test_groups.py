@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-import attention  # noqa: F401  (registers every mechanism)
-from attention.base import AttentionArgs
-from attention.registry import REGISTRY
-from optim.build import build_optimizers
-from optim.config import Optimizer
-from optim.groups import route_parameters
-from optim.muon import Blocks
+from attnlab import attention  # noqa: F401  (registers every mechanism)
+from attnlab.attention.base import AttentionArgs
+from attnlab.attention.registry import REGISTRY
+from attnlab.optim.build import build_optimizers
+from attnlab.optim.config import Optimizer
+from attnlab.optim.groups import route_parameters
+from attnlab.optim.muon import Blocks
 
 ARGS = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16)
 

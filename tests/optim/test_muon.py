@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import optim.muon as muon_mod
-from optim.muon import Blocks, Muon, newton_schulz, resolve_ns_coefficients, update_scale
+import attnlab.optim.muon as muon_mod
+from attnlab.optim.muon import Blocks, Muon, newton_schulz, resolve_ns_coefficients, update_scale
 
 # (coefficients, dtype, band of converged singular values, max off-diagonal of Uᵀ O V)
 NS_CASES = [

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-import optim.registry as registry
-from config import DEFAULT_CONFIG, parse_config
-from optim.build import build_optimizers
-from optim.config import ROLES, Optimizer
-from optim.registry import REGISTRY, RoleSettings, Stepper, register_optimizer, steppers
+import attnlab.optim.registry as registry
+from attnlab.config import DEFAULT_CONFIG, parse_config
+from attnlab.optim.build import build_optimizers
+from attnlab.optim.config import ROLES, Optimizer
+from attnlab.optim.registry import REGISTRY, RoleSettings, Stepper, register_optimizer, steppers
 
 UNKNOWN = "optimizer.name='sgd' is not registered; choose from ['adam', 'adamw', 'muon']"
 

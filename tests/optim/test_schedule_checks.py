@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
-from optim.build import build_lr_schedulers, build_optimizers
-from optim.config import LRScheduler, Optimizer
-from optim.schedules import build_schedule
+from attnlab.optim.build import build_lr_schedulers, build_optimizers
+from attnlab.optim.config import LRScheduler, Optimizer
+from attnlab.optim.schedules import build_schedule
 
 
 @pytest.mark.parametrize("kwargs,steps,message", [
@@ -28,7 +28,7 @@ def test_impossible_schedules_name_their_keys(kwargs, steps, message):
 
 
 @pytest.mark.parametrize("kwargs,steps,phases", [
-    (dict(warmup_steps=20, decay_ratio=0.2), 400, "20 warmup, 300 stable, 80 decay"),  # configs/debug_cpu.toml
+    (dict(warmup_steps=20, decay_ratio=0.2), 400, "20 warmup, 300 stable, 80 decay"),  # attnlab/configs/debug_cpu.toml
     (dict(warmup_steps=1, decay_ratio=0.2), 1, "1 warmup, 0 stable, 0 decay"),  # a 1-step run (tiny_args)
     (dict(warmup_steps=2, decay_ratio=0.5), 4, "2 warmup, 0 stable, 2 decay"),  # warmup then decay, no plateau
     (dict(schedule="cosine", warmup_steps=0, warmup_fraction=0.25), 8, "2 warmup, 0 stable, 6 decay"),

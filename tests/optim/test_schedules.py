@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from optim.config import LRScheduler
-from optim.schedules import build_schedule, lr_group_warmup
+from attnlab.optim.config import LRScheduler
+from attnlab.optim.schedules import build_schedule, lr_group_warmup
 
 C45 = 0.5 * (1 + math.cos(math.pi / 4))  # cosine shape at t = 1/4
 

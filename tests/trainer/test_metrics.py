@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import config
+from attnlab import config
 from tests.utils import losses, read_metrics, run_train, tiny_args
 
 
@@ -40,8 +40,8 @@ def test_wandb_project_name_and_folder_come_from_the_config(fake_wandb, one_proc
                                                             name):
     from torchtitan.distributed import ParallelDims
 
-    from trainer.cpu import install_cpu_shim
-    from trainer.metrics import build_metrics
+    from attnlab.trainer.cpu import install_cpu_shim
+    from attnlab.trainer.metrics import build_metrics
 
     install_cpu_shim()
     dump = tmp_path / "myrun"
@@ -86,10 +86,10 @@ def test_tensorboard_tags_are_torchtitans_and_metrics_jsonl_keeps_its_keys(corpu
 def test_document_flops_count_each_documents_own_attention():
     """Under ``block_causal`` a step's FLOPs are the sum over its documents (a query attends within its own
     document), so a row of short documents counts less attention than one row-long sequence."""
-    from config import DEFAULT_CONFIG, parse_config
-    from data.loader import document_lengths
-    from models.checkpoint_io import build_model, model_args_from_config
-    from trainer.metrics import DocumentFlops
+    from attnlab.config import DEFAULT_CONFIG, parse_config
+    from attnlab.data.loader import document_lengths
+    from attnlab.checkpoint.dcp import build_model, model_args_from_config
+    from attnlab.trainer.metrics import DocumentFlops
 
     args = model_args_from_config(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.attention", "softmax"]))
     model = build_model(args)
@@ -110,8 +110,8 @@ def test_document_flops_count_each_documents_own_attention():
 def test_block_causal_run_logs_the_document_count(corpus, tmp_path):
     """A ``block_causal`` run's tflops / tokens per second is its documents' count per token: less than a whole-row
     sequence's, more than the weight matmuls alone."""
-    from config import parse_config
-    from models.checkpoint_io import build_model, model_args_from_config
+    from attnlab.config import parse_config
+    from attnlab.checkpoint.dcp import build_model, model_args_from_config
 
     argv = tiny_args(corpus, tmp_path / "run", 2, 64, 2, "--checkpoint.no-enable")  # rows of several documents
     run_train(argv)

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from trainer.metrics import JsonlLogger, read_records
-from scripts import plot_ppl
-from scripts.tiny_runs import read_metrics
+from attnlab.trainer.metrics import JsonlLogger, read_records
+from attnlab.tools import plot_ppl
+from attnlab.testing.tiny_runs import read_metrics
 
 GOOD = "".join(json.dumps({"step": s, "loss": 2.0 / s}) + "\n" for s in (1, 2))
 

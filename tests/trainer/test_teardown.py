@@ -1,5 +1,5 @@
 """The end of a two-process run: no process group's worker thread is left for the interpreter's finalisation
-(trainer/teardown.py). Each training process runs this file as ``__main__``: train.py's ``main``, then a look at
+(attnlab/trainer/teardown.py). Each training process runs this file as ``__main__``: train.py's ``main``, then a look at
 its own threads."""
 
 import os

@@ -4,8 +4,8 @@ implicit-gradient CG solve (incl. λ), the family's limits, decode steps vs the 
 import pytest
 import torch
 
-from attention.ops.affine import AffineState, affine_attention, affine_step, causal_linear, naive_affine
-from attention.ops.common import doc_bounds
+from attnlab.attention.ops.affine import AffineState, affine_attention, affine_step, causal_linear, naive_affine
+from attnlab.attention.ops.common import doc_bounds
 
 f64 = torch.float64
 MECHS = ["value_avg", "affine_linear", "mesa", "affine_mesa"]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.ops import autotune
-from attention.ops.autotune import candidates
+from attnlab.attention.ops import autotune
+from attnlab.attention.ops.autotune import candidates
 
 
 def test_all_first_and_bad_value(monkeypatch):
@@ -48,7 +48,7 @@ def test_first_config_for_fla_restricts_only_fla_modules(monkeypatch, tmp_path):
 
     import triton
 
-    from attention.ops.autotune import first_config_for_fla
+    from attnlab.attention.ops.autotune import first_config_for_fla
 
     monkeypatch.setattr(triton, "autotune", triton.autotune)  # undone after the test
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")

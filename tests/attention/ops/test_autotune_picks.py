@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.ops import autotune_picks
-from attention.ops.autotune_picks import autotune_key
-from attention.ops.fla_launch import FastLaunch
+from attnlab.attention.ops import autotune_picks
+from attnlab.attention.ops.autotune_picks import autotune_key
+from attnlab.attention.ops.fla_launch import FastLaunch
 
 N = 37
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.ops.common import document_ids
-from attention.ops.cala import local_context, naive_cala, naive_local_context, normalized_linear_attention
+from attnlab.attention.ops.common import document_ids
+from attnlab.attention.ops.cala import local_context, naive_cala, naive_local_context, normalized_linear_attention
 
 CU = torch.tensor([0, 4, 13, 15, 26], dtype=torch.int32)  # B=2, T=13: docs 4, 9 | 2, 11
 

@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from attention.ops.custom_ops import REGISTERED, SAC_SAVE, attnlab_op, opaque_op
+from attnlab.attention.ops.custom_ops import REGISTERED, SAC_SAVE, attnlab_op, opaque_op
 
 Tensor = torch.Tensor
 

@@ -7,8 +7,8 @@ Float64 throughout on the CPU so mismatches cannot hide behind rounding; sizes a
 import pytest
 import torch
 
-from attention.linear_common import l2norm
-from attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
+from attnlab.attention.linear_common import l2norm
+from attnlab.attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
 
 GATES = ["none", "scalar", "channel"]
 
@@ -173,7 +173,7 @@ def _fla_or_skip():
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fla_forward_matches_chunk(gate, varlen):
     _fla_or_skip()
-    from attention.ops.delta_rule.fla import fla_delta_rule
+    from attnlab.attention.ops.delta_rule.fla import fla_delta_rule
 
     B, T, H, K, V = (1, 300, 4, 64, 64) if varlen else (2, 300, 4, 64, 64)
     cu = torch.tensor([0, 37, 200, 300], dtype=torch.int32, device="cuda") if varlen else None
@@ -192,7 +192,7 @@ def test_fla_backward_matches_chunk(gate):
     """fla's gradients against the float64 chunk path on the same bf16 values (fla-core 0.6.0's
     ``chunk_delta_rule`` refuses float32 inputs; the gated ones are refused on Hopper with Triton < 3.7.1)."""
     _fla_or_skip()
-    from attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
+    from attnlab.attention.ops.delta_rule.fla import fla_delta_rule, fla_unavailable_reason
 
     B, T, H, K, V = 2, 200, 4, 64, 64
     q, k, v, beta, g = make_inputs(B, T, H, K, V, gate, dtype=torch.float32, device="cuda")

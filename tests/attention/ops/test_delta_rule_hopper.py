@@ -13,10 +13,10 @@ import functools
 import pytest
 import torch
 
-from attention.linear_common import l2norm
-from attention.ops.delta_rule import (chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule,
+from attnlab.attention.linear_common import l2norm
+from attnlab.attention.ops.delta_rule import (chunk_delta_rule, delta_rule, delta_rule_op, naive_recurrent_delta_rule,
                                       select_impl)
-from attention.ops.delta_rule.triton.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
+from attnlab.attention.ops.delta_rule.triton.dqkwg import chunk_bwd_dqkwg, chunk_indices_for
 
 
 fla_hopper = functools.partial(delta_rule_op, backend="fla_hopper")  # fla-core with our dqkwg / KDA intra kernels
@@ -228,7 +228,7 @@ def test_our_dqkwg_matches_reference_on_gpu(gate):
 @pytest.mark.gpu
 def test_auto_picks_fla_hopper_on_hopper_with_old_triton():
     pytest.importorskip("fla")
-    from attention.ops.common import fla_gated_backward_ok
+    from attnlab.attention.ops.common import fla_gated_backward_ok
 
     q = torch.randn(1, 8, 1, 16, device="cuda")
     picked = select_impl("auto", q, gated=True, needs_grad=True)

@@ -24,9 +24,9 @@ import os
 import pytest
 import torch
 
-from attention.linear_common import l2norm, log_gate
-from attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
-from attention.ops.delta_rule.triton.ops import delta_rule_bwd, delta_rule_fwd, delta_rule_op
+from attnlab.attention.linear_common import l2norm, log_gate
+from attnlab.attention.ops.delta_rule import chunk_delta_rule, delta_rule, naive_recurrent_delta_rule, select_impl
+from attnlab.attention.ops.delta_rule.triton.ops import delta_rule_bwd, delta_rule_fwd, delta_rule_op
 
 F64 = torch.float64
 LB = -5.0  # KDA's bounded gate: fla's recommended (and lowest safe) lower bound
@@ -172,10 +172,10 @@ def test_module_compiled_through_op_matches_chunk(name, extra, monkeypatch):
     """The module path under torch.compile(fullgraph=True) when dispatch picks the op (as "auto" does on a GPU
     with fla): forced here by making the resolver answer "fla" (the op's CPU kernel is the chunk path), packed
     documents included; compared with the eager module on the chunk path."""
-    import attention  # noqa: F401
-    import attention.ops.delta_rule as dr
-    from attention.base import AttentionArgs, AttentionContext
-    from attention.registry import REGISTRY
+    from attnlab import attention  # noqa: F401
+    import attnlab.attention.ops.delta_rule as dr
+    from attnlab.attention.base import AttentionArgs, AttentionContext
+    from attnlab.attention.registry import REGISTRY
 
     torch._dynamo.reset()
     spec = REGISTRY[name]
@@ -261,8 +261,8 @@ def fla_kda_interpreted(monkeypatch):
     from triton.runtime.autotuner import Autotuner, Heuristics
     from triton.runtime.interpreter import _implicit_cvt
 
-    from attention.ops.delta_rule.triton import ops
-    from attention.ops.fla_launch import FastLaunch
+    from attnlab.attention.ops.delta_rule.triton import ops
+    from attnlab.attention.ops.fla_launch import FastLaunch
 
     def interp_range(*args):
         if not any(isinstance(a, tl.tensor) for a in args):
@@ -292,7 +292,7 @@ def _spy_fla_kda(monkeypatch):
     ours (``pipeline.kda_bwd``, fla's argument names) (keyword arguments, result)."""
     from fla.ops.kda import chunk_bwd, chunk_fwd
 
-    from attention.ops.delta_rule.triton import pipeline
+    from attnlab.attention.ops.delta_rule.triton import pipeline
 
     calls = {"fwd": [], "bwd": []}
 
@@ -500,10 +500,10 @@ def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl
 def test_gpu_kda_hopper_extra_configs_match_chunk(bounded):
     """Each config attention.ops.fla_launch adds to KDA's fused backward kernel on Hopper (8 warps, which fla's list
     leaves out there), forced alone: every gradient against the float64 chunk path, bf16 budgets of
-    test_gpu_kda_bounded_gate_matches_chunk. The shape and flags are those of ``scripts/bench_linear.py``'s kda rows
+    test_gpu_kda_bounded_gate_matches_chunk. The shape and flags are those of ``benchmarks/bench_linear.py``'s kda rows
     (B4 T4096 H16 D128, no initial or final state), so that a GPU call running the benchmark first finds fla's
     kernels compiled: a cold compile of fla's KDA kernels at a new specialisation takes 200-260 s on an H100."""
-    from attention.ops.fla_launch import HOPPER_EXTRA_CONFIGS, FastLaunch, _is_hopper
+    from attnlab.attention.ops.fla_launch import HOPPER_EXTRA_CONFIGS, FastLaunch, _is_hopper
 
     backend = _gpu_backend(True, "fla_hopper")
     if not _is_hopper():
@@ -546,9 +546,9 @@ def test_gpu_kda_hopper_extra_configs_match_chunk(bounded):
 def test_gpu_compiled_module_matches_eager(name):
     """The module under torch.compile(fullgraph=True) (inductor) with impl "auto" (the custom ops; KDA's saved
     intermediates are graph outputs of the forward op fed to the backward op) against eager, bf16."""
-    import attention  # noqa: F401
-    from attention.base import AttentionArgs, AttentionContext
-    from attention.registry import REGISTRY
+    from attnlab import attention  # noqa: F401
+    from attnlab.attention.base import AttentionArgs, AttentionContext
+    from attnlab.attention.registry import REGISTRY
 
     _gpu_backend(True)
     torch._dynamo.reset()
@@ -579,8 +579,8 @@ def test_gpu_compiled_module_matches_eager(name):
 def test_cached_cu_seqlens_per_tensor_object():
     """One int64 copy and one chunk-index computation per packed batch's cu_seqlens, shared by every layer's
     forward and backward; a new tensor or an in-place change recomputes (no stale entry by value or address)."""
-    from attention.ops.delta_rule.fla import cached_cu_seqlens
-    from attention.ops.delta_rule.triton.dqkwg import chunk_indices_for
+    from attnlab.attention.ops.delta_rule.fla import cached_cu_seqlens
+    from attnlab.attention.ops.delta_rule.triton.dqkwg import chunk_indices_for
 
     calls = []
 

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.ops import fla_launch
-from attention.ops.fla_launch import FastLaunch
+from attnlab.attention.ops import fla_launch
+from attnlab.attention.ops.fla_launch import FastLaunch
 
 
 def _make_kernel():

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.ops.fox import chunk_forgetting_attn, forgetting_attention, naive_forgetting_attn
-from attention.ops.path import chunk_path_attn, householder_update_, naive_path_attn, path_attention
+from attnlab.attention.ops.fox import chunk_forgetting_attn, forgetting_attention, naive_forgetting_attn
+from attnlab.attention.ops.path import chunk_path_attn, householder_update_, naive_path_attn, path_attention
 
 D64 = torch.float64
 

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from attention.ops.hla import hla
-from attention.ops.hla import naive as N
-from attention.ops.hla.recurrent import hla2_step_paper, hla3_step_corrected, hla3_step_paper, serial_hla
+from attnlab.attention.ops.hla import hla
+from attnlab.attention.ops.hla import naive as N
+from attnlab.attention.ops.hla.recurrent import hla2_step_paper, hla3_step_corrected, hla3_step_paper, serial_hla
 
 NAIVE = {(2, "symmetric"): N.naive_hla2, (2, "asymmetric"): N.naive_ahla, (3, "symmetric"): N.naive_hla3}
 CASES = [(2, "symmetric"), (2, "asymmetric"), (3, "symmetric")]

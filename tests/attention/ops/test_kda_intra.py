@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from attention.linear_common import l2norm
-from attention.ops.delta_rule.triton.kda_intra import chunk_kda_bwd_intra
+from attnlab.attention.linear_common import l2norm
+from attnlab.attention.ops.delta_rule.triton.kda_intra import chunk_kda_bwd_intra
 from tests.attention.ops.test_delta_rule_hopper import _chunks, _poison
 
 

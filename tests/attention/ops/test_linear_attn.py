@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.ops.linear_attn import chunk_gla, gated_linear_attention, naive_recurrent_gla
-from attention.ops.linear_attn.triton import gla as triton_gla
+from attnlab.attention.ops.linear_attn import chunk_gla, gated_linear_attention, naive_recurrent_gla
+from attnlab.attention.ops.linear_attn.triton import gla as triton_gla
 
 D64 = torch.float64
 
@@ -143,7 +143,7 @@ def test_bf16_chunk_close_to_fp64():
 @pytest.mark.parametrize("gate", GATES)
 def test_fla_parity(gate):
     pytest.importorskip("fla")
-    from attention.ops.linear_attn import fla_gla
+    from attnlab.attention.ops.linear_attn import fla_gla
 
     dev = torch.device("cuda")
     q, k, v, g, gk = (None if t is None else t.to(dev) for t in make(2, 300, 4, 64, 64, gate, seed=1))
@@ -229,8 +229,8 @@ def test_triton_gla_tiles_are_square():
 
 
 _AOT = """
-from attention.ops.linear_attn.triton import gla as triton_gla
-from scripts.sm90 import compile_sm90
+from attnlab.attention.ops.linear_attn.triton import gla as triton_gla
+from attnlab.attention.ops.sm90 import compile_sm90
 const = dict(H=16, K=128, V=128, BT=64, BK=64, BV=64, HAS_DOC={has_doc}, PREC="tf32", REVERSE=False)
 ptr = dict(ell="*fp32", doc="*i32", s="*fp32", h="*fp32", dh="*fp32", dG="*fp32")
 for name in ("_state_kernel", "_fwd_o_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"):

@@ -4,11 +4,11 @@ the reference (forward and every gradient, incl. λ), float64 finite differences
 import pytest
 import torch
 
-from attention.ops.affine import naive_affine
-from attention.ops.common import doc_bounds
-from attention.ops.lla import cg_solve, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
-from attention.ops.lla.chunk import block_stats, lla_fwd_chunked
-from attention.ops.parallax.naive import naive_parallax
+from attnlab.attention.ops.affine import naive_affine
+from attnlab.attention.ops.common import doc_bounds
+from attnlab.attention.ops.lla import cg_solve, lla_attention, lla_decode, naive_lla, relmm, sigma_matvec
+from attnlab.attention.ops.lla.chunk import block_stats, lla_fwd_chunked
+from attnlab.attention.ops.parallax.naive import naive_parallax
 
 f64 = torch.float64
 
@@ -203,7 +203,7 @@ def test_one_forward_per_training_step(compiled, monkeypatch):
     """attnlab::lla_fwd returns ρ, δ for its backward: a forward + backward runs the CG forward once (through the
     recomputing opaque op it ran twice), eager and under torch.compile(fullgraph=True), with the same gradients
     as the float64 reference."""
-    import attention.ops.lla as lla_ops
+    import attnlab.attention.ops.lla as lla_ops
 
     calls = []
     fwd = lla_ops.lla_fwd_chunked
@@ -364,7 +364,7 @@ def _tf32(x):
 
 def _emulate_tf32_chunked(monkeypatch):
     """Make the chunked path round every matmul operand to TF32 (scores, moments, Σ·p, z·ρ), like ``tl.dot`` on fp32 tiles on a GPU."""
-    import attention.ops.lla.chunk as ch
+    import attnlab.attention.ops.lla.chunk as ch
 
     def relmm(x, q, k):
         return _tf32(x) @ _tf32(k).transpose(-1, -2) - (x * q).sum(-1, keepdim=True)
@@ -452,7 +452,7 @@ def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
                                       v.transpose(1, 2).repeat_interleave(2, 1), lam.permute(0, 2, 1), ds,
                                       D**-0.5, 16, False, True, 1e-6, 32)
     else:
-        from attention.ops.lla.triton import lla_fwd_triton
+        from attnlab.attention.ops.lla.triton import lla_fwd_triton
         o, _, _, delta, _, _ = lla_fwd_triton(q, k, v, lam, ds, D**-0.5, 16, False, 1e-6, 32, 32)
     assert torch.isfinite(o).all() and (delta > 0).all(), int((delta <= 0).sum())
     assert o.abs().max() < 3 * exact.abs().max(), (o.abs().max().item(), exact.abs().max().item())
@@ -506,7 +506,7 @@ def test_triton_gpu_matches_chunked(D, dtype):
 def test_triton_gpu_bf16_first_positions_and_rows_sum(precise, monkeypatch):
     """bf16 (and PRECISE: fp32 score products): o_1 = v_1 in each document (scores sum to 1 exactly by construction of δ), finite grads,
     and agreement with the float64 reference on a short T with λ = 1 (well-conditioned)."""
-    from attention.ops.lla.triton import common
+    from attnlab.attention.ops.lla.triton import common
 
     monkeypatch.setattr(common, "PRECISE", precise)
     B, T, HQ, HKV, D = 1, 300, 4, 2, 128

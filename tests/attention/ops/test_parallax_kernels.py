@@ -2,7 +2,7 @@
 
 CPU runs go through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1; blocks are 16×16 there,
 so T = 17 / 61 / 100 cover partial tiles, several key blocks, and windows below and above the block size).
-Every kernel output is poisoned with NaN before the launch (``attention/ops/outputs.py``, set in ``tests/conftest.py``), so an element the kernel
+Every kernel output is poisoned with NaN before the launch (``attnlab/attention/ops/outputs.py``, set in ``tests/conftest.py``), so an element the kernel
 forgets to write fails the comparison.
 
 Error budgets (relative Frobenius norm against float64 on the same input values):
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.ops.parallax.triton import ops as kops
-from attention.ops.parallax.triton import parallax_decode_triton, parallax_triton
-from attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
+from attnlab.attention.ops.parallax.triton import ops as kops
+from attnlab.attention.ops.parallax.triton import parallax_decode_triton, parallax_triton
+from attnlab.attention.ops.parallax.naive import naive_parallax, naive_parallax_decode
 
 BUDGET = {  # dtype: (forward, gradients)
     torch.float32: (2e-5, 2e-5),
@@ -336,7 +336,7 @@ def test_later_launches_run_the_autotuners_pick(monkeypatch):
 def test_prune_fwd_keeps_tma_ws_at_d128_only(monkeypatch):
     """The autotuner's list holds TMA / warp-specialised tiles; they survive the prune at D >= 128 only (slower at
     D = 64 on an H100), and never with a probe's BN > 64 at D = 128."""
-    from attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
+    from attnlab.attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
 
@@ -354,7 +354,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
     """No TMA / warp-specialised tile below sm_90 (no TMA hardware); on sm_90 a plain tile gives way to its
     TMA + warp-specialised twin (measured faster on H100s, picked only about half the time when both were timed);
     elsewhere both stay. Tiles without a twin stay everywhere."""
-    from attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
+    from attnlab.attention.ops.parallax.triton.common import FWD_SPECS, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
 
@@ -376,7 +376,7 @@ def test_prune_fwd_by_compute_capability(capability, monkeypatch):
 def test_prune_bwd_tma_twins(capability, monkeypatch):
     """The backward lists' TMA twins stay at D >= 128 on sm_90+ only, and their plain tiles, where listed, stay
     everywhere (the autotuner times both: the twin won at some picks and lost at others)."""
-    from attention.ops.parallax.triton.common import DKV_SPECS, DQ_SPECS, configs, prune_bwd
+    from attnlab.attention.ops.parallax.triton.common import DKV_SPECS, DQ_SPECS, configs, prune_bwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")
     for specs, names in ((DQ_SPECS, ("BM", "BN")), (DKV_SPECS, ("BN", "BM"))):
@@ -425,7 +425,7 @@ def brute_force_offsets(q, k, v, r, cu, cu_k, window):
 
 def test_offset_visibility_mask_small():
     """Three segments: 2 queries over 3 keys, none over 2 keys (an empty segment between two others), 1 over 1."""
-    from attention.ops.common import offset_visibility_mask
+    from attnlab.attention.ops.common import offset_visibility_mask
 
     cu, cu_k = torch.tensor([0, 2, 2, 3]), torch.tensor([0, 3, 5, 6])
     full = torch.tensor([[1, 1, 0, 0, 0, 0],
@@ -463,7 +463,7 @@ OFFSET_CASES = {
 
 def _unseen_keys(cu, cu_k, window):
     """[Nk] bool: keys that no query sees (they must get dk = dv = 0)."""
-    from attention.ops.common import offset_visibility_mask
+    from attnlab.attention.ops.common import offset_visibility_mask
 
     return ~offset_visibility_mask(cu, cu_k, window)[0, 0].any(0)
 
@@ -569,7 +569,7 @@ def test_query_offsets_argument_checks():
 
 def test_public_dispatch_query_offsets():
     """``parallax_attention(cu_seqlens_k=...)``: impl='triton' (interpreter here) equals impl='reference'."""
-    from attention.ops.parallax import parallax_attention
+    from attnlab.attention.ops.parallax import parallax_attention
 
     q, k, v, r, cu, cu_k = offset_inputs([0, 7, 13], [5, 20, 13], 2, 1, 16, True)
     a = parallax_attention(q, k, v, r, cu_seqlens=cu, cu_seqlens_k=cu_k, window_size=4, impl="triton")
@@ -789,7 +789,7 @@ def test_gpu_every_fwd_candidate(D, layout, monkeypatch):
     """Each forward candidate of the short list and of the tune report's extras (TMA / warp-specialised ones
     included) pinned, probe and softmax, bf16, packed documents or query offsets (the TMA descriptors of K/V span
     the key tokens), against the float32 reference."""
-    from attention.ops.parallax.triton.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
+    from attnlab.attention.ops.parallax.triton.common import FWD_SPECS, TUNE_EXTRA_FWD, configs, prune_fwd
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
     for probe in (True, False):
@@ -840,7 +840,7 @@ def test_gpu_every_bwd_candidate(D, layout, monkeypatch):
     """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
     pinned, in pairs, probe and softmax, bf16, packed documents or query offsets: every gradient against the float32
     reference (with offsets, the 200 keys of the segment without queries get exactly zero dk, dv)."""
-    from attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
+    from attnlab.attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
                                                        prune_bwd)
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
@@ -888,7 +888,7 @@ def test_gpu_decode_vs_full_forward(D, probe):
 
 def test_public_dispatch_reference_and_triton_agree():
     """attention.ops.parallax entry points: impl='triton' (interpreter here) equals impl='reference'."""
-    from attention.ops.parallax import parallax_attention, parallax_decode
+    from attnlab.attention.ops.parallax import parallax_attention, parallax_decode
 
     q, k, v, r = make_inputs(1, 19, 2, 1, 16, True)
     a = parallax_attention(q, k, v, r, impl="triton")

@@ -1,4 +1,4 @@
-"""The short convolution's Triton kernels (attention/ops/short_conv/triton/conv.py) against the float64 reference.
+"""The short convolution's Triton kernels (attnlab/attention/ops/short_conv/triton/conv.py) against the float64 reference.
 
 CPU (TRITON_INTERPRET=1, float32, tiny shapes): forward, dx and dweight at pinned tiles smaller than the shapes (T
 not a multiple of BT, C not a multiple of BC, backward programs walking several tiles), B > 1 per-row and varlen
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention.linear_common import ShortConvolution
-from attention.ops.short_conv import naive_short_conv, short_conv
-from attention.ops.short_conv.triton.conv import conv_bwd, conv_fwd, short_conv_bwd, short_conv_fwd
+from attnlab.attention.linear_common import ShortConvolution
+from attnlab.attention.ops.short_conv import naive_short_conv, short_conv
+from attnlab.attention.ops.short_conv.triton.conv import conv_bwd, conv_fwd, short_conv_bwd, short_conv_fwd
 
 D64 = torch.float64
 CU = torch.tensor([0, 1, 3, 10, 11, 37], dtype=torch.int32)  # documents of length 1, 2, 7, 1, 26 in one row
@@ -188,8 +188,8 @@ def test_gpu_inductor_launches_the_kernels():
 
 
 _AOT = """
-from attention.ops.short_conv.triton import conv as tc
-from scripts.sm90 import compile_sm90
+from attnlab.attention.ops.short_conv.triton import conv as tc
+from attnlab.attention.ops.sm90 import compile_sm90
 ptr = dict(cu="*i32", dwp="*fp32", w="*bf16")
 ints = dict(T=4096, C=2048, n_iter=4, N=8, TS=256, NS=16)
 for fn, spec, const in [(tc._fwd_kernel, tc.FWD_SPEC, dict(K=4, ACT=True, HAS_CU=True)),

@@ -1,4 +1,4 @@
-"""Program order of the causal tile kernels (``attention/ops/tiles.py``): every (tile, pair) exactly once, heaviest
+"""Program order of the causal tile kernels (``attnlab/attention/ops/tiles.py``): every (tile, pair) exactly once, heaviest
 tiles first inside each group of pairs, groups one after another; or one pair after another with only the last pairs
 grouped (TAIL). Runs the order itself through a Triton kernel (the interpreter on CPU)."""
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.ops.tiles import tile_grid, tile_program
+from attnlab.attention.ops.tiles import tile_grid, tile_program
 
 
 @triton.jit

@@ -1,0 +1,191 @@
+"""softmax → Parallax conversion with W_R = 0 (Parallax paper §5; docs/mechanisms.md): with ρ = RMSNorm(0) = 0 Parallax reduces
+to softmax attention, so the converted model computes exactly the same function. Used by
+attnlab/tools/convert_to_parallax.py and attnlab/tools/import_hf.py, with the training-config entries that rebuild a converted
+or imported architecture (:func:`config_overrides`, :func:`finetune_command`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+
+import torch
+
+from attnlab import attention
+from attnlab.attention.parallax import ParallaxOptions
+from attnlab.checkpoint.dcp import build_model, progress_bar, CheckpointError
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """"14-27" / "0,2,5-7" -> sorted layer indices, each in [0, n_layers)."""
+    out = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi if hi else lo) + 1))
+    except ValueError:
+        raise CheckpointError(f"--layers {spec!r}: expected ranges like '14-27' or '0,2,5-7'") from None
+    bad = sorted(i for i in out if not 0 <= i < n_layers)
+    if bad or not out:
+        raise CheckpointError(f"--layers {spec!r}: layers {bad or '(none)'} outside 0-{n_layers - 1}")
+    return sorted(out)
+
+
+DEFAULT_RHO_NORM_INIT = ParallaxOptions().rho_norm_init
+"""The conversion's gain of ρ's RMSNorm unless told otherwise: the module default, so a converted model's ρ starts as
+strong as that of a Parallax model trained from scratch."""
+
+
+def convert_state(args, sd, layers, rope_on_rho=True, rho_gate=False, gate_bias=0.0, progress=False,
+                  rho_norm_init=DEFAULT_RHO_NORM_INIT):
+    """(new ModelArgs, new state dict): ``layers`` become Parallax with W_R = 0 and ρ's RMSNorm gain
+    ``rho_norm_init`` (any gain keeps ρ = 0, so the function is unchanged; the gain sets how strong ρ is once
+    W_R moves: ‖ρ‖ = √head_dim · gain as soon as W_R x ≠ 0). Every converted layer must be softmax attention;
+    other mechanisms stay as they are."""
+    mechs = args.layer_mechanisms()
+    not_softmax = [(i, mechs[i]) for i in layers if mechs[i] != "softmax"]
+    if not_softmax:
+        raise CheckpointError(f"layers {[i for i, _ in not_softmax]} are {sorted({m for _, m in not_softmax})}, "
+                              "not softmax attention; only softmax layers convert to Parallax")
+    if not (math.isfinite(rho_norm_init) and rho_norm_init >= 0):
+        raise CheckpointError(f"--rho-norm-init {rho_norm_init!r}: must be a finite number >= 0")
+    sm = args.attention_options["softmax"]
+    popts = attention.get_mechanism("parallax").options(
+        window_size=sm.window_size, qk_norm=sm.qk_norm, rope_on_rho=rope_on_rho, rho_gate=rho_gate,
+        rho_gate_bias=gate_bias, wr_init="zero", rho_norm_init=rho_norm_init)
+    if "parallax" in args.attention_options:
+        old = args.attention_options["parallax"]
+        if (old.rope_on_rho, old.rho_gate, old.window_size, old.qk_norm) != (rope_on_rho, rho_gate, sm.window_size, sm.qk_norm):
+            raise CheckpointError("the source already has Parallax layers with different options "
+                                  f"({old}); convert with matching --rho-gate/--no-rope-on-rho")
+    new_mechs = ["parallax" if i in layers else m for i, m in enumerate(mechs)]
+    new_args = dataclasses.replace(args, attention=new_mechs[0],
+                                   layer_pattern=new_mechs if len(set(new_mechs)) > 1 else [],
+                                   attention_options={**{k: v for k, v in args.attention_options.items()
+                                                         if k in set(new_mechs)}, "parallax": popts})
+    out = dict(sd)
+    HD, dim = args.n_heads * args.head_dim, args.dim
+    for i in progress_bar(layers, "convert", progress):
+        p = f"layers.{i}.attention."
+        dtype = sd[f"{p}wq.weight"].dtype
+        out[f"{p}wr.weight"] = torch.zeros(HD, dim, dtype=dtype)
+        out[f"{p}r_norm.weight"] = torch.full((args.head_dim,), float(rho_norm_init), dtype=dtype)
+        if rho_gate:
+            out[f"{p}r_gate.weight"] = torch.zeros(args.n_heads, dim, dtype=dtype)
+            out[f"{p}r_gate.bias"] = torch.full((args.n_heads,), float(gate_bias), dtype=dtype)
+    return new_args, out
+
+
+@torch.no_grad()
+def max_logit_diff(args_a, sd_a, args_b, sd_b, seq_len: int = 32, batch: int = 2, seed: int = 0) -> float:
+    """max |logits_a − logits_b| of the two models on one fixed random batch, float32."""
+    fp32 = lambda sd: {k: v.float() for k, v in sd.items()}  # noqa: E731
+    a = build_model(args_a, fp32(sd_a))
+    b = build_model(args_b, fp32(sd_b))
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args_a.vocab_size, (batch, min(seq_len, args_a.max_seq_len)), generator=g)
+    return (a(tokens) - b(tokens)).abs().max().item()
+
+
+def add_conversion_arguments(ap, when: str = "") -> None:
+    """The options of a softmax → Parallax conversion, shared by the conversion tools (``when`` prefixes each help
+    text, e.g. "with --parallax"). :func:`convert_from_arguments` reads them back."""
+    w = f"{when}: " if when else ""
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--layers", help=f"{w}layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
+    which.add_argument("--top-half", action="store_true", help=f"{w}convert layers n_layers//2 .. n_layers-1")
+    ap.add_argument("--rho-gate", action="store_true", help=f"{w}add the per-head sigmoid gate on ρ (weights 0)")
+    ap.add_argument("--gate-bias", type=float, default=0.0, help=f"{w}initial gate bias (σ(bias) = initial gate)")
+    ap.add_argument("--no-rope-on-rho", action="store_true", help=f"{w}do not apply RoPE to ρ")
+    ap.add_argument("--rho-norm-init", type=float, default=DEFAULT_RHO_NORM_INIT,
+                    help=f"{w}gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
+                         "‖ρ‖ = √head_dim · gain once W_R moves; default: the module default, "
+                         f"{DEFAULT_RHO_NORM_INIT:g}; 1 is the Parallax paper's recipe as written)")
+
+
+CONVERSION_OPTIONS = ("layers", "top_half", "rho_gate", "gate_bias", "no_rope_on_rho", "rho_norm_init")
+"""The argparse destinations :func:`add_conversion_arguments` adds."""
+
+
+def conversion_options_given(ap, a) -> list[str]:
+    """The conversion options of ``a`` set away from their defaults in parser ``ap``, as flags."""
+    return ["--" + d.replace("_", "-") for d in CONVERSION_OPTIONS if getattr(a, d) != ap.get_default(d)]
+
+
+def convert_from_arguments(args, sd, a, progress: bool = False):
+    """(converted layer indices, new ModelArgs, new state dict): :func:`convert_state` with the layers and options
+    parsed by :func:`add_conversion_arguments`."""
+    if a.top_half:
+        layers = list(range(args.n_layers // 2, args.n_layers))
+    else:
+        layers = parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers))
+    return layers, *convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
+                                  a.rho_norm_init)
+
+
+FINETUNE_CONFIG = "attnlab/configs/convert_finetune_parallax.toml"
+"""The fine-tuning recipe of a converted checkpoint (W_R's own lr warmup), relative to the checkout's root."""
+
+
+def flavor_and_dims(args) -> tuple[str, dict[str, int]]:
+    """(the flavor closest to ``args``'s sizes, ``[model]`` dimension overrides for the sizes it differs in).
+    The flavor must share ``args``'s RMSNorm eps, which no config key overrides."""
+    from attnlab.models.args import DIMS, FLAVORS
+
+    same_eps = {n: a for n, a in FLAVORS.items() if a.norm_eps == args.norm_eps}
+    if not same_eps:
+        raise CheckpointError(f"no model.flavor has this checkpoint's RMSNorm eps {args.norm_eps}; flavors: "
+                              + ", ".join(f"{n} {a.norm_eps}" for n, a in FLAVORS.items()))
+
+    def differs(flavor):
+        return {f: getattr(args, f) for f in DIMS if getattr(flavor, f) != getattr(args, f)}
+
+    name = min(same_eps, key=lambda n: len(differs(same_eps[n])))
+    return name, differs(same_eps[name])
+
+
+def config_overrides(args) -> dict[str, dict]:
+    """The training-config entries that rebuild the architecture ``args`` on top of any config, as nested sections:
+    ``{"model": {...}, "attention": {mechanism: {option: value}}}``. ``[model]``: the closest flavor
+    (:func:`flavor_and_dims`, for the RMSNorm eps no key sets) with every size given explicitly (a config's own size
+    overrides never apply), vocabulary, RoPE base, tying, mechanism and layer pattern (empty when every layer is the
+    same); ``[attention.<mechanism>]``: every option of each mechanism used (tuples as lists, None, which has no TOML
+    form, left out). The mask type and sequence length stay the config's: they follow how the data is packed, not
+    the weights."""
+    from attnlab.models.args import DIMS
+
+    flavor, _ = flavor_and_dims(args)
+    mechs = args.layer_mechanisms()
+    model = dict(flavor=flavor, **{f: getattr(args, f) for f in DIMS}, vocab_size=args.vocab_size,
+                 rope_theta=args.rope_theta, tie_embeddings=args.enable_weight_tying, attention=mechs[0],
+                 layer_pattern=mechs if len(set(mechs)) > 1 else [])
+    attn = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(opts).items()
+                   if v is not None}
+            for name, opts in args.attention_options.items() if name in set(mechs)}
+    return {"model": model, "attention": attn}
+
+
+def config_flags(sections: dict, prefix: str = "--") -> list[str]:
+    """train.py's ``--section.key value`` flags of nested config entries (``{"model": {"flavor": "debug"}}`` →
+    ``["--model.flavor", "debug"]``): booleans as true/false, lists comma-joined; empty lists are left out (the
+    config's default, no pattern)."""
+    out = []
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            out += config_flags(value, f"{prefix}{key}.")
+        elif value != []:
+            text = (str(value).lower() if isinstance(value, bool) else
+                    ",".join(map(str, value)) if isinstance(value, list) else str(value))
+            out += [f"{prefix}{key}", text]
+    return out
+
+
+def finetune_command(args, checkpoint, tokenizer=None) -> str:
+    """The train.py command line that fine-tunes the converted DCP ``checkpoint`` of architecture ``args`` with
+    :data:`FINETUNE_CONFIG`: its model loaded through ``checkpoint.initial_load_path``, the architecture set by
+    :func:`config_overrides` (sizes, vocabulary, layer pattern, ``rope_on_rho``, ``rho_gate``, …) and, when given,
+    the tokenizer folder the weights were trained with as ``model.hf_assets_path``."""
+    flags = ["--checkpoint.initial_load_path", str(checkpoint), *config_flags(config_overrides(args))]
+    if tokenizer is not None:
+        flags += ["--model.hf_assets_path", str(tokenizer)]
+    return shlex.join(["python", "train.py", "--job.config_file", FINETUNE_CONFIG, *flags])

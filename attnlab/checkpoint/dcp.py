@@ -1,0 +1,258 @@
+"""DCP checkpoints for offline tools: read and write model state, the ``attnlab.json`` architecture record,
+the training configuration of a run, and the one ``build_model``. Tools load runs through
+:func:`models.hf.load_model` / :func:`models.hf.load_tool_checkpoint` (any format), built on this module.
+
+The model is rebuilt from the training config: the same CLI/TOML argv as ``train.py`` (``argv``), or, when
+``argv`` is empty, ``<run>/config.toml`` (what every run writes), ``<run>/train_args.json`` (a JSON list of the
+argv, written by ``benchmarks/replicate.py``), or the step folder's ``attnlab.json`` (the architecture alone); a
+run that none of them describes is an error naming the folder, never the default configuration's model.
+Only the model's keys are read from the checkpoint (optimizer and trainer states are skipped), so full training
+checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face folders are
+:mod:`models.hf`'s, which builds on this module (never the other way round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab import attention
+from attnlab.models.args import ModelArgs
+from attnlab.models.model import Transformer
+from attnlab.checkpoint.layout import new_folder
+
+SIDECAR = "attnlab.json"
+NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
+
+
+def args_to_dict(args: ModelArgs) -> dict[str, Any]:
+    """JSON-able architecture: ModelArgs fields with ``layer_pattern`` expanded to one entry per layer and
+    every used mechanism's options as a dict."""
+    d = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs) if f.name != "attention_options"}
+    d["layer_pattern"] = args.layer_mechanisms()
+    d["attention_options"] = {
+        name: dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
+        for name, opts in args.attention_options.items() if name in set(args.layer_mechanisms())
+    }
+    return d
+
+
+def args_from_dict(d: dict[str, Any]) -> ModelArgs:
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = set(d) - known
+    if unknown:
+        raise CheckpointError(f"architecture record has unknown fields {sorted(unknown)}; valid: {sorted(known)}")
+    kw = {k: v for k, v in d.items() if k != "attention_options"}
+    args = ModelArgs(**kw)
+    opts = {}
+    for name in set(args.layer_mechanisms()):
+        mech = attention.get_mechanism(name, "layer_pattern")
+        kw = dict(d.get("attention_options", {}).get(name, {}))
+        defaults = mech.options()
+        for k, v in kw.items():  # JSON turns tuples into lists
+            if isinstance(v, list) and isinstance(getattr(defaults, k, None), tuple):
+                kw[k] = tuple(v)
+        opts[name] = mech.options(**kw)
+    args.attention_options = opts
+    return args
+
+
+def is_dcp_folder(path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if key.startswith(NON_MODEL_PREFIXES) or not isinstance(m, TensorStorageMetadata):
+            continue
+        sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    if not sd:
+        raise CheckpointError(f"{folder}: the DCP checkpoint holds no model tensors")
+    read_dcp(sd, folder)
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    if progress:
+        progress_bar(len(sd), "read").update(len(sd))
+    return sd
+
+
+def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
+    """Fill ``state`` (keys as stored) in place from the DCP folder ``folder``. A shard that cannot be read
+    (truncated by a full disk or a copy cut short, or corrupt) is a CheckpointError naming the folder and every
+    shard shorter than the metadata says, instead of DCP's traceback of the unpickler's EOFError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:] or [""]
+        short = _short_shards(folder)
+        raise CheckpointError(f"{folder}: corrupt or truncated checkpoint shard"
+                              + (f" ({'; '.join(short)})" if short else "")
+                              + f"; the checkpoint cannot be read ({type(e).__name__}: {last[0].strip()[:200]})") from e
+
+
+def _short_shards(folder) -> list[str]:
+    """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
+    import torch.distributed.checkpoint as dcp
+
+    need: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
+    return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
+
+
+def save_dcp_state(sd: dict[str, torch.Tensor], folder, args: ModelArgs) -> None:
+    """Model-only DCP folder (what ``checkpoint.initial_load_path`` with ``initial_load_model_only`` reads)
+    plus the ``attnlab.json`` architecture record. Written to a temporary folder, then renamed."""
+    import torch.distributed.checkpoint as dcp
+
+    with new_folder(folder) as tmp:
+        dcp.save({k: v.contiguous() for k, v in sd.items()}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / SIDECAR).write_text(json.dumps(args_to_dict(args), indent=2))
+
+
+def read_sidecar(folder) -> ModelArgs | None:
+    p = Path(folder) / SIDECAR
+    return args_from_dict(json.loads(p.read_text())) if p.is_file() else None
+
+
+def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None, device="cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, materialise, init, then load ``state_dict`` strictly (names as the model's)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    if state_dict is not None:
+        expected = model.state_dict()
+        bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state_dict.items()
+               if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+        if bad:
+            raise CheckpointError(f"checkpoint tensors do not fit the architecture ({len(bad)} shape mismatches, "
+                                  f"checkpoint vs model): {'; '.join(bad[:3])}")
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if args.enable_weight_tying:
+            missing = [k for k in missing if k != "output.weight"]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint does not match the model: missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
+                                  f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
+        if args.enable_weight_tying:
+            model.output.weight = model.tok_embeddings.weight
+    return model.to(dtype).eval()
+
+
+def progress_bar(it, desc: str, enable: bool = True):
+    """A transient tqdm bar over ``it`` (an iterable, or an int total to ``update`` by hand); off unless enable."""
+    from tqdm import tqdm
+
+    if isinstance(it, int):
+        return tqdm(total=it, desc=desc, disable=not enable, leave=False)
+    return tqdm(it, desc=desc, disable=not enable, leave=False)
+
+
+def run_dir_of(step_dir: Path) -> Path:
+    """The run folder (``job.dump_folder``) of a step folder (:func:`models.run_folder.run_of`)."""
+    from attnlab.checkpoint.layout import run_of
+
+    return run_of(step_dir) or step_dir.parent
+
+
+def run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
+    """train.py's argv describing the run of ``step_dir``: ``argv`` when it names ``--job.config_file``, else
+    ``argv`` on top of ``<run>/config.toml``, else ``argv`` (on top of the default config) when given, else
+    ``<run>/train_args.json``; None when there is none of them."""
+    from attnlab.config import names_config_file
+    from attnlab.checkpoint.layout import CONFIG_FILE, TRAIN_ARGS_FILE
+
+    argv = list(argv or [])
+    run = run_dir_of(step_dir)
+    if names_config_file(argv):
+        return argv
+    if (run / CONFIG_FILE).is_file():
+        return ["--job.config_file", str(run / CONFIG_FILE), *argv]
+    if argv:
+        return argv
+    if (run / TRAIN_ARGS_FILE).is_file():
+        return json.loads((run / TRAIN_ARGS_FILE).read_text())
+    return None
+
+
+def config_and_architecture(argv: list[str] | None, step_dir: Path):
+    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`run_argv`, or, for a run with none of its
+    descriptions but an ``attnlab.json`` in the step folder, that record (the default config set to it by
+    :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
+    Raises CheckpointError naming the folders when nothing describes the run."""
+    from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+
+    described = run_argv(argv, step_dir)
+    if described is None:
+        if not (step_dir / SIDECAR).is_file():
+            raise undescribed(step_dir)
+        args = read_sidecar(step_dir)
+        return config_for(args), args
+    if not names_config_file(described):
+        described = ["--job.config_file", DEFAULT_CONFIG, *described]
+    cfg = parse_config(described)
+    return cfg, model_args_from_config(cfg)
+
+
+def config_for(args: ModelArgs):
+    """The default JobConfig set to the architecture ``args`` (:func:`_with_architecture`): the configuration of a
+    checkpoint that only its own record describes (a DCP ``attnlab.json``, an HF ``config.json``)."""
+    from attnlab.config import DEFAULT_CONFIG, parse_config
+
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG])
+    _with_architecture(cfg, args)
+    return cfg
+
+
+def undescribed(step_dir: Path) -> CheckpointError:
+    """The error for a step folder that neither its run's files nor its own record describe."""
+    return CheckpointError(f"nothing describes the model of {str(step_dir)!r}: its run folder "
+                           f"{str(run_dir_of(step_dir))!r} has no config.toml or train_args.json and the step "
+                           f"folder no {SIDECAR}; pass the run's training config after `--`, e.g. "
+                           "`-- --job.config_file attnlab/configs/x.toml --model.attention parallax`")
+
+
+def _with_architecture(cfg, args: ModelArgs) -> None:
+    """Set the ``[model]``/``[attention]`` keys of ``cfg`` to the architecture ``args`` (a step folder's
+    attnlab.json) and the sequence lengths to its trained context, so the tools read and report that model and
+    not the default config's."""
+    from attnlab.models.args import DIMS
+
+    m = cfg.model
+    for f in DIMS:
+        setattr(m, f, getattr(args, f))
+    m.vocab_size, m.rope_theta, m.tie_embeddings = args.vocab_size, args.rope_theta, args.enable_weight_tying
+    m.attention, m.layer_pattern, m.attn_mask_type = args.attention, list(args.layer_pattern), args.attn_mask_type
+    for name, opts in args.attention_options.items():
+        setattr(cfg.attention, name, opts)
+    cfg.training.seq_len = cfg.validation.seq_len = args.max_seq_len
+
+
+def model_args_from_config(cfg) -> ModelArgs:
+    from attnlab.models.args import get_flavor
+
+    args = get_flavor(cfg.model.flavor)
+    args.update_from_config(cfg)
+    return args

@@ -1,0 +1,228 @@
+"""Train a Qwen3-style LLM with a swappable attention block, through torchtitan 0.2.2's trainer.
+
+    python -m attnlab.train                           # the embedded default (CPU, no download)
+    python -m attnlab.train --list-attention          # registered mechanisms
+    python -m attnlab.train --job.config_file NAME --preflight   # check a configuration and exit
+    torchrun --nproc_per_node=N -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax [--section.key value ...]
+
+``--job.config_file`` takes a TOML file or a shipped configuration's name (``attnlab configs`` lists them);
+``attnlab train`` and a checkout's ``python train.py`` run the same :func:`main`.
+
+Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``, which
+parses and validates it). ``AttnTrainer`` is torchtitan's ``Trainer`` with this project's TrainSpec and the
+components of ``attnlab/trainer/`` (docs/architecture.md) in its loop: CPU support, the run folder's locks and start-time
+checks, the non-finite guard, the checkpoint load and save checks, metrics with perplexity and progress, a stop
+with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, each rank's
+shard of the batch under context parallelism (``attnlab/attention/cp.py``), and the loss computed by the model in chunks
+without the logits under ``training.loss_chunk_tokens`` (``attnlab/models/loss.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train import Trainer
+
+from attnlab import attention
+import attnlab.config as project_config
+from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
+from attnlab.trainer.cpu import install_cpu_shim, single_process_env
+from attnlab.trainer.metrics import DocumentFlops
+from attnlab.trainer.nonfinite import NonFiniteGuard
+from attnlab.trainer.preemption import StopSignals
+from attnlab.trainer.run_guard import RunGuard
+from attnlab.trainer.spec import register_train_spec
+from attnlab.trainer.teardown import destroy_process_groups
+
+
+class AttnTrainer(Trainer):
+    """torchtitan's Trainer with the components of ``attnlab/trainer/`` plugged into its loop."""
+
+    def __init__(self, job_config):
+        """``job_config`` has passed :func:`preflight` (``main`` runs it before anything starts)."""
+        install_cpu_shim()
+        register_train_spec()
+        self.run_guard = RunGuard(job_config)  # locks and checks the run folder before anything is built
+        self.stop_signals = StopSignals()
+        self.stop_signal = 0
+        try:
+            super().__init__(job_config)
+            self.stop_signals.use_process_group()
+            self.nonfinite = NonFiniteGuard(self.model_parts, self.optimizers, self.device,
+                                            job_config.training.nonfinite_skips,
+                                            self.checkpointer.folder if job_config.checkpoint.enable else None)
+            self.checkpoints = CheckpointGuard(self, self.nonfinite, after_load=self._after_load)
+            # torchtitan's train_step calls optimizers.step(): the guard decides first whether the step runs
+            self.optimizers.step = functools.partial(self._optimizer_step, self.optimizers.step)
+            self.run_guard.check_disk(self.model_parts)
+            if job_config.training.loss_chunk_tokens:
+                # the model returns its summed loss (post_dataloading_process hands it the labels); the validator,
+                # built above with torchtitan's cross-entropy, keeps reading the logits
+                self.loss_fn = model_summed_loss
+            if job_config.model.attn_mask_type == "block_causal":  # MFU counts each document's own attention
+                model = self.model_parts[0]
+                self.metrics_processor.document_flops = DocumentFlops(
+                    lambda n: self.model_args.training_flops(model, [n]))
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        self.run_guard.release()
+        self.stop_signals.restore()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._release()
+
+    def _after_load(self) -> None:
+        """After the checkpoint load (or none) passed every check: the run folder describes this run, and elapsed
+        time and ETA count from the step training starts at."""
+        self.run_guard.describe_run()
+        self.metrics_processor.start(self.step)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+
+    def post_dataloading_process(self, input_dict, labels):
+        cp = self.model_parts[0].cp  # context parallelism: this rank's shard of every row (attention.cp)
+        inputs, labels, extra_inputs, extra_kwargs = (
+            super().post_dataloading_process(input_dict, labels) if cp is None else cp.shard_batch(input_dict, labels))
+        chunk = self.job_config.training.loss_chunk_tokens
+        if chunk:  # the model computes the loss itself, chunk tokens at a time, and never makes the logits
+            extra_kwargs = {**extra_kwargs, "labels": labels, "loss_chunk_tokens": chunk}
+        return inputs, labels, extra_inputs, extra_kwargs
+
+    def forward_backward_step(self, *args, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(*args, **kwargs)
+        self.nonfinite.note_loss(loss)
+        return loss
+
+    def _optimizer_step(self, step_fn, *args, **kwargs):
+        if self.nonfinite.step_is_finite(self.step):
+            step_fn(*args, **kwargs)
+
+    def train_step(self, data_iterator):
+        # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
+        self.metrics_processor.lr_wd = self.optimizers.lr_wd()
+        super().train_step(self.metrics_processor.counted(data_iterator))
+        if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
+            logged = self.metrics_processor.logged
+            self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])
+
+    def should_continue_training(self) -> bool:
+        stop = self.job_config.training.stop_after_step
+        if not super().should_continue_training() or 0 < stop <= self.step:
+            return False
+        self.stop_signal = self.stop_signals.agreed()
+        return not self.stop_signal
+
+    def train(self):
+        super().train()
+        self.nonfinite.check(self.step)  # a run without a log step or save since the last check ends loudly too
+        if not (0 < self.job_config.training.stop_after_step == self.step or self.stop_signal):
+            return
+        saved = self.checkpoints.save_now(self.step)
+        if self.stop_signal:
+            what = (f"saved step {self.step}" if saved and self.step else
+                    "no step trained, nothing saved" if saved else f"checkpointing is off, step {self.step} not saved")
+            logger.warning(f"received {signal.Signals(self.stop_signal).name}: {what}, exiting")
+
+    def state_dict(self) -> dict[str, Any]:
+        return with_rng_state(super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        restore_rng_state(state_dict)
+
+
+def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's ``loss_fn(pred, labels)`` under ``training.loss_chunk_tokens``: the model took the labels and
+    returned the summed cross-entropy (``models.model.Transformer.forward``), which passes through unchanged;
+    torchtitan's ``forward_backward_step`` then divides it by the global token count as it does the logits' loss."""
+    return loss_sum
+
+
+def preflight(job_config) -> None:
+    """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
+    ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
+    lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
+    ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
+    from attnlab.data.loader import tokenizer_path
+    from attnlab.checkpoint.dcp import model_args_from_config
+    from attnlab.models.model import Transformer
+    from attnlab.checkpoint.layout import check_tokenizer_fits
+    from attnlab.optim.schedules import build_schedule
+
+    project_config.validate_config(job_config)
+    build_schedule(job_config.lr_scheduler, job_config.training.steps)
+    args = model_args_from_config(job_config)
+    with torch.device("meta"):
+        Transformer(args)
+    tok = tokenizer_path(job_config)
+    if os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        check_tokenizer_fits(tok, args.vocab_size, "set model.vocab_size to at least that many, or point "
+                             "model.hf_assets_path at a tokenizer that fits")
+    if job_config.attention.impl == "fla":  # the other paths run anywhere, or pick one that does ("auto")
+        from attnlab.attention.ops.common import fla_importable
+
+        ok, why = fla_importable() if torch.cuda.is_available() else (False, "no CUDA device")
+        if not ok:
+            raise ValueError(f"attention.impl='fla': fla-core cannot run here ({why}); use 'auto', which picks the "
+                             "fastest path that runs on this machine")
+
+
+def run(cfg) -> AttnTrainer:
+    """Build and train the parsed configuration ``cfg``, which has passed :func:`preflight`; returns the (closed)
+    trainer."""
+    trainer = AttnTrainer(cfg)
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:  # torchtitan's way to share one init across parallelisms
+            if int(os.environ["WORLD_SIZE"]) != 1 or not cfg.checkpoint.enable:
+                raise ValueError("checkpoint.create_seed_checkpoint needs one process and checkpoint.enable = true")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--list-attention" in argv:
+        print(attention.describe())
+        return
+    check_only = "--preflight" in argv  # check the configuration as a run would, then exit
+    argv = [a for a in argv if a != "--preflight"]
+    if not names_config_file(argv):
+        argv = ["--job.config_file", DEFAULT_CONFIG, *argv]
+    single_process_env()
+    init_logger()
+    try:
+        cfg = parse_config(argv)
+        preflight(cfg)
+    except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
+        sys.exit(f"train.py: error: {e}")
+    if check_only:
+        print(f"preflight passed: {cfg.job.config_file} ({cfg.model.flavor}, {cfg.model.attention}, "
+              f"{cfg.training.steps} steps); nothing was built or written")
+        return
+    stop_signal = run(cfg).stop_signal
+    destroy_process_groups()
+    if stop_signal:
+        sys.exit(128 + stop_signal)  # the shell's status of a process ended by that signal (STOP_SIGNALS)
+
+
+if __name__ == "__main__":
+    main()

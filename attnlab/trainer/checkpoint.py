@@ -1,0 +1,357 @@
+"""What the trainer checks and writes around every checkpoint load and save (docs/failures.md), running inside
+torchtitan's ``CheckpointManager`` (:func:`trainer.titan.hook_checkpointer`).
+
+Load: an existing ``checkpoint.load_step``; a step folder that holds the step its name says; the checkpoint's keys
+and architecture record (``attnlab.json``) against the model built (``checkpoint.partial_load`` loads the common
+keys on purpose); the data loader told how many ranks wrote the checkpoint (resharding); finite weights and
+optimizer state once loaded; the resumed schedule against the checkpoint's (``schedule.json``), each group's lr
+set by this run's schedule.
+Save: finite losses, weights and optimizer state before anything is written; a full disk named as such (the
+incomplete folder removed); ``attnlab.json`` and ``schedule.json`` beside the shards; rotation
+(``checkpoint.keep_latest_k``) over exact ``step-N`` folders only, after the last step's save too.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan.tools.logging import logger
+
+from attnlab import attention
+from attnlab.models.args import ModelArgs
+from attnlab.checkpoint.dcp import args_to_dict, SIDECAR
+from attnlab.checkpoint.layout import step_of
+from attnlab.trainer.titan import hook_checkpointer, purge, saves_at, step_path
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
+"""Architecture-record fields (dotted paths into ``models.checkpoint_io.args_to_dict``) a resume may change: they choose
+kernels and table sizes, not the weights' meaning."""
+
+INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
+                                               for name, mech in attention.REGISTRY.items()
+                                               for option in getattr(mech.options, "INIT_ONLY", ()))
+"""Architecture-record fields a resume may change because they only set initial weights: ``ModelArgs.INIT_ONLY``
+(the depth-scaled init std) and each registered mechanism's options dataclass's ``INIT_ONLY`` (Parallax: W_R, ρ's
+RMSNorm gain, the ρ gate's bias; FoX: the forget gate's bias).
+A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
+one default of these options resumes under another."""
+
+
+def step_folders(folder: str) -> dict[int, str]:
+    """{N: path} of the folders in ``folder`` named exactly ``step-N`` (:func:`models.run_folder.step_of`): only
+    they are resumed from and rotated by ``keep_latest_k``."""
+    if not os.path.isdir(folder):
+        return {}
+    paths = (os.path.join(folder, name) for name in os.listdir(folder))
+    return {n: p for p in paths if (n := step_of(p)) is not None and os.path.isdir(p)}
+
+
+def checkpoint_steps(folder: str) -> list[int]:
+    """The steps of ``folder``'s complete checkpoints: exact ``step-N`` folders with DCP's ``.metadata`` (written
+    last) or a Hugging Face index (``checkpoint.last_save_in_hf``), sorted."""
+    return sorted(s for s, path in step_folders(folder).items()
+                  if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
+
+
+def checkpoint_bytes(model_parts) -> int:
+    """Estimated size of one full checkpoint: the parameters (global sizes) plus two optimizer moments."""
+    return 3 * sum(p.numel() * p.element_size() for m in model_parts for p in m.parameters())
+
+
+def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """{dotted field: (old, new)} where the architecture records ``old`` (the checkpoint's ``attnlab.json``) and
+    ``new`` (the model built) differ, nested dicts compared key by key. Only keys present in both count: a
+    checkpoint recorded before an option existed resumes with that option's default. :data:`RUNTIME_FIELDS` and
+    :data:`INIT_ONLY_FIELDS` never count."""
+    out = {}
+    for k, v in old.items():
+        path = prefix + k
+        if path in RUNTIME_FIELDS or path in INIT_ONLY_FIELDS or k not in new:
+            continue
+        if isinstance(v, dict) and isinstance(new[k], dict):
+            out.update(architecture_changes(v, new[k], path + "."))
+        elif v != new[k]:
+            out[path] = (v, new[k])
+    return out
+
+
+def with_rng_state(state: dict) -> dict:
+    """The trainer's checkpoint state plus the CPU (and CUDA) random generators' states, so a resumed run draws
+    the numbers the uninterrupted one would have."""
+    state["rng_cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Set the random generators from a state :func:`with_rng_state` wrote (older checkpoints have none)."""
+    if "rng_cpu" in state:
+        torch.set_rng_state(state["rng_cpu"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+class CheckpointGuard:
+    """The checks and files of the module docstring around ``trainer.checkpointer``'s loads and saves.
+
+    ``nonfinite``: the run's :class:`trainer.nonfinite.NonFiniteGuard`, asked before every save and after every
+    load. ``after_load``: called once the checkpoint load (or the decision that there is none) passed every check.
+    ``saved_step``: the newest step this run saved or loaded; :meth:`save_now` saves the current step unless it is
+    that one."""
+
+    def __init__(self, trainer, nonfinite, after_load: Callable[[], None]):
+        self.trainer, self.cp, self.nonfinite, self.after_load = trainer, trainer.checkpointer, nonfinite, after_load
+        self.saved_step = 0
+        self._partial_load = False
+        hook_checkpointer(self.cp, self)
+
+    def save_now(self, step: int) -> bool:
+        """A full (resumable) checkpoint of ``step`` unless this run already saved or loaded it ("last_step" saves
+        would be model-only by default); False when this run writes no checkpoints."""
+        if not self.cp.enable or self.cp.load_only:
+            return False
+        if self.saved_step < step:
+            self.cp.interval = step
+            self.cp.save(step)
+        return True
+
+    # ------------------------------------------------------------------ in place of CheckpointManager's methods
+
+    def newest_step(self, folder: str = "") -> int:
+        return max(checkpoint_steps(folder or self.cp.folder), default=-1)
+
+    def rotate(self) -> None:
+        """torchtitan's rotation (on rank 0, by its purge thread), over exact step-N folders only."""
+        k = self.cp.keep_latest_k
+        if k > 0 and _rank0():
+            for step in sorted(step_folders(self.cp.folder))[:-k]:
+                purge(self.cp, step_path(self.cp, step))
+
+    def load(self, titan_load, step: int = -1) -> bool:
+        cp = self.cp
+        # torchtitan ignores load_step only while the folder is absent and an initial_load_path is loaded
+        if cp.enable and step != -1 and (os.path.isdir(cp.folder) or not cp.initial_load_path) \
+                and not os.path.isdir(step_path(cp, step)):
+            raise FileNotFoundError(f"checkpoint.load_step={step}: {step_path(cp, step)} does not exist; the "
+                                    f"checkpoints in {cp.folder!r} are of steps {checkpoint_steps(cp.folder)}. "
+                                    "Pick one of them, or -1 for the latest.")
+        path, model_only = self._load_path(step)
+        if path is not None:
+            if not model_only:
+                self._check_stored_step(path)
+            self._check_architecture(path, model_only)
+            if not model_only:
+                self._prepare_dataloader_reshard(path)
+        try:
+            loaded = titan_load(step=step)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(
+                f"checkpoint {path or cp.folder!r} cannot be loaded into this run: {type(e).__name__}: "
+                f"{_last_line(e)}. It is corrupt or was written by a different model/optimizer config; point "
+                "checkpoint.folder/job.dump_folder elsewhere or remove it.") from e
+        if loaded:
+            self.saved_step = self.trainer.step
+            self.nonfinite.check_loaded(path or cp.folder, self.trainer.step)
+            if path is not None and not model_only:
+                self._check_schedule(path)
+                # the optimizer's state restores each group's lr after the schedule set it: set it again, so the
+                # first resumed step runs at this run's schedule (what the jump warning and the log say)
+                self.trainer.lr_schedulers.load_state_dict(self.trainer.lr_schedulers.state_dict())
+        self.after_load()
+        return loaded
+
+    def dcp_load(self, titan_dcp_load, state_dict, checkpoint_id, from_hf, from_quantized):
+        if not self._partial_load or from_hf:
+            return titan_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True))
+        if "model" in self.cp.states:
+            self.cp.states["model"].load_state_dict(state_dict)
+
+    def save(self, titan_save, curr_step: int, last_step: bool = False) -> None:
+        if not saves_at(self.cp, curr_step, last_step):
+            return titan_save(curr_step, last_step)
+        self.nonfinite.check_before_save(curr_step)
+        path = step_path(self.cp, curr_step)
+        try:
+            titan_save(curr_step, last_step)
+        except (Exception, CheckpointException) as e:
+            raise self._save_error(e, path) from e
+        self.saved_step = curr_step
+        if last_step:
+            self.rotate()  # torchtitan skips rotation after the last step's save
+        if _rank0():
+            self._write_sidecars(path)
+
+    # ------------------------------------------------------------------------------------------------ load checks
+
+    def _load_path(self, step: int) -> tuple[str | None, bool]:
+        """(DCP folder about to be loaded, model only?) mirroring torchtitan's ``CheckpointManager.load``;
+        None for HF loads or when nothing will be loaded."""
+        cp = self.cp
+        if not cp.enable:
+            return None, False
+        if not os.path.exists(cp.folder):
+            if cp.initial_load_path and not cp.initial_load_in_hf and os.path.isdir(cp.initial_load_path):
+                return cp.initial_load_path, cp.initial_load_model_only
+            return None, False
+        step = self.newest_step() if step == -1 else step
+        path = step_path(cp, step)
+        if step < 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+            return None, False
+        return path, step == 0
+
+    def _check_stored_step(self, path: str) -> None:
+        """A ``step-N`` folder must hold step N (``train_state.step`` inside it): one copied in from another run
+        under a newer name would be resumed at its own step, retrain, and overwrite this run's newer steps."""
+        name = step_of(path)
+        if name is None:  # checkpoint.initial_load_path: any name
+            return
+        stored = {"train_state.step": -1}
+        try:
+            with warnings.catch_warnings():  # this rank alone reads one pickled integer; DCP warns of no_dist
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(stored, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
+        except (Exception, CheckpointException):  # unreadable: the load itself reports it
+            return
+        step = stored["train_state.step"]
+        if step not in (-1, name):
+            raise ValueError(f"checkpoint {path!r} holds step {step}, not step {name}: it was copied in or renamed "
+                             f"from another run. Move it out of {os.path.dirname(path)!r} (or name it step-{step} "
+                             "if it belongs to this run) and start again; nothing was loaded or changed.")
+
+    def _check_architecture(self, path: str, model_only: bool) -> None:
+        """The checkpoint's model keys must be the built model's: DCP loads only the keys asked for, so extra
+        checkpoint keys (a Parallax run resumed as softmax) would be dropped silently. With
+        ``checkpoint.partial_load`` the difference is logged and the load keeps what is there."""
+        try:
+            keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        except Exception:  # unreadable metadata: the load itself reports it
+            return
+        others = tuple(f"{k}." for k in self.cp.states if k != "model")
+        ckpt = {k for k in keys if not k.startswith(others)}
+        model = set(self.cp.states["model"].state_dict())
+        missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
+        changed = {} if model_only else self._changed_architecture(path)
+        if not (missing or unexpected or changed):
+            return
+        parts = [f"missing from the checkpoint {missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), "
+                 f"not in the model {unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
+                 ] if missing or unexpected else []
+        parts += [f"architecture fields changed (checkpoint's, this run's): {changed}"] if changed else []
+        what = f"checkpoint {path!r} does not match the model built from this config: {'; '.join(parts)}"
+        if not self.trainer.job_config.checkpoint.partial_load:
+            raise ValueError(f"{what}. It was written by a different architecture (model.attention, layer_pattern, "
+                             "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
+                             "checkpoint.partial_load = true to load the common keys on purpose.")
+        logger.warning(f"{what}; checkpoint.partial_load = true: loading the common keys, missing ones keep their "
+                       "initialisation")
+        self._partial_load = True
+
+    def _changed_architecture(self, path: str) -> dict[str, tuple]:
+        """{field: (checkpoint's, this run's)} of the architecture record ``attnlab.json`` next to the
+        checkpoint that differ from the model built (:func:`architecture_changes`); on a resume, same keys with
+        other values (``attn_mask_type``, mechanism options such as ``window_size``) would otherwise continue
+        silently as a different model. Not checked for model-only initial loads: a new run may start from weights
+        with another mask or options on purpose (an imported HF model trained with packed documents)."""
+        rec = os.path.join(path, SIDECAR)
+        if not os.path.isfile(rec):
+            return {}
+        with open(rec) as f:
+            old = json.load(f)
+        new = json.loads(json.dumps(args_to_dict(self.trainer.model_args)))  # tuples as JSON lists, like the record
+        return architecture_changes(old, new)
+
+    def _prepare_dataloader_reshard(self, path: str) -> None:
+        """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from
+        the DCP metadata), so that a different world size reshards its position (see data.loader)."""
+        dl = getattr(self.trainer, "dataloader", None)
+        if dl is None or not hasattr(dl, "resume_world_size"):
+            return
+        try:
+            keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception:  # unreadable metadata: the load itself reports it
+            return
+        ranks = [k for k in keys if k.startswith("dataloader.dp_rank_")]
+        dl.resume_world_size, dl.checkpoint_path = (len(ranks) or None), path
+        if ranks:
+            dl.check_reshardable(len(ranks))  # before DCP, so the message is not buried in a load error
+
+    def _group_lrs(self) -> list[float]:
+        """The schedule's lr of every parameter group for the next step (from the scheduler's own lambdas, not
+        the optimizer's param groups, which a checkpoint load may overwrite with the saved values)."""
+        return [base * fn(s.last_epoch) for s in self.trainer.lr_schedulers.schedulers
+                for base, fn in zip(s.base_lrs, getattr(s, "lr_lambdas", [lambda _: 1.0] * len(s.base_lrs)))]
+
+    def _check_schedule(self, path: str) -> None:
+        """Warn when the resumed run's schedule gives a different lr at this step than the run that wrote the
+        checkpoint (typically ``training.steps`` raised after a finished run: the decayed lr jumps back)."""
+        rec = os.path.join(path, "schedule.json")
+        if not os.path.isfile(rec):
+            return
+        with open(rec) as f:
+            old = json.load(f)
+        new = self._group_lrs()
+        if len(old["lr"]) != len(new):
+            return
+        worst = max(abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(old["lr"], new))
+        if worst > 1e-6:
+            logger.warning(
+                f"Resuming at step {self.trainer.step} with a different learning-rate schedule: the checkpoint's run "
+                f"(training.steps = {old['training_steps']}) continued with lr {old['lr'][0]:.3e}, this run "
+                f"(training.steps = {self.trainer.job_config.training.steps}) uses {new[0]:.3e} from here. The "
+                "schedule is recomputed from the current config; keep training.steps and the [lr_scheduler] section "
+                "as they were to continue it, or accept the lr jump.")
+
+    # ------------------------------------------------------------------------------------------------------ saves
+
+    def _write_sidecars(self, path: str) -> None:
+        """Next to each DCP step folder's shards: ``attnlab.json`` (the architecture, as ``models.hf`` writes it,
+        so offline tools and the converter rebuild the exact model, mask type included) and
+        ``schedule.json`` (training.steps and the next step's lr per group, for the resume check)."""
+        if not os.path.isdir(path):
+            return
+        with open(os.path.join(path, SIDECAR), "w") as f:
+            json.dump(args_to_dict(self.trainer.model_args), f, indent=2)
+        with open(os.path.join(path, "schedule.json"), "w") as f:
+            json.dump({"training_steps": self.trainer.job_config.training.steps, "lr": self._group_lrs()}, f)
+
+    def _save_error(self, e: BaseException, path: str) -> Exception:
+        """A save failure; a full disk (or quota / file-size limit) is named as such."""
+        text, cause, disk = str(e), e, False
+        while cause is not None:
+            disk |= isinstance(cause, OSError) and cause.errno in _DISK_ERRNOS
+            cause = cause.__cause__ or cause.__context__
+        disk |= any(s in text for s in ("No space left", "Disk quota", "File too large", "unexpected pos"))
+        if not disk:
+            return RuntimeError(f"saving {path} failed: {type(e).__name__}: {_last_line(e)}")
+        free = shutil.disk_usage(self.cp.folder).free / 2**30
+        if _rank0() and not os.path.isfile(os.path.join(path, ".metadata")):
+            shutil.rmtree(path, ignore_errors=True)  # DCP writes .metadata last: without it, never loadable
+        return OSError(errno.ENOSPC, f"the disk is full (or a quota / file-size limit was hit) while saving {path}: "
+                                     f"{free:.2f} GiB free, one checkpoint needs about "
+                                     f"{checkpoint_bytes(self.trainer.model_parts) / 2**30:.2f} GiB. The incomplete "
+                                     "folder was removed; earlier checkpoints are intact. Free space and resume.")
