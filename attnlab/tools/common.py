@@ -11,7 +11,8 @@ import warnings
 
 import torch
 
-from attnlab.checkpoint.convert import DEFAULT_RHO_NORM_INIT, convert_state, parse_layers
+from attnlab.checkpoint import convert
+from attnlab.checkpoint.convert import DEFAULT_RHO_NORM_INIT, parse_layers
 from attnlab.checkpoint.dcp import CheckpointError
 from attnlab.checkpoint.load import load_model
 
@@ -92,5 +93,6 @@ def convert_from_arguments(args, sd, a, progress: bool = False):
         layers = list(range(args.n_layers // 2, args.n_layers))
     else:
         layers = parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers))
-    return layers, *convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
-                                  a.rho_norm_init)
+    # looked up on its module, where tests/tools/test_convert_to_parallax.py replaces it with a conversion that is wrong
+    return layers, *convert.convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
+                                          a.rho_norm_init)
