@@ -11,7 +11,7 @@ import pytest
 
 from tests.utils import REPO
 
-SCRIPTS = sorted(p for p in (REPO / "scripts").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+SCRIPTS = sorted(p for p in (REPO / "attnlab" / "tools").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
 
 # Runs every script's --help in ONE fresh interpreter (imports are shared, so the whole check takes seconds):
 # each script runs as __main__ with argv [script, --help]; parse_args is wrapped to record options that have
@@ -66,7 +66,7 @@ def test_every_script_help_is_clean_and_writes_nothing(tmp_path):
 def _tool(name):
     import importlib
 
-    return importlib.import_module(f"scripts.{name}")
+    return importlib.import_module(f"attnlab.tools.{name}")
 
 
 def _run_folder(tmp_path):
