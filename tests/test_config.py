@@ -86,8 +86,9 @@ def test_valid_values_pass_and_ints_are_numbers(tmp_path):
 
 
 def test_library_code_does_not_import_the_entry_point():
-    code = ("import sys; import models.checkpoint_io as c, models.hf as h; "
-            f"h.args_from_job_config({DEFAULT_CONFIG!r}); assert 'train' not in sys.modules, 'train imported'")
+    code = ("import sys; import attnlab.checkpoint.dcp, attnlab.checkpoint.hf, attnlab.checkpoint.load as load; "
+            f"load.args_from_job_config({DEFAULT_CONFIG!r}); "
+            "assert 'attnlab.train' not in sys.modules, 'attnlab.train imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), capture_output=True)
 
 

@@ -23,7 +23,8 @@ import torch
 from attnlab import attention
 from attnlab.models.decode import generate
 from attnlab.checkpoint.dcp import build_model
-from attnlab.checkpoint.hf import load_checkpoint, load_tool_checkpoint, save_hf
+from attnlab.checkpoint.hf import save_hf
+from attnlab.checkpoint.load import load_checkpoint, load_tool_checkpoint
 from attnlab.checkpoint.layout import resolve
 from attnlab.tools import multigpu_check
 from tests.utils import REPO, losses, read_metrics, run_train, tiny_args

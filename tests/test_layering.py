@@ -122,9 +122,26 @@ def test_op_folders_use_one_vocabulary():
     assert not bad, "op folders outside the vocabulary (naive, chunk, recurrent, fla, triton/):\n" + "\n".join(bad)
 
 
-def test_dcp_does_not_import_hf():
-    """One direction inside the on-disk format: ``checkpoint.hf`` (Hugging Face folders) builds on
-    ``checkpoint.dcp`` (DCP, the architecture record, ``build_model``), which never imports it back."""
-    bad = [f"attnlab/checkpoint/dcp.py:{line} imports {mod}"
-           for line, mod in imported_modules(PACKAGE / "checkpoint" / "dcp.py") if mod.startswith("attnlab.checkpoint.hf")]
+CHECKPOINT_ORDER = ("layout", "dcp", "hf", "load")
+"""The on-disk format's modules, bottom to top: run/step/HF folders, DCP checkpoints (with the architecture record
+and ``build_model``), Hugging Face folders, the tools' loader of either format."""
+
+
+def test_the_on_disk_format_builds_upwards():
+    """Inside ``attnlab.checkpoint`` each module of :data:`CHECKPOINT_ORDER` imports only those before it
+    (``checkpoint.dcp`` never imports ``checkpoint.hf``, neither imports ``checkpoint.load``)."""
+    bad = []
+    for i, name in enumerate(CHECKPOINT_ORDER):
+        above = [f"attnlab.checkpoint.{m}" for m in CHECKPOINT_ORDER[i + 1:]]
+        bad += [f"attnlab/checkpoint/{name}.py:{line} imports {mod}"
+                for line, mod in imported_modules(PACKAGE / "checkpoint" / f"{name}.py")
+                if any(mod == m or mod.startswith(m + ".") for m in above)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_library_holds_no_tool_argument_parser():
+    """The tools' command line (``CKPT``, ``--step``, train.py flags, conversion options) is
+    attnlab/tools/common.py's: the on-disk format imports no ``argparse``."""
+    bad = [f"{path.relative_to(REPO)}:{line}" for path in sorted((PACKAGE / "checkpoint").rglob("*.py"))
+           for line, mod in imported_modules(path) if mod.split(".")[0] == "argparse"]
+    assert not bad, "argparse imported by the on-disk format: " + ", ".join(bad)

@@ -1,7 +1,8 @@
-"""softmax → Parallax conversion with W_R = 0 (Parallax paper §5; docs/mechanisms.md): with ρ = RMSNorm(0) = 0 Parallax reduces
-to softmax attention, so the converted model computes exactly the same function. Used by
-attnlab/tools/convert_to_parallax.py and attnlab/tools/import_hf.py, with the training-config entries that rebuild a converted
-or imported architecture (:func:`config_overrides`, :func:`finetune_command`)."""
+"""softmax → Parallax conversion with W_R = 0 (Parallax paper §5; docs/mechanisms.md): with ρ = RMSNorm(0) = 0
+Parallax reduces to softmax attention, so the converted model computes exactly the same function. Used by
+attnlab/tools/convert_to_parallax.py and attnlab/tools/import_hf.py (their options: attnlab/tools/common.py), with the
+training-config entries that rebuild a converted or imported architecture (:func:`config_overrides`,
+:func:`finetune_command`)."""
 
 from __future__ import annotations
 
@@ -85,42 +86,6 @@ def max_logit_diff(args_a, sd_a, args_b, sd_b, seq_len: int = 32, batch: int = 2
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, args_a.vocab_size, (batch, min(seq_len, args_a.max_seq_len)), generator=g)
     return (a(tokens) - b(tokens)).abs().max().item()
-
-
-def add_conversion_arguments(ap, when: str = "") -> None:
-    """The options of a softmax → Parallax conversion, shared by the conversion tools (``when`` prefixes each help
-    text, e.g. "with --parallax"). :func:`convert_from_arguments` reads them back."""
-    w = f"{when}: " if when else ""
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--layers", help=f"{w}layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
-    which.add_argument("--top-half", action="store_true", help=f"{w}convert layers n_layers//2 .. n_layers-1")
-    ap.add_argument("--rho-gate", action="store_true", help=f"{w}add the per-head sigmoid gate on ρ (weights 0)")
-    ap.add_argument("--gate-bias", type=float, default=0.0, help=f"{w}initial gate bias (σ(bias) = initial gate)")
-    ap.add_argument("--no-rope-on-rho", action="store_true", help=f"{w}do not apply RoPE to ρ")
-    ap.add_argument("--rho-norm-init", type=float, default=DEFAULT_RHO_NORM_INIT,
-                    help=f"{w}gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
-                         "‖ρ‖ = √head_dim · gain once W_R moves; default: the module default, "
-                         f"{DEFAULT_RHO_NORM_INIT:g}; 1 is the Parallax paper's recipe as written)")
-
-
-CONVERSION_OPTIONS = ("layers", "top_half", "rho_gate", "gate_bias", "no_rope_on_rho", "rho_norm_init")
-"""The argparse destinations :func:`add_conversion_arguments` adds."""
-
-
-def conversion_options_given(ap, a) -> list[str]:
-    """The conversion options of ``a`` set away from their defaults in parser ``ap``, as flags."""
-    return ["--" + d.replace("_", "-") for d in CONVERSION_OPTIONS if getattr(a, d) != ap.get_default(d)]
-
-
-def convert_from_arguments(args, sd, a, progress: bool = False):
-    """(converted layer indices, new ModelArgs, new state dict): :func:`convert_state` with the layers and options
-    parsed by :func:`add_conversion_arguments`."""
-    if a.top_half:
-        layers = list(range(args.n_layers // 2, args.n_layers))
-    else:
-        layers = parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers))
-    return layers, *convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
-                                  a.rho_norm_init)
 
 
 FINETUNE_CONFIG = "attnlab/configs/convert_finetune_parallax.toml"

@@ -1,6 +1,6 @@
 """DCP checkpoints for offline tools: read and write model state, the ``attnlab.json`` architecture record,
 the training configuration of a run, and the one ``build_model``. Tools load runs through
-:func:`models.hf.load_model` / :func:`models.hf.load_tool_checkpoint` (any format), built on this module.
+:func:`checkpoint.load.load_model` / :func:`checkpoint.load.load_tool_checkpoint` (any format), built on this module.
 
 The model is rebuilt from the training config: the same CLI/TOML argv as ``train.py`` (``argv``), or, when
 ``argv`` is empty, ``<run>/config.toml`` (what every run writes), ``<run>/train_args.json`` (a JSON list of the
@@ -8,7 +8,7 @@ argv, written by ``benchmarks/replicate.py``), or the step folder's ``attnlab.js
 run that none of them describes is an error naming the folder, never the default configuration's model.
 Only the model's keys are read from the checkpoint (optimizer and trainer states are skipped), so full training
 checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face folders are
-:mod:`models.hf`'s, which builds on this module (never the other way round).
+:mod:`checkpoint.hf`'s, which builds on this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from attnlab import attention
 from attnlab.models.args import ModelArgs
 from attnlab.models.model import Transformer
-from attnlab.checkpoint.layout import new_folder
+from attnlab.checkpoint.layout import CONFIG_FILE, TRAIN_ARGS_FILE, new_folder, run_dir_of
 
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -63,10 +63,6 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
         opts[name] = mech.options(**kw)
     args.attention_options = opts
     return args
-
-
-def is_dcp_folder(path) -> bool:
-    return (Path(path) / ".metadata").is_file()
 
 
 def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
@@ -170,19 +166,11 @@ def progress_bar(it, desc: str, enable: bool = True):
     return tqdm(it, desc=desc, disable=not enable, leave=False)
 
 
-def run_dir_of(step_dir: Path) -> Path:
-    """The run folder (``job.dump_folder``) of a step folder (:func:`models.run_folder.run_of`)."""
-    from attnlab.checkpoint.layout import run_of
-
-    return run_of(step_dir) or step_dir.parent
-
-
 def run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
     """train.py's argv describing the run of ``step_dir``: ``argv`` when it names ``--job.config_file``, else
     ``argv`` on top of ``<run>/config.toml``, else ``argv`` (on top of the default config) when given, else
     ``<run>/train_args.json``; None when there is none of them."""
     from attnlab.config import names_config_file
-    from attnlab.checkpoint.layout import CONFIG_FILE, TRAIN_ARGS_FILE
 
     argv = list(argv or [])
     run = run_dir_of(step_dir)

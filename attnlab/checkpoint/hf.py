@@ -1,24 +1,20 @@
-"""Hugging Face folders: export and import of safetensors + config.json, one state-dict adapter per mechanism,
-and the one way tools load a checkpoint of either format (:func:`load_tool_checkpoint`, :func:`load_model`).
+"""Hugging Face folders: the key maps between the model's names and Hugging Face's (:func:`to_hf`,
+:func:`from_hf`), config.json written and read (:func:`hf_config`, :func:`args_from_hf_config`), safetensors
+folders written and read (:func:`save_hf`, :func:`load_hf_state`), and torchtitan's ``StateDictAdapter`` of the
+model (:class:`AttnLabStateDictAdapter`). Tools load either format through :mod:`checkpoint.load`; the DCP side is
+:mod:`checkpoint.dcp`, which this module builds on.
 
-A model lives on disk in two formats; this module reads and writes the Hugging Face one and reads either
-(:func:`load_checkpoint`), with the DCP side in :mod:`models.checkpoint_io`:
-
-- **DCP step folder** (``<dump>/checkpoint/step-N`` as the trainer writes it, or a model-only folder):
-  flattened parameter names next to optimizer/scheduler/data-loader entries. Its architecture comes from the
-  sidecar ``attnlab.json`` (:mod:`models.checkpoint_io`) or, for softmax/Parallax layers, from the tensor shapes
-  (:func:`infer_args`).
-- **Hugging Face folder**: ``config.json`` + ``model.safetensors`` (or a sharded index). A model whose every
-  layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
-  ``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
-  adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
-  ``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights). Every exported
-  ``config.json`` carries the full architecture under ``"attnlab"`` (import is exact). When every layer is
-  softmax (any options) or Parallax, the folder also holds a standalone remote-code model
-  (``attnlab/checkpoint/hf_remote``: configuration + modeling files, ``auto_map`` in config.json), so
-  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it. config.json is written and read
-  through transformers' config classes (:func:`hf_config`, :func:`args_from_hf_config`); the tokenizer is saved with
-  transformers and encodes as the training data path does (:func:`save_hf_tokenizer`).
+A **Hugging Face folder** is ``config.json`` + ``model.safetensors`` (or a sharded index). A model whose every
+layer is Qwen3 softmax attention (q/k-norm, no window) is written as a plain ``Qwen3ForCausalLM`` that
+``transformers.AutoModelForCausalLM`` loads with equal logits. Any other mechanism keeps the Qwen3 keys and
+adds its own under ``self_attn.`` (Parallax: ``r_proj``, ``r_norm``, ``r_gate``); such a folder has
+``model_type = "attnlab"`` so transformers never loads it as a Qwen3 (silently dropping weights). Every exported
+``config.json`` carries the full architecture under ``"attnlab"`` (import is exact). When every layer is
+softmax (any options) or Parallax, the folder also holds a standalone remote-code model
+(``attnlab/checkpoint/hf_remote``: configuration + modeling files, ``auto_map`` in config.json), so
+``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it. config.json is written and read
+through transformers' config classes; the tokenizer is saved with transformers and encodes as the training data
+path does (:func:`save_hf_tokenizer`).
 
 The Qwen3 key table is torchtitan's :class:`Qwen3StateDictAdapter` ``from_hf_map`` (dense entries).
 """
@@ -36,10 +32,8 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from attnlab import attention
 from attnlab.models.args import ModelArgs
-from attnlab.checkpoint.dcp import (SIDECAR, CheckpointError, args_from_dict, args_to_dict, build_model, config_and_architecture,
-                                  config_for, is_dcp_folder, load_dcp_state, model_args_from_config, progress_bar,
-                                  read_sidecar, run_argv, undescribed)
-from attnlab.checkpoint.layout import TRAIN_FLAGS_HELP, add_checkpoint_arguments, new_folder, resolve, split_train_flags
+from attnlab.checkpoint.dcp import CheckpointError, args_from_dict, args_to_dict, progress_bar
+from attnlab.checkpoint.layout import new_folder
 
 ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
 """Attention submodule renames (torchtitan → HF) of the Qwen3-named mechanisms below; the attention parameters
@@ -49,78 +43,7 @@ QWEN3_NAMED = ("softmax", "parallax")
 
 def _attn_renames(args: ModelArgs, i: int) -> dict[str, str]:
     return ATTN_PARAM_TO_HF if args.layer_mechanisms()[int(i)] in QWEN3_NAMED else {}
-SOFTMAX_PARAMS = {"wq.weight", "wk.weight", "wv.weight", "wo.weight"}
-QK_NORM_PARAMS = {"q_norm.weight", "k_norm.weight"}
-PARALLAX_PARAMS = {"wr.weight", "r_norm.weight"}
-GATE_PARAMS = {"r_gate.weight", "r_gate.bias"}
 
-
-# --------------------------------------------------------------------------- architecture from tensor shapes
-
-def _layer_params(keys, i: int) -> set[str]:
-    prefix = f"layers.{i}.attention."
-    return {k[len(prefix):] for k in keys if k.startswith(prefix)}
-
-
-def infer_mechanism(params: set[str]) -> str | None:
-    """'softmax' / 'parallax' from a layer's attention parameter names, None when neither fits."""
-    base = params - QK_NORM_PARAMS
-    if base == SOFTMAX_PARAMS:
-        return "softmax"
-    if base - GATE_PARAMS == SOFTMAX_PARAMS | PARALLAX_PARAMS and (not (base & GATE_PARAMS) or GATE_PARAMS <= base):
-        return "parallax"
-    return None
-
-
-def infer_args(sd: dict[str, torch.Tensor], norm_eps: float = 1e-6, rope_theta: float = 1e6,
-               max_seq_len: int = 4096, attn_mask_type: str = "causal") -> ModelArgs:
-    """Architecture of a softmax/Parallax state dict from its tensor shapes (DCP folders record none).
-    Not recoverable from shapes: norm_eps, rope_theta, sliding windows, RoPE-on-ρ (assumed on) — pass them
-    or use a folder with a sidecar."""
-    if "tok_embeddings.weight" not in sd or "norm.weight" not in sd:
-        raise CheckpointError("no model weights found (expected tok_embeddings.weight and norm.weight); "
-                              "is this a training checkpoint of this framework?")
-    vocab, dim = sd["tok_embeddings.weight"].shape
-    n_layers = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"layers\.(\d+)\.", k)))
-    mechs = []
-    for i in range(n_layers):
-        p = _layer_params(sd, i)
-        mech = infer_mechanism(p)
-        if mech is None:
-            raise CheckpointError(f"layer {i}: attention parameters {sorted(p)} are neither softmax nor Parallax; "
-                                  f"this folder has no {SIDECAR} describing its mechanism (supported: softmax, parallax)")
-        mechs.append(mech)
-    a0 = "layers.0.attention."
-    qk_norm = f"{a0}q_norm.weight" in sd
-    if not qk_norm:
-        raise CheckpointError("layers without q_norm: the head size cannot be inferred from shapes; "
-                              f"this folder needs an {SIDECAR} record")
-    head_dim = sd[f"{a0}q_norm.weight"].shape[0]
-    n_heads = sd[f"{a0}wq.weight"].shape[0] // head_dim
-    n_kv = sd[f"{a0}wk.weight"].shape[0] // head_dim
-    hidden = sd["layers.0.feed_forward.w1.weight"].shape[0]
-    tied = "output.weight" not in sd or (sd["output.weight"].shape == sd["tok_embeddings.weight"].shape
-                                         and torch.equal(sd["output.weight"], sd["tok_embeddings.weight"]))
-    opts = {}
-    for name in set(mechs):
-        mech = attention.get_mechanism(name)
-        kw: dict[str, Any] = {"qk_norm": qk_norm}
-        if name == "parallax":
-            kw["rho_gate"] = any(f"layers.{i}.attention.r_gate.weight" in sd for i in range(n_layers))
-        opts[name] = mech.options(**kw)
-    pattern = mechs if len(set(mechs)) > 1 else []
-    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-                     hidden_dim=hidden, vocab_size=vocab, norm_eps=norm_eps, rope_theta=rope_theta,
-                     max_seq_len=max_seq_len, enable_weight_tying=tied, attn_mask_type=attn_mask_type,
-                     attention=mechs[0], layer_pattern=pattern, attention_options=opts)
-
-
-def is_hf_folder(path) -> bool:
-    p = Path(path)
-    return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file())
-
-
-# ------------------------------------------------------------------------------------------------- HF
 
 def _qwen3_map() -> dict[str, str]:
     """torchtitan's Qwen3 HF→torchtitan table, dense entries only (``{}`` = layer index)."""
@@ -301,7 +224,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
                      attention_options={"softmax": attention.get_mechanism("softmax").options()})
 
 
-def load_hf_state(folder, progress: bool = False, args: ModelArgs | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+def load_hf_state(folder, progress: bool = False,
+                  args: ModelArgs | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(architecture, torchtitan-named state dict) of a Hugging Face folder; the architecture is ``args`` when
     given (a trainer's ``last_save_in_hf`` step folder has safetensors but no config.json), else config.json's."""
     from safetensors import SafetensorError
@@ -372,126 +296,6 @@ def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.d
         if has_remote_code(args):
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
-
-
-# ------------------------------------------------------------------------------------------ any folder
-
-def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False, **infer_kw):
-    """(format "dcp" | "hf", architecture, state dict) of a DCP step folder or an HF folder (with config.json,
-    or safetensors only when ``args`` is given). DCP architecture: ``args`` if given, else the sidecar, else
-    inferred from shapes (``infer_kw``)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    if is_hf_folder(path):
-        a, sd = load_hf_state(path, progress)
-        return "hf", args or a, sd
-    if args is not None and any(path.glob("*.safetensors")):  # checkpoint.last_save_in_hf
-        return "hf", *load_hf_state(path, progress, args)
-    if is_dcp_folder(path):
-        sd = load_dcp_state(path, progress)
-        return "dcp", args or read_sidecar(path) or infer_args(sd, **infer_kw), sd
-    raise CheckpointError(f"{path}: neither a DCP step folder (.metadata) nor a Hugging Face folder "
-                          "(config.json + *.safetensors; a step folder saved with checkpoint.last_save_in_hf "
-                          "needs its run's config.toml or --config)")
-
-
-def job_config(config_file, overrides: list[str] | None = None):
-    """The merged JobConfig of a training TOML (+ ``--section.key value`` overrides)."""
-    from attnlab.config import parse_config
-
-    return parse_config(["--job.config_file", str(config_file), *(overrides or [])])
-
-
-def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
-    """ModelArgs of a training TOML (+ ``--section.key value`` overrides), as the trainer builds them."""
-    return model_args_from_config(job_config(config_file, overrides))
-
-
-def load_tool_checkpoint(ckpt, config_file=None, progress: bool = False, train_flags: list[str] | None = None,
-                         infer: bool = True, **infer_kw):
-    """(format, architecture, state dict, JobConfig or None) of a resolved :class:`models.run_folder.Checkpoint`:
-    the one way every tool reads a run, a step folder or a Hugging Face folder.
-
-    Architecture, first found: ``config_file`` (a TOML the user names) or the run's own description
-    (``<run>/config.toml``, ``<run>/train_args.json``), with ``train_flags`` (train.py ``--section.key value``
-    overrides) on top, which also gives the JobConfig; the folder's own record (HF config.json / DCP attnlab.json);
-    with ``infer``, the tensor shapes (``infer_kw``, softmax/Parallax only). A DCP folder that nothing describes is
-    a CheckpointError naming the folders when ``infer`` is off."""
-    flags = list(train_flags or [])
-    argv = ["--job.config_file", str(config_file), *flags] if config_file else ckpt.config_argv(flags)
-    if is_dcp_folder(ckpt.path):
-        described = run_argv(argv, ckpt.path) is not None
-        cfg, args = config_and_architecture(argv, ckpt.path) if described else (None, read_sidecar(ckpt.path))
-        if args is None and not infer:
-            raise undescribed(ckpt.path)
-        sd = load_dcp_state(ckpt.path, progress)
-        return "dcp", args or infer_args(sd, **infer_kw), sd, cfg
-    from attnlab.config import names_config_file, parse_config
-
-    names_config = names_config_file(argv)
-    if flags and not names_config:  # they would be dropped: an HF folder's architecture is its config.json
-        raise CheckpointError(f"{ckpt.path}: a Hugging Face folder outside a run, so the train.py flags after `--` "
-                              f"({' '.join(flags)}) have no configuration to apply to; add --job.config_file")
-    cfg = parse_config(argv) if names_config else None
-    fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
-    return fmt, args, sd, cfg
-
-
-def load_model(path, train_flags: list[str] | None = None, device="cpu", dtype: torch.dtype = torch.float32,
-               step: int | None = None):
-    """(model in eval mode, JobConfig, checkpoint folder) of a run, step or Hugging Face folder ``path``
-    (:func:`models.run_folder.resolve`, then :func:`load_tool_checkpoint` without shape inference, then
-    :func:`build_model`). A checkpoint only its own record describes gets the default configuration set to that
-    architecture; ``cfg.model.hf_assets_path`` points at the checkpoint's own tokenizer when it has one."""
-    ckpt = resolve(path, step)
-    _, args, sd, cfg = load_tool_checkpoint(ckpt, train_flags=train_flags, infer=False)
-    cfg = cfg or config_for(args)
-    model = build_model(args, sd, device=device, dtype=dtype)
-    ckpt.use_tokenizer(cfg)
-    return model, cfg, ckpt.path
-
-
-def load_run(ap, args, train_flags: list[str]):
-    """:func:`load_model` of a tool's ``CKPT``/``--step``/``--device``/``--dtype`` (:func:`tool_parser`); a bad
-    folder or checkpoint exits through ``ap`` with one line."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    try:
-        return load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype), step=args.step)
-    except FileNotFoundError as e:
-        ap.error(str(e))
-    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
-        ap.exit(2, f"{ap.prog}: error: {e}\n")
-
-
-def tool_parser(doc: str, argv: list[str]):
-    """(parser, the tool's own arguments, train.py flags) of a tool that loads a model through :func:`load_run`:
-    ``argv`` split at the train.py flags (``models.run_folder.split_train_flags``), and a parser with the
-    checkpoint, ``--dtype`` and ``--device`` arguments and ``doc`` as its description."""
-    import argparse
-
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(ap)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    return ap, own, train_flags
-
-
-def tokenizer_folder(ckpt, cfg=None) -> Path | None:
-    """The tokenizer of a checkpoint: the run's ``tokenizer/`` or the HF folder's files, else the config's
-    ``model.hf_assets_path`` (the embedded default's cached tokenizer for "embedded"); None when there is none."""
-    if ckpt.tokenizer is not None:
-        return ckpt.tokenizer
-    if cfg is None:
-        return None
-    from attnlab.data.loader import tokenizer_path
-
-    path = Path(tokenizer_path(cfg))
-    return path if (path / "tokenizer.json").is_file() else None
 
 
 # ----------------------------------------------------------------------------- torchtitan's adapter path

@@ -1,5 +1,5 @@
-"""Run folders, step folders and Hugging Face folders: how every offline tool finds a checkpoint, the
-configuration it was trained with and its tokenizer.
+"""Run folders, step folders and Hugging Face folders: the one definition of each, how every offline tool finds a
+checkpoint, the configuration it was trained with and its tokenizer, and the files a run leaves for them.
 
 A run folder (``job.dump_folder``) is laid out as::
 
@@ -9,15 +9,18 @@ A run folder (``job.dump_folder``) is laid out as::
     <run>/checkpoint/step-N/    DCP checkpoints
     <run>/train_args.json       older runs: the train.py argv (benchmarks/replicate.py)
 
-Every tool script takes one positional ``CKPT`` (a run folder, a ``step-N`` folder or a Hugging Face folder)
-and ``--step N`` (default: the latest step of a run folder), through :func:`add_checkpoint_arguments` and
-:func:`resolve`. The model is rebuilt from ``<run>/config.toml`` when it exists, so a Parallax run is evaluated
-as Parallax without repeating its flags.
+A step folder is a folder named exactly ``step-N`` (:func:`step_of`); a checkpoint folder holds weights of either
+format (:func:`is_checkpoint_folder`): DCP (:func:`is_dcp_folder`) or safetensors, a Hugging Face folder with its
+config.json (:func:`is_hf_folder`) or a trainer's ``checkpoint.last_save_in_hf`` step. The trainer resumes from and
+rotates only the DCP step folders; tools read every checkpoint folder (:func:`step_folders`).
+
+Every tool takes one ``CKPT`` (a run folder, a ``step-N`` folder or a Hugging Face folder) and ``--step N``
+(attnlab/tools/common.py), which :func:`resolve` turns into a :class:`CheckpointRef`. The model is rebuilt from
+``<run>/config.toml`` when it exists, so a Parallax run is evaluated as Parallax without repeating its flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_FILE = "config.toml"
+CHECKPOINT_DIR = "checkpoint"
+"""The run folder's checkpoint folder (``checkpoint.folder``'s default)."""
 RESOLVED_CONFIG_FILE = "config.resolved.toml"
 TRAIN_ARGS_FILE = "train_args.json"
 TOKENIZER_DIR = "tokenizer"
@@ -36,8 +41,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 
 @dataclass
-class Checkpoint:
-    """Where a tool's ``CKPT`` argument points.
+class CheckpointRef:
+    """Where a tool's ``CKPT`` argument points (:func:`resolve`).
 
     ``path``: the DCP step folder or Hugging Face folder holding the weights; ``run``: the run folder it belongs
     to (None for a folder outside a run, e.g. an export); ``step``: N of ``step-N`` (None otherwise)."""
@@ -77,10 +82,46 @@ class Checkpoint:
 
 
 def step_of(folder: str | os.PathLike) -> int | None:
-    """N of a folder named exactly ``step-N`` (as torchtitan writes them), else None. torchtitan's own scan matches
+    r"""N of a folder named exactly ``step-N`` (as torchtitan writes them), else None. torchtitan's own scan matches
     ``step-(\d+)`` anywhere in a name, so a user's ``step-4.bak`` or ``step-8 copy`` would count as a step."""
     m = re.fullmatch(r"step-(0|[1-9]\d*)", os.path.basename(os.fspath(folder).rstrip(os.sep)))
     return int(m.group(1)) if m else None
+
+
+def is_dcp_folder(path: str | os.PathLike) -> bool:
+    """A complete DCP checkpoint: DCP writes ``.metadata`` last, after every shard."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def has_safetensors(path: str | os.PathLike) -> bool:
+    """Safetensors weights: ``*.safetensors`` files or a sharded checkpoint's ``model.safetensors.index.json``."""
+    p = Path(path)
+    return any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A Hugging Face model folder: ``config.json`` (the architecture) and safetensors weights."""
+    return (Path(path) / "config.json").is_file() and has_safetensors(path)
+
+
+def is_checkpoint_folder(path: str | os.PathLike) -> bool:
+    """Weights a tool can load: a DCP checkpoint, a Hugging Face folder, or a trainer's
+    ``checkpoint.last_save_in_hf`` step (safetensors without config.json; its run describes the architecture)."""
+    return is_dcp_folder(path) or has_safetensors(path)
+
+
+def step_folders(folder: str | os.PathLike, dcp_only: bool = False) -> dict[int, Path]:
+    """{N: path} of the checkpoint folders in ``folder`` named exactly ``step-N`` ({} when ``folder`` is absent).
+
+    Without ``dcp_only``: checkpoints of either format (:func:`is_checkpoint_folder`), what a tool picks a step
+    from. With it: DCP checkpoints only (:func:`is_dcp_folder`), what the trainer resumes from and rotates
+    (``keep_latest_k``): a Hugging Face export or ``last_save_in_hf`` step is not resumable and stays the user's,
+    and a save still in flight (no ``.metadata`` yet) is neither counted nor deleted."""
+    holds = is_dcp_folder if dcp_only else is_checkpoint_folder
+    root = Path(folder)
+    if not root.is_dir():
+        return {}
+    return {n: d for d in root.iterdir() if (n := step_of(d)) is not None and holds(d)}
 
 
 def run_of(ckpt_dir: Path) -> Path | None:
@@ -88,7 +129,7 @@ def run_of(ckpt_dir: Path) -> Path | None:
     grandparent that holds the run's description (config.toml or train_args.json), else to ``<run>`` of
     ``<run>/checkpoint/step-N``, else to its parent (``OUT/step-0`` of attnlab/tools/import_hf.py). Any other folder
     belongs to a run only as ``<run>/checkpoint/<folder>``; None outside a run (e.g. an export)."""
-    in_checkpoint = ckpt_dir.parent.parent if ckpt_dir.parent.name == "checkpoint" else None
+    in_checkpoint = ckpt_dir.parent.parent if ckpt_dir.parent.name == CHECKPOINT_DIR else None
     if step_of(ckpt_dir) is None:
         return in_checkpoint
     for d in (ckpt_dir.parent, ckpt_dir.parent.parent):
@@ -97,54 +138,36 @@ def run_of(ckpt_dir: Path) -> Path | None:
     return in_checkpoint or ckpt_dir.parent
 
 
-def _is_checkpoint(d: Path) -> bool:
-    """DCP (.metadata), Hugging Face (config.json), or a trainer's ``last_save_in_hf`` step (safetensors)."""
-    return (d / ".metadata").is_file() or (d / "config.json").is_file() or any(d.glob("*.safetensors"))
+def run_dir_of(ckpt_dir: Path) -> Path:
+    """The folder whose run files describe ``ckpt_dir``: its run (:func:`run_of`), else its parent (a model-only
+    folder outside a run, e.g. attnlab/tools/convert_to_parallax.py's output)."""
+    return run_of(ckpt_dir) or ckpt_dir.parent
 
 
-def resolve(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
+def resolve(path: str | os.PathLike, step: int | None = None) -> CheckpointRef:
     """The checkpoint ``path`` names: a run folder or its ``checkpoint/`` folder (the latest ``step-N``, or
-    ``step-<step>``), a step folder, or a Hugging Face folder; its run is found from any of them (:func:`run_of`).
-    Raises FileNotFoundError naming what was looked for."""
+    ``step-<step>``; :func:`step_folders`), a step folder, or a Hugging Face folder; its run is found from any of
+    them (:func:`run_of`). Raises FileNotFoundError naming what was looked for."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"{str(path)!r}: no such folder (expected a run folder, a step-N folder or a "
                                 "Hugging Face folder)")
-    if _is_checkpoint(p):
+    if is_checkpoint_folder(p):
         if step is not None and step_of(p) != step:
             raise FileNotFoundError(f"--step {step} given but {str(path)!r} is itself a checkpoint folder; pass its "
                                     "run folder instead")
-        return Checkpoint(p, run_of(p), step_of(p))
-    for folder in (p / "checkpoint", p):
-        steps = {s: d for d in folder.glob("step-*") if (s := step_of(d)) is not None and _is_checkpoint(d)}
+        return CheckpointRef(p, run_of(p), step_of(p))
+    for folder in (p / CHECKPOINT_DIR, p):
+        steps = step_folders(folder)
         if not steps:
             continue
         if step is None:
             step = max(steps)
         if step not in steps:
             raise FileNotFoundError(f"{str(path)!r}: no step-{step}; available steps: {sorted(steps)}")
-        return Checkpoint(steps[step], run_of(steps[step]), step)
-    raise FileNotFoundError(f"{str(path)!r}: not a checkpoint folder (no .metadata or config.json) and no step-N "
-                            "folder under it or under its checkpoint/ folder")
-
-
-TRAIN_FLAGS_HELP = ("After `--`, train.py flags (`--section.key value`) applied on top of the run's config.toml; "
-                    "a run without config.toml (older runs) needs its training flags here, e.g. "
-                    "`-- --job.config_file attnlab/configs/x.toml --model.attention parallax`.")
-
-
-def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the tool's own arguments, the train.py flags after ``--``)."""
-    return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-
-
-def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") -> None:
-    """The positional checkpoint argument and ``--step`` shared by every tool script."""
-    ap.add_argument(name, metavar=name.upper(),
-                    help="a run folder (job.dump_folder: its config.toml rebuilds the model), a checkpoint/step-N "
-                         "folder, or a Hugging Face folder")
-    ap.add_argument("--step", type=int, default=None,
-                    help="which checkpoint/step-N of a run folder (default: the latest)")
+        return CheckpointRef(steps[step], run_of(steps[step]), step)
+    raise FileNotFoundError(f"{str(path)!r}: not a checkpoint folder (no .metadata, no safetensors weights) and no "
+                            "step-N folder under it or under its checkpoint/ folder")
 
 
 def save_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

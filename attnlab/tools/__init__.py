@@ -1,2 +1,2 @@
 """The tools users run, each ``python -m attnlab.tools.<tool>`` or ``attnlab <tool>`` (``attnlab.cli``), with
-``--help`` for its arguments."""
+``--help`` for its arguments; ``common`` holds the command line they share (``CKPT``, ``--step``, train.py flags)."""

@@ -278,7 +278,7 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from attnlab.checkpoint.hf import load_run, tool_parser
+    from attnlab.tools.common import load_run, tool_parser
 
     ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
     args = ap.parse_args(own)
     from attnlab.data.loader import build_tokenizer
-    from attnlab.checkpoint.dcp import run_dir_of
-    from attnlab.checkpoint.layout import step_of
+    from attnlab.checkpoint.layout import run_dir_of, step_of
 
     model, cfg, step_dir = load_run(ap, args, train_flags)
     rows = document_rows(args.data, build_tokenizer(cfg), cfg.data.text_field, args.rows, args.seq_len, args.min_len)

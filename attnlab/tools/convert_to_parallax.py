@@ -26,14 +26,15 @@ import sys
 import warnings
 from pathlib import Path
 
-from attnlab.checkpoint.convert import add_conversion_arguments, convert_from_arguments, finetune_command, max_logit_diff
+from attnlab.checkpoint.convert import finetune_command, max_logit_diff
 from attnlab.checkpoint.dcp import save_dcp_state, CheckpointError
 from attnlab.checkpoint.hf import save_hf
 
 
 def main(argv=None) -> int:
-    from attnlab.checkpoint.hf import load_tool_checkpoint
-    from attnlab.checkpoint.layout import add_checkpoint_arguments, resolve
+    from attnlab.checkpoint.layout import resolve
+    from attnlab.checkpoint.load import load_tool_checkpoint
+    from attnlab.tools.common import add_checkpoint_arguments, add_conversion_arguments, convert_from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap, "src")

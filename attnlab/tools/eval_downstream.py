@@ -126,7 +126,8 @@ def check_tasks_offline(tasks: list[str], task_manager) -> None:
 
 
 def main(argv=None) -> dict | int:
-    from attnlab.checkpoint.layout import add_checkpoint_arguments, resolve
+    from attnlab.checkpoint.layout import resolve
+    from attnlab.tools.common import add_checkpoint_arguments
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
@@ -153,7 +154,9 @@ def main(argv=None) -> dict | int:
     import torch
 
     from attnlab.checkpoint.dcp import CheckpointError
-    from attnlab.checkpoint.hf import has_remote_code, is_hf_folder, is_plain_qwen3, load_tool_checkpoint, save_hf, tokenizer_folder
+    from attnlab.checkpoint.hf import has_remote_code, is_plain_qwen3, save_hf
+    from attnlab.checkpoint.layout import is_hf_folder
+    from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = a.tasks.split(",")

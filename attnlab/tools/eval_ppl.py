@@ -131,7 +131,7 @@ def parse_edges(text: str, seq_len: int, ap: argparse.ArgumentParser) -> list[in
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from attnlab.checkpoint.hf import load_run, tool_parser
+    from attnlab.tools.common import load_run, tool_parser
 
     ap, own, train_flags = tool_parser(__doc__, argv)
     ap.add_argument("--data", required=True, help="local file/folder/glob (.jsonl/.parquet/.txt[.gz]) or hub dataset")

@@ -6,10 +6,10 @@ CKPT is a run folder (latest step, or ``--step N``), a ``checkpoint/step-N`` fol
 architecture comes from ``--config`` (a training TOML), else the run's ``config.toml``, else the folder's
 ``attnlab.json``, else the tensor shapes (softmax/Parallax). The tokenizer written is ``--tokenizer``, else the
 run's ``tokenizer/`` or the config's ``model.hf_assets_path``, saved by transformers so that it prepends the BOS
-training prepends to every document (``models.hf.save_hf_tokenizer``). An all-softmax Qwen3 model becomes a plain
+training prepends to every document (``attnlab.checkpoint.hf.save_hf_tokenizer``). An all-softmax Qwen3 model becomes a plain
 ``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
 other mechanisms add their own tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in
-config.json, read back exactly by ``models.hf.load_checkpoint`` (attnlab/tools/generate.py and
+config.json, read back exactly by ``attnlab.checkpoint.load.load_checkpoint`` (attnlab/tools/generate.py and
 attnlab/tools/convert_to_parallax.py accept such folders). Softmax-with-options and Parallax folders also carry a
 standalone remote-code model: ``AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True)`` loads them
 (and so does lm-eval's ``hf`` model with ``trust_remote_code=True``).
@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from attnlab.checkpoint.dcp import build_model, CheckpointError
-from attnlab.checkpoint.hf import has_remote_code, is_plain_qwen3, load_tool_checkpoint, save_hf, tokenizer_folder
-from attnlab.checkpoint.layout import add_checkpoint_arguments, check_tokenizer_fits, resolve
+from attnlab.checkpoint.hf import has_remote_code, is_plain_qwen3, save_hf
+from attnlab.checkpoint.layout import check_tokenizer_fits, resolve
+from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
+from attnlab.tools.common import add_checkpoint_arguments
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

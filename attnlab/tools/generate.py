@@ -24,8 +24,9 @@ import torch
 
 from attnlab.models.decode import generate
 from attnlab.checkpoint.dcp import build_model, CheckpointError
-from attnlab.checkpoint.hf import load_tool_checkpoint, tokenizer_folder
-from attnlab.checkpoint.layout import add_checkpoint_arguments, resolve
+from attnlab.checkpoint.layout import resolve
+from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
+from attnlab.tools.common import add_checkpoint_arguments
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

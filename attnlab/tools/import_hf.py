@@ -33,8 +33,8 @@ from attnlab import configs
 
 def run_config(base: dict, args, step0: Path, tokenizer: Path, dump_folder: str) -> dict:
     """``base`` (a parsed training TOML) with the sections that make a run start from ``step0`` as ``args``: the
-    architecture's ``[model]`` and ``[attention.*]`` entries (``models.convert.config_overrides``), the tokenizer,
-    ``[checkpoint] initial_load_path`` and the dump folder."""
+    architecture's ``[model]`` and ``[attention.*]`` entries (:func:`attnlab.checkpoint.convert.config_overrides`),
+    the tokenizer, ``[checkpoint] initial_load_path`` and the dump folder."""
     from attnlab.checkpoint.convert import config_overrides
 
     cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
@@ -52,11 +52,12 @@ def main(argv=None) -> int:
 
     import tomli as tomllib  # a dependency on every Python (tomllib is 3.11+)
 
-    from attnlab.checkpoint.convert import add_conversion_arguments, conversion_options_given, convert_from_arguments, \
-        flavor_and_dims, max_logit_diff
+    from attnlab.checkpoint.convert import flavor_and_dims, max_logit_diff
     from attnlab.checkpoint.dcp import args_to_dict, save_dcp_state, CheckpointError
-    from attnlab.checkpoint.hf import args_from_job_config, is_hf_folder, load_checkpoint
-    from attnlab.checkpoint.layout import CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, new_folder, save_tokenizer
+    from attnlab.checkpoint.layout import (CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
+                                           save_tokenizer)
+    from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
+    from attnlab.tools.common import add_conversion_arguments, conversion_options_given, convert_from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")

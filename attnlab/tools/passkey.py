@@ -179,7 +179,7 @@ def _numbers(text: str, kind, flag: str, ap: argparse.ArgumentParser) -> list:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from attnlab.checkpoint.hf import load_run, tool_parser
+    from attnlab.tools.common import load_run, tool_parser
     from attnlab.tools.eval_ppl import emit
 
     ap, own, train_flags = tool_parser(__doc__, argv)

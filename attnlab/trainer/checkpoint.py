@@ -8,7 +8,8 @@ optimizer state once loaded; the resumed schedule against the checkpoint's (``sc
 set by this run's schedule.
 Save: finite losses, weights and optimizer state before anything is written; a full disk named as such (the
 incomplete folder removed); ``attnlab.json`` and ``schedule.json`` beside the shards; rotation
-(``checkpoint.keep_latest_k``) over exact ``step-N`` folders only, after the last step's save too.
+(``checkpoint.keep_latest_k``) over exact ``step-N`` folders holding a DCP checkpoint only
+(:func:`checkpoint.layout.step_folders`), after the last step's save too.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from torchtitan.tools.logging import logger
 from attnlab import attention
 from attnlab.models.args import ModelArgs
 from attnlab.checkpoint.dcp import args_to_dict, SIDECAR
-from attnlab.checkpoint.layout import step_of
+from attnlab.checkpoint.layout import is_dcp_folder, step_folders, step_of
 from attnlab.trainer.titan import hook_checkpointer, purge, saves_at, step_path
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
-"""Architecture-record fields (dotted paths into ``models.checkpoint_io.args_to_dict``) a resume may change: they choose
+"""Architecture-record fields (dotted paths into ``checkpoint.dcp.args_to_dict``) a resume may change: they choose
 kernels and table sizes, not the weights' meaning."""
 
 INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
@@ -48,22 +49,6 @@ INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{optio
 RMSNorm gain, the ρ gate's bias; FoX: the forget gate's bias).
 A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
 one default of these options resumes under another."""
-
-
-def step_folders(folder: str) -> dict[int, str]:
-    """{N: path} of the folders in ``folder`` named exactly ``step-N`` (:func:`models.run_folder.step_of`): only
-    they are resumed from and rotated by ``keep_latest_k``."""
-    if not os.path.isdir(folder):
-        return {}
-    paths = (os.path.join(folder, name) for name in os.listdir(folder))
-    return {n: p for p in paths if (n := step_of(p)) is not None and os.path.isdir(p)}
-
-
-def checkpoint_steps(folder: str) -> list[int]:
-    """The steps of ``folder``'s complete checkpoints: exact ``step-N`` folders with DCP's ``.metadata`` (written
-    last) or a Hugging Face index (``checkpoint.last_save_in_hf``), sorted."""
-    return sorted(s for s, path in step_folders(folder).items()
-                  if any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")))
 
 
 def checkpoint_bytes(model_parts) -> int:
@@ -123,40 +108,44 @@ class CheckpointGuard:
     that one."""
 
     def __init__(self, trainer, nonfinite, after_load: Callable[[], None]):
-        self.trainer, self.cp, self.nonfinite, self.after_load = trainer, trainer.checkpointer, nonfinite, after_load
+        self.trainer, self.nonfinite, self.after_load = trainer, nonfinite, after_load
+        self.checkpointer = trainer.checkpointer
         self.saved_step = 0
         self._partial_load = False
-        hook_checkpointer(self.cp, self)
+        hook_checkpointer(self.checkpointer, self)
 
     def save_now(self, step: int) -> bool:
         """A full (resumable) checkpoint of ``step`` unless this run already saved or loaded it ("last_step" saves
         would be model-only by default); False when this run writes no checkpoints."""
-        if not self.cp.enable or self.cp.load_only:
+        if not self.checkpointer.enable or self.checkpointer.load_only:
             return False
         if self.saved_step < step:
-            self.cp.interval = step
-            self.cp.save(step)
+            self.checkpointer.interval = step
+            self.checkpointer.save(step)
         return True
 
     # ------------------------------------------------------------------ in place of CheckpointManager's methods
 
     def newest_step(self, folder: str = "") -> int:
-        return max(checkpoint_steps(folder or self.cp.folder), default=-1)
+        return max(step_folders(folder or self.checkpointer.folder, dcp_only=True), default=-1)
 
     def rotate(self) -> None:
-        """torchtitan's rotation (on rank 0, by its purge thread), over exact step-N folders only."""
-        k = self.cp.keep_latest_k
+        """torchtitan's rotation (on rank 0, by its purge thread), over exact step-N folders holding a DCP checkpoint
+        only (:func:`checkpoint.layout.step_folders`): a Hugging Face export or a user's copy is never deleted."""
+        k = self.checkpointer.keep_latest_k
         if k > 0 and _rank0():
-            for step in sorted(step_folders(self.cp.folder))[:-k]:
-                purge(self.cp, step_path(self.cp, step))
+            for step in sorted(step_folders(self.checkpointer.folder, dcp_only=True))[:-k]:
+                purge(self.checkpointer, step_path(self.checkpointer, step))
 
     def load(self, titan_load, step: int = -1) -> bool:
-        cp = self.cp
+        checkpointer = self.checkpointer
         # torchtitan ignores load_step only while the folder is absent and an initial_load_path is loaded
-        if cp.enable and step != -1 and (os.path.isdir(cp.folder) or not cp.initial_load_path) \
-                and not os.path.isdir(step_path(cp, step)):
-            raise FileNotFoundError(f"checkpoint.load_step={step}: {step_path(cp, step)} does not exist; the "
-                                    f"checkpoints in {cp.folder!r} are of steps {checkpoint_steps(cp.folder)}. "
+        if checkpointer.enable and step != -1 and (os.path.isdir(checkpointer.folder)
+                                                   or not checkpointer.initial_load_path) \
+                and not os.path.isdir(step_path(checkpointer, step)):
+            steps = sorted(step_folders(checkpointer.folder, dcp_only=True))
+            raise FileNotFoundError(f"checkpoint.load_step={step}: {step_path(checkpointer, step)} does not exist; the "
+                                    f"checkpoints in {checkpointer.folder!r} are of steps {steps}. "
                                     "Pick one of them, or -1 for the latest.")
         path, model_only = self._load_path(step)
         if path is not None:
@@ -169,12 +158,12 @@ class CheckpointGuard:
             loaded = titan_load(step=step)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise RuntimeError(
-                f"checkpoint {path or cp.folder!r} cannot be loaded into this run: {type(e).__name__}: "
+                f"checkpoint {path or checkpointer.folder!r} cannot be loaded into this run: {type(e).__name__}: "
                 f"{_last_line(e)}. It is corrupt or was written by a different model/optimizer config; point "
                 "checkpoint.folder/job.dump_folder elsewhere or remove it.") from e
         if loaded:
             self.saved_step = self.trainer.step
-            self.nonfinite.check_loaded(path or cp.folder, self.trainer.step)
+            self.nonfinite.check_loaded(path or checkpointer.folder, self.trainer.step)
             if path is not None and not model_only:
                 self._check_schedule(path)
                 # the optimizer's state restores each group's lr after the schedule set it: set it again, so the
@@ -187,14 +176,14 @@ class CheckpointGuard:
         if not self._partial_load or from_hf:
             return titan_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True))
-        if "model" in self.cp.states:
-            self.cp.states["model"].load_state_dict(state_dict)
+        if "model" in self.checkpointer.states:
+            self.checkpointer.states["model"].load_state_dict(state_dict)
 
     def save(self, titan_save, curr_step: int, last_step: bool = False) -> None:
-        if not saves_at(self.cp, curr_step, last_step):
+        if not saves_at(self.checkpointer, curr_step, last_step):
             return titan_save(curr_step, last_step)
         self.nonfinite.check_before_save(curr_step)
-        path = step_path(self.cp, curr_step)
+        path = step_path(self.checkpointer, curr_step)
         try:
             titan_save(curr_step, last_step)
         except (Exception, CheckpointException) as e:
@@ -210,16 +199,17 @@ class CheckpointGuard:
     def _load_path(self, step: int) -> tuple[str | None, bool]:
         """(DCP folder about to be loaded, model only?) mirroring torchtitan's ``CheckpointManager.load``;
         None for HF loads or when nothing will be loaded."""
-        cp = self.cp
-        if not cp.enable:
+        checkpointer = self.checkpointer
+        if not checkpointer.enable:
             return None, False
-        if not os.path.exists(cp.folder):
-            if cp.initial_load_path and not cp.initial_load_in_hf and os.path.isdir(cp.initial_load_path):
-                return cp.initial_load_path, cp.initial_load_model_only
+        if not os.path.exists(checkpointer.folder):
+            if checkpointer.initial_load_path and not checkpointer.initial_load_in_hf \
+                    and os.path.isdir(checkpointer.initial_load_path):
+                return checkpointer.initial_load_path, checkpointer.initial_load_model_only
             return None, False
         step = self.newest_step() if step == -1 else step
-        path = step_path(cp, step)
-        if step < 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+        path = step_path(checkpointer, step)
+        if step < 0 or not is_dcp_folder(path):
             return None, False
         return path, step == 0
 
@@ -251,9 +241,9 @@ class CheckpointGuard:
             keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
         except Exception:  # unreadable metadata: the load itself reports it
             return
-        others = tuple(f"{k}." for k in self.cp.states if k != "model")
+        others = tuple(f"{k}." for k in self.checkpointer.states if k != "model")
         ckpt = {k for k in keys if not k.startswith(others)}
-        model = set(self.cp.states["model"].state_dict())
+        model = set(self.checkpointer.states["model"].state_dict())
         missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
         changed = {} if model_only else self._changed_architecture(path)
         if not (missing or unexpected or changed):
@@ -329,7 +319,7 @@ class CheckpointGuard:
     # ------------------------------------------------------------------------------------------------------ saves
 
     def _write_sidecars(self, path: str) -> None:
-        """Next to each DCP step folder's shards: ``attnlab.json`` (the architecture, as ``models.hf`` writes it,
+        """Next to each DCP step folder's shards: ``attnlab.json`` (the architecture, as ``checkpoint.dcp`` writes it,
         so offline tools and the converter rebuild the exact model, mask type included) and
         ``schedule.json`` (training.steps and the next step's lr per group, for the resume check)."""
         if not os.path.isdir(path):
@@ -348,8 +338,8 @@ class CheckpointGuard:
         disk |= any(s in text for s in ("No space left", "Disk quota", "File too large", "unexpected pos"))
         if not disk:
             return RuntimeError(f"saving {path} failed: {type(e).__name__}: {_last_line(e)}")
-        free = shutil.disk_usage(self.cp.folder).free / 2**30
-        if _rank0() and not os.path.isfile(os.path.join(path, ".metadata")):
+        free = shutil.disk_usage(self.checkpointer.folder).free / 2**30
+        if _rank0() and not is_dcp_folder(path):
             shutil.rmtree(path, ignore_errors=True)  # DCP writes .metadata last: without it, never loadable
         return OSError(errno.ENOSPC, f"the disk is full (or a quota / file-size limit was hit) while saving {path}: "
                                      f"{free:.2f} GiB free, one checkpoint needs about "

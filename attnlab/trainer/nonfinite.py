@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from attnlab.optim.dtensor import local_shard
-from attnlab.trainer.checkpoint import checkpoint_steps
+from attnlab.checkpoint.layout import step_folders
 
 NO_BAD_STEP = 2**62
 """The device-side "first bad step" while no non-finite value was seen."""
@@ -137,7 +137,8 @@ class NonFiniteGuard:
         return "tensors of another rank" if bad == [""] else f"{bad[:5]}{' …' if len(bad) > 5 else ''}"
 
     def _hint(self) -> str:
-        steps = checkpoint_steps(self.checkpoint_folder) if self.checkpoint_folder is not None else []
+        folder = self.checkpoint_folder
+        steps = sorted(step_folders(folder, dcp_only=True)) if folder is not None else []
         where = (f"The newest checkpoint, {os.path.join(self.checkpoint_folder, f'step-{steps[-1]}')}, is finite and "
                  "kept" if steps else "No checkpoint was written")
         return (f"{where}; lower optimizer.lr or training.max_norm and resume, or allow skipped steps with "

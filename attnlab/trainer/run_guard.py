@@ -13,8 +13,8 @@ import socket
 from torchtitan.tools.logging import logger
 
 from attnlab.data.loader import tokenizer_path
-from attnlab.checkpoint.layout import CONFIG_FILE, TOKENIZER_DIR, write_run_files
-from attnlab.trainer.checkpoint import checkpoint_bytes, checkpoint_steps
+from attnlab.checkpoint.layout import CONFIG_FILE, TOKENIZER_DIR, step_folders, write_run_files
+from attnlab.trainer.checkpoint import checkpoint_bytes
 
 
 class RunLock:
@@ -127,7 +127,7 @@ def check_run_tokenizer(dump_folder: str, ck_folder: str, tok: str) -> None:
     another one of the same vocabulary size would resume silently with other token ids (the loss jumps)."""
     stored = os.path.join(dump_folder, TOKENIZER_DIR, "tokenizer.json")
     new = os.path.join(tok, "tokenizer.json")
-    if not (checkpoint_steps(ck_folder) and os.path.isfile(stored) and os.path.isfile(new)):
+    if not (step_folders(ck_folder, dcp_only=True) and os.path.isfile(stored) and os.path.isfile(new)):
         return
     if not filecmp.cmp(stored, new, shallow=False):
         raise ValueError(f"model.hf_assets_path={tok!r}: its tokenizer.json differs from {stored}, the tokenizer the "
@@ -165,8 +165,8 @@ class RunGuard:
             check_free_space(self.ck_folder, checkpoint_bytes(model_parts), self.job_config.checkpoint.keep_latest_k)
 
     def describe_run(self) -> None:
-        """``<dump_folder>/config.toml`` and ``tokenizer/`` (``models.run_folder.write_run_files``, rank 0), so tools
-        rebuild this run without its flags. Called after the checkpoint load passed the architecture checks: a
+        """``<dump_folder>/config.toml`` and ``tokenizer/`` (:func:`checkpoint.layout.write_run_files`, rank 0), so
+        tools rebuild this run without its flags. Called after the checkpoint load passed the architecture checks: a
         resume with a different architecture fails before the file is touched, so config.toml always describes
         the model the run folder's newest checkpoints hold (with ``checkpoint.partial_load`` on purpose: the new
         model). The ``tokenizer/`` of a run folder with checkpoints is never replaced (:func:`check_run_tokenizer`
@@ -175,8 +175,8 @@ class RunGuard:
             return
         cfg = self.job_config
         dump = cfg.job.dump_folder
-        keep_tokenizer = os.path.isfile(os.path.join(dump, TOKENIZER_DIR, "tokenizer.json")) and checkpoint_steps(
-            self.ck_folder)
+        keep_tokenizer = os.path.isfile(os.path.join(dump, TOKENIZER_DIR, "tokenizer.json")) and bool(step_folders(
+            self.ck_folder, dcp_only=True))
         written = write_run_files(dump, cfg, None if keep_tokenizer else tokenizer_path(cfg))
         if written.name != CONFIG_FILE:
             logger.info(f"{os.path.join(dump, CONFIG_FILE)} is this run's job.config_file and is kept as written; the "

@@ -17,32 +17,32 @@ from torchtitan.components import metrics as titan_metrics
 from torchtitan.tools.logging import logger
 
 
-def hook_checkpointer(cp, rules) -> None:
-    """Route the loads and saves of ``cp`` (torchtitan's ``CheckpointManager``) through ``rules``: its ``load``,
-    ``save`` and ``dcp_load`` call ``rules.load``/``save``/``dcp_load`` with torchtitan's method as the first
+def hook_checkpointer(checkpointer, rules) -> None:
+    """Route the loads and saves of ``checkpointer`` (torchtitan's ``CheckpointManager``) through ``rules``: its
+    ``load``, ``save`` and ``dcp_load`` call ``rules.load``/``save``/``dcp_load`` with torchtitan's method as the first
     argument; its step-folder scan (``_find_load_step``) and rotation (``_purge_stale_checkpoints``), which count
     any name containing ``step-(\\d+)``, become ``rules.newest_step`` and ``rules.rotate``."""
-    cp.load = functools.partial(rules.load, cp.load)
-    cp.save = functools.partial(rules.save, cp.save)
-    cp.dcp_load = functools.partial(rules.dcp_load, cp.dcp_load)
-    if cp.enable:
-        cp._find_load_step = rules.newest_step
-        cp._purge_stale_checkpoints = rules.rotate
+    checkpointer.load = functools.partial(rules.load, checkpointer.load)
+    checkpointer.save = functools.partial(rules.save, checkpointer.save)
+    checkpointer.dcp_load = functools.partial(rules.dcp_load, checkpointer.dcp_load)
+    if checkpointer.enable:
+        checkpointer._find_load_step = rules.newest_step
+        checkpointer._purge_stale_checkpoints = rules.rotate
 
 
-def step_path(cp, step: int) -> str:
-    """The folder ``cp`` saves step ``step`` to and loads it from (``<checkpoint folder>/step-N``)."""
-    return cp._create_checkpoint_id(step)
+def step_path(checkpointer, step: int) -> str:
+    """The folder ``checkpointer`` saves step ``step`` to and loads it from (``<checkpoint folder>/step-N``)."""
+    return checkpointer._create_checkpoint_id(step)
 
 
-def saves_at(cp, step: int, last_step: bool) -> bool:
-    """Whether ``cp.save(step, last_step)`` writes a checkpoint (interval, last step, first step)."""
-    return cp._should_save(step, last_step)
+def saves_at(checkpointer, step: int, last_step: bool) -> bool:
+    """Whether ``checkpointer.save(step, last_step)`` writes a checkpoint (interval, last step, first step)."""
+    return checkpointer._should_save(step, last_step)
 
 
-def purge(cp, path: str) -> None:
-    """Hand the step folder ``path`` to ``cp``'s purge thread (running while ``keep_latest_k > 0``)."""
-    cp.purge_queue.put(path)
+def purge(checkpointer, path: str) -> None:
+    """Hand the step folder ``path`` to ``checkpointer``'s purge thread (running while ``keep_latest_k > 0``)."""
+    checkpointer.purge_queue.put(path)
 
 
 def metrics_rank(parallel_dims, job_config) -> int:

@@ -1,12 +1,13 @@
 """Offline checkpoint loading (attnlab/checkpoint/dcp.py): keys on either side that do not match are errors, and a
-tool loads every format through one path (models.hf.load_model)."""
+tool loads every format through one path (checkpoint.load.load_model)."""
 
 import pytest
 import torch
 
 from attnlab.config import DEFAULT_CONFIG, parse_config
 from attnlab.checkpoint.dcp import CheckpointError, build_model, load_dcp_state, model_args_from_config, save_dcp_state
-from attnlab.checkpoint.hf import load_model, save_hf
+from attnlab.checkpoint.hf import save_hf
+from attnlab.checkpoint.load import load_model
 
 
 def _model(*flags):

@@ -13,7 +13,8 @@ import torch
 from attnlab import attention
 from attnlab.models.args import ModelArgs
 from attnlab.checkpoint.dcp import args_to_dict, build_model, CheckpointError
-from attnlab.checkpoint.hf import load_checkpoint, save_hf, to_hf
+from attnlab.checkpoint.hf import save_hf, to_hf
+from attnlab.checkpoint.load import load_checkpoint
 from tests.utils import random_qwen3
 
 transformers = pytest.importorskip("transformers")

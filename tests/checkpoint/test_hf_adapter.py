@@ -6,7 +6,8 @@ import torch
 
 from attnlab import attention
 from attnlab.checkpoint.dcp import build_model
-from attnlab.checkpoint.hf import args_from_job_config, load_checkpoint, save_hf, AttnLabStateDictAdapter
+from attnlab.checkpoint.hf import AttnLabStateDictAdapter, save_hf
+from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
 from tests.checkpoint.test_hf import _args, _model
 from tests.utils import make_corpus, run_train, tiny_args
 

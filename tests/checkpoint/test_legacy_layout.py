@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.checkpoint.hf import load_model
+from attnlab.checkpoint.load import load_model
 from tests.utils import losses, run_train
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_run_84755c6"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from attnlab.attention.parallax import ParallaxOptions
 from attnlab.models.args import FLAVORS
 from attnlab.checkpoint.dcp import build_model, load_dcp_state
-from attnlab.checkpoint.hf import load_checkpoint
+from attnlab.checkpoint.load import load_checkpoint
 from attnlab.tools import convert_to_parallax as conv
 from attnlab.tools import export_hf
 from tests.utils import REPO, make_corpus, run_train, tiny_args

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab.checkpoint.dcp import build_model
-from attnlab.checkpoint.hf import load_checkpoint
+from attnlab.checkpoint.load import load_checkpoint
 from tests.utils import make_corpus, random_qwen3, run_train
 
 transformers = pytest.importorskip("transformers")

@@ -54,7 +54,7 @@ def test_analyze_softmax_subset_and_plots(corpus, tmp_path):
 
 
 def test_cor_is_exactly_zero_when_wr_is_zero(parallax_run, corpus):
-    from attnlab.checkpoint.hf import load_model
+    from attnlab.checkpoint.load import load_model
 
     model, cfg, _ = load_model(parallax_run, _flags(corpus, "parallax"))
     with torch.no_grad():
@@ -131,7 +131,7 @@ def test_eval_ppl_matches_trainer_validation(parallax_run, corpus, tmp_path):
 
 def test_eval_ppl_equals_exp_mean_loss_by_hand(parallax_run, corpus):
     from attnlab.data.loader import build_tokenizer
-    from attnlab.checkpoint.hf import load_model
+    from attnlab.checkpoint.load import load_model
 
     model, cfg, _ = load_model(parallax_run, _flags(corpus, "parallax"))
     tok = build_tokenizer(cfg)
@@ -221,7 +221,7 @@ def test_eval_and_analyze_rebuild_the_run_from_its_config_toml(parallax_run, cor
 
 def test_analyze_records_rho_gain_and_probe_norm_per_layer(parallax_run, corpus):
     """A uniform ρ-norm gain g gives ‖ρ_i‖ = √head_dim · g at every query; both land per layer and in the summary."""
-    from attnlab.checkpoint.hf import load_model
+    from attnlab.checkpoint.load import load_model
 
     model, cfg, _ = load_model(parallax_run, _flags(corpus, "parallax"))
     with torch.no_grad():
@@ -251,7 +251,7 @@ def test_eval_ppl_by_position_matches_per_token_losses(parallax_run, corpus, mas
     import itertools
 
     from attnlab.data.loader import build_tokenizer
-    from attnlab.checkpoint.hf import load_model
+    from attnlab.checkpoint.load import load_model
 
     flags = ["--model.attn_mask_type", mask]
     res = eval_ppl.main([str(parallax_run), "--data", corpus["val"], "--seq-len", "32", "--batch-size", "2",
@@ -363,7 +363,7 @@ def test_passkey_scoring_counts_only_an_exact_continuation():
 def test_passkey_scoring_agrees_with_greedy_decoding(parallax_run):
     """With the trained model, a prompt whose key is the model's own greedy continuation (models.decode) scores as
     retrieved with the log-probability decoding saw; the same prompt with its key's last token changed misses."""
-    from attnlab.checkpoint.hf import load_model
+    from attnlab.checkpoint.load import load_model
     from attnlab.models.decode import generate
 
     model, _, _ = load_model(parallax_run)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.utils import REPO
 
-SCRIPTS = sorted(p for p in (REPO / "scripts").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+SCRIPTS = sorted(p for p in (REPO / "attnlab" / "tools").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
 
 # Runs every script's --help in ONE fresh interpreter (imports are shared, so the whole check takes seconds):
 # each script runs as __main__ with argv [script, --help]; parse_args is wrapped to record options that have
@@ -66,7 +66,7 @@ def test_every_script_help_is_clean_and_writes_nothing(tmp_path):
 def _tool(name):
     import importlib
 
-    return importlib.import_module(f"scripts.{name}")
+    return importlib.import_module(f"attnlab.tools.{name}")
 
 
 def _run_folder(tmp_path):
@@ -129,7 +129,7 @@ def test_generate_takes_a_run_folder_and_step(tmp_path, capsys):
 def test_export_copies_the_run_tokenizer_with_ordinary_permissions(tmp_path, capsys):
     import torch
 
-    from attnlab.checkpoint.hf import load_checkpoint
+    from attnlab.checkpoint.load import load_checkpoint
 
     export_hf = _tool("export_hf")
     run, models = _run_folder(tmp_path)
@@ -147,7 +147,7 @@ def test_export_copies_the_run_tokenizer_with_ordinary_permissions(tmp_path, cap
         {p.name: 0o666 & ~umask for p in (tmp_path / "hf").iterdir()}
     # --config: the architecture and tokenizer of a training TOML (a run folder without tokenizer/)
     from attnlab.checkpoint.dcp import build_model, save_dcp_state
-    from attnlab.checkpoint.hf import args_from_job_config
+    from attnlab.checkpoint.load import args_from_job_config
 
     cfg = tmp_path / "x.toml"
     cfg.write_text(f'[model]\nflavor = "debug"\nattention = "parallax"\nvocab_size = 64\n'
@@ -166,7 +166,7 @@ def test_write_run_files_round_trips_the_configuration(tmp_path):
 
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.checkpoint.dcp import args_to_dict
-    from attnlab.checkpoint.hf import job_config
+    from attnlab.checkpoint.load import job_config
     from attnlab.checkpoint.layout import CONFIG_FILE, resolve, write_run_files
     from tests.utils import make_corpus, tiny_args
 

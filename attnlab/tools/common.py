@@ -1,0 +1,98 @@
+"""The command line every tool shares: the positional ``CKPT`` and ``--step`` (:func:`add_checkpoint_arguments`),
+train.py flags after ``--`` (:func:`split_train_flags`), for tools that evaluate a model one parser with
+``--dtype``/``--device`` (:func:`tool_parser`) and the load that turns a bad folder into one error line
+(:func:`load_run`), and the options of a softmax → Parallax conversion (:func:`add_conversion_arguments`). What the
+arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mod:`attnlab.checkpoint.load`."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+
+from attnlab.checkpoint import convert
+from attnlab.checkpoint.convert import DEFAULT_RHO_NORM_INIT, parse_layers
+from attnlab.checkpoint.dcp import CheckpointError
+from attnlab.checkpoint.load import load_model
+
+TRAIN_FLAGS_HELP = ("After `--`, train.py flags (`--section.key value`) applied on top of the run's config.toml; "
+                    "a run without config.toml (older runs) needs its training flags here, e.g. "
+                    "`-- --job.config_file attnlab/configs/x.toml --model.attention parallax`.")
+
+
+def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the tool's own arguments, the train.py flags after ``--``)."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") -> None:
+    """The positional checkpoint argument and ``--step`` shared by every tool (resolved by
+    :func:`attnlab.checkpoint.layout.resolve`)."""
+    ap.add_argument(name, metavar=name.upper(),
+                    help="a run folder (job.dump_folder: its config.toml rebuilds the model), a checkpoint/step-N "
+                         "folder, or a Hugging Face folder")
+    ap.add_argument("--step", type=int, default=None,
+                    help="which checkpoint/step-N of a run folder (default: the latest)")
+
+
+def tool_parser(doc: str, argv: list[str]):
+    """(parser, the tool's own arguments, train.py flags) of a tool that loads a model through :func:`load_run`:
+    ``argv`` split at the train.py flags (:func:`split_train_flags`), and a parser with the checkpoint, ``--dtype``
+    and ``--device`` arguments and ``doc`` as its description."""
+    own, train_flags = split_train_flags(argv)
+    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    return ap, own, train_flags
+
+
+def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags: list[str]):
+    """:func:`attnlab.checkpoint.load.load_model` of a tool's ``CKPT``/``--step``/``--device``/``--dtype``
+    (:func:`tool_parser`); a bad folder or checkpoint exits through ``ap`` with one line."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        return load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype), step=args.step)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+
+
+def add_conversion_arguments(ap: argparse.ArgumentParser, when: str = "") -> None:
+    """The options of a softmax → Parallax conversion, shared by the conversion tools (``when`` prefixes each help
+    text, e.g. "with --parallax"). :func:`convert_from_arguments` reads them back."""
+    w = f"{when}: " if when else ""
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--layers", help=f"{w}layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
+    which.add_argument("--top-half", action="store_true", help=f"{w}convert layers n_layers//2 .. n_layers-1")
+    ap.add_argument("--rho-gate", action="store_true", help=f"{w}add the per-head sigmoid gate on ρ (weights 0)")
+    ap.add_argument("--gate-bias", type=float, default=0.0, help=f"{w}initial gate bias (σ(bias) = initial gate)")
+    ap.add_argument("--no-rope-on-rho", action="store_true", help=f"{w}do not apply RoPE to ρ")
+    ap.add_argument("--rho-norm-init", type=float, default=DEFAULT_RHO_NORM_INIT,
+                    help=f"{w}gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
+                         "‖ρ‖ = √head_dim · gain once W_R moves; default: the module default, "
+                         f"{DEFAULT_RHO_NORM_INIT:g}; 1 is the Parallax paper's recipe as written)")
+
+
+CONVERSION_OPTIONS = ("layers", "top_half", "rho_gate", "gate_bias", "no_rope_on_rho", "rho_norm_init")
+"""The argparse destinations :func:`add_conversion_arguments` adds."""
+
+
+def conversion_options_given(ap, a) -> list[str]:
+    """The conversion options of ``a`` set away from their defaults in parser ``ap``, as flags."""
+    return ["--" + d.replace("_", "-") for d in CONVERSION_OPTIONS if getattr(a, d) != ap.get_default(d)]
+
+
+def convert_from_arguments(args, sd, a, progress: bool = False):
+    """(converted layer indices, new ModelArgs, new state dict): :func:`attnlab.checkpoint.convert.convert_state`
+    with the layers and options parsed by :func:`add_conversion_arguments`."""
+    if a.top_half:
+        layers = list(range(args.n_layers // 2, args.n_layers))
+    else:
+        layers = parse_layers(a.layers, args.n_layers) if a.layers else list(range(args.n_layers))
+    # looked up on its module, where tests/tools/test_convert_to_parallax.py replaces it with a conversion that is wrong
+    return layers, *convert.convert_state(args, sd, layers, not a.no_rope_on_rho, a.rho_gate, a.gate_bias, progress,
+                                          a.rho_norm_init)
