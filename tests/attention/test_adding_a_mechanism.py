@@ -1,7 +1,7 @@
 """The README's "Adding a mechanism" from outside the package: a researcher's own module, in a folder of their own
 (written here into a temporary folder, never imported by the package), registers a decayed linear attention with
 its options dataclass through ``register_attention``; ``[experimental] custom_import`` imports it. It gets its
-``[attention.tiny_linear]`` table, shows in ``--list-attention``, compiles with ``fullgraph=True`` and passes the
+``[attention.tiny_linear]`` table and its row in the registry's listing, compiles with ``fullgraph=True`` and passes the
 public conformance cell (``attnlab.testing.conformance.check_lifecycle``): two training processes from a meta build,
 a checkpoint, a resume, the run rebuilt from its config.toml as the tools rebuild it, HF export and import,
 decoding with its cache. Each test removes what it registered and imported.
