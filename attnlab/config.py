@@ -17,12 +17,13 @@ import functools
 import importlib
 import math
 import os
-import tomllib
 import traceback
 import types
 import typing
 import warnings
 from dataclasses import dataclass, field
+
+import tomli  # a dependency on every Python (tomllib is 3.11+)
 
 from attnlab import attention, configs
 from attnlab.attention.registry import REGISTRY
@@ -221,7 +222,7 @@ def _read_toml(argv: list[str]) -> dict | None:
         flag, eq, value = arg.partition("=")
         if flag in _CONFIG_FILE_FLAGS and (eq or i + 1 < len(argv)):
             with open(value if eq else argv[i + 1], "rb") as f:
-                return tomllib.load(f)
+                return tomli.load(f)
     return None
 
 
