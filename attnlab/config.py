@@ -6,8 +6,8 @@ Sections added or extended here: ``[model]`` (attention choice), ``[training]`` 
 registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
 optimizer/scheduler fields of ``attnlab/optim/config.py``. :func:`parse_config` reads argv into the merged
 ``JobConfig``, first importing torchtitan's ``[experimental] custom_import`` module (a user's own mechanism or
-optimizer); :func:`validate_config` checks every key's type (from the dataclass annotations) and range once at start, naming the
-key, the value and what is valid.
+optimizer); :func:`validate_config` checks every key's type (from the dataclass annotations) and range once at
+start, naming the key, the value and what is valid.
 """
 
 from __future__ import annotations
