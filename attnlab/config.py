@@ -4,21 +4,26 @@ Precedence: command line (``--section.key value``) > TOML file > the defaults be
 Sections added or extended here: ``[model]`` (attention choice), ``[training]`` (``stop_after_step``,
 ``nonfinite_skips``, ``loss_chunk_tokens``), ``[checkpoint]`` (``partial_load``), ``[attention]`` (one sub-table per
 registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
-optimizer/scheduler fields of ``attnlab/optim/config.py``. :func:`parse_config` reads argv into the merged ``JobConfig``;
-:func:`validate_config` checks every key's type (from the dataclass annotations) and range once at start, naming the
-key, the value and what is valid.
+optimizer/scheduler fields of ``attnlab/optim/config.py``. :func:`parse_config` reads argv into the merged
+``JobConfig``, first importing torchtitan's ``[experimental] custom_import`` module (a user's own mechanism or
+optimizer); :func:`validate_config` checks every key's type (from the dataclass annotations) and range once at
+start, naming the key, the value and what is valid.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import os
+import traceback
 import types
 import typing
 import warnings
 from dataclasses import dataclass, field
+
+import tomli  # a dependency on every Python (tomllib is 3.11+)
 
 from attnlab import attention, configs
 from attnlab.attention.registry import REGISTRY
@@ -177,6 +182,50 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     return out
 
 
+_CUSTOM_IMPORT_FLAGS = ("--experimental.custom_import", "--experimental.custom-import")
+
+
+def custom_import_of(argv: list[str], toml_values: dict | None) -> str:
+    """``experimental.custom_import`` of a train.py argv: its last value on the command line (``--experimental.
+    custom_import X`` or ``=X``), else the TOML's (``toml_values``), else ""."""
+    found = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in _CUSTOM_IMPORT_FLAGS:
+            found = value if eq else argv[i + 1] if i + 1 < len(argv) else ""
+    if found is None:
+        section = (toml_values or {}).get("experimental")
+        found = section.get("custom_import", "") if isinstance(section, dict) else ""
+    if not isinstance(found, str):
+        raise ValueError(f"experimental.custom_import={found!r}: expected a string (a dotted module name)")
+    return found
+
+
+def import_custom_module(name: str) -> None:
+    """Import ``experimental.custom_import`` (a dotted module name on the Python path), the user's module that
+    registers a mechanism (``register_attention``) or an optimizer (``register_optimizer``). It runs before the
+    config class is built, so the ``[attention.<name>]`` table of a mechanism it registers exists; torchtitan's
+    Trainer imports it again later, which finds it imported. A failure is one line naming the key, the module and
+    the error's last line."""
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # the user's module may raise anything while it runs
+        why = traceback.format_exception_only(e)[-1].strip()
+        raise ValueError(f"experimental.custom_import={name!r}: importing it failed ({why}); it must be a dotted "
+                         "module name importable from the Python path (PYTHONPATH)") from None
+
+
+def _read_toml(argv: list[str]) -> dict | None:
+    """The TOML that a (resolved) argv names first with ``--job.config_file``, parsed, as torchtitan's
+    ``ConfigManager`` reads it; None when it names none."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in _CONFIG_FILE_FLAGS and (eq or i + 1 < len(argv)):
+            with open(value if eq else argv[i + 1], "rb") as f:
+                return tomli.load(f)
+    return None
+
+
 def _check_keys(cls, data: dict, prefix: str = "") -> None:
     """Reject unknown TOML keys, naming the section, the key and the valid keys."""
     if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
@@ -263,7 +312,9 @@ def bool_values_as_flags(argv: list[str], cls) -> list[str]:
 
 
 def parse_config(argv: list[str]):
-    """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it."""
+    """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it; first imports the module
+    ``experimental.custom_import`` names (:func:`import_custom_module`), so a run, and every tool that rebuilds
+    one from its config.toml, has the user's mechanisms and optimizers registered."""
     from torchtitan.config import ConfigManager
     from torchtitan.config import JobConfig as TitanJobConfig
 
@@ -283,10 +334,13 @@ def parse_config(argv: list[str]):
                 m.hf_assets_path = EMBEDDED
 
     argv = resolve_config_file(argv)
+    toml_values = _read_toml(argv)
+    module = custom_import_of(argv, toml_values)
+    if module:  # before the config class is built: it may register a mechanism, whose table the class needs
+        import_custom_module(module)
     merged = merge_config_classes(TitanJobConfig, job_config_class())
     argv = bool_values_as_flags(argv, merged)
     manager = Manager(config_cls=merged)
-    toml_values = manager._maybe_load_toml(argv)
     if toml_values:
         _check_keys(merged, toml_values)
     with warnings.catch_warnings():

@@ -1,0 +1,134 @@
+"""The conformance cell: the lifecycle every mechanism (or mix of mechanisms over depth) goes through at the debug
+size, as one function a test calls, the project's matrix (tests/test_conformance.py) and a researcher's own::
+
+    from attnlab.testing.conformance import check_lifecycle
+
+    def test_my_mechanism(tmp_path):
+        check_lifecycle("my_mech", tmp_path, train_flags=["--experimental.custom_import", "mypkg.my_mech"],
+                        pythonpath=["/path/to/folder/holding/mypkg"])
+
+:func:`check_lifecycle` trains real (tiny) runs in subprocesses, two gloo processes each (CPU is enough), and reads
+their output back in the calling process:
+
+  - ``attnlab.train`` on 2 processes: the model built on the meta device, ``init_weights`` on FSDP-sharded (DTensor)
+    parameters, Muon steps, validation on both ranks, and a checkpoint of the sharded state at step 3 (the run
+    stops there as if preempted, ``training.stop_after_step``);
+  - the same command without the stop: the run resumes from that checkpoint and trains step 4;
+  - the last checkpoint read back offline as the tools read it (the run folder's config.toml, which imports
+    ``experimental.custom_import`` here too), exported to a Hugging Face folder and imported again (the same
+    logits), and decoded with the layers' caches (the same logits as the full forward).
+
+Any failure is an AssertionError saying which step failed (with the training output's tail).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from attnlab.testing.tiny_runs import losses, make_corpus, read_metrics, tiny_args
+from attnlab.tools.launch import child_env, train_command
+
+__all__ = ["check_lifecycle", "pattern_flags"]
+
+
+def pattern_flags(pattern: str | Sequence[str]) -> list[str]:
+    """train.py flags of a mechanism (``"gdn"`` or ``("gdn",)``: every layer) or a layer pattern repeated over depth
+    (``("gdn", "gdn", "gdn", "parallax")``, with at least 4 layers)."""
+    pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    if len(pattern) == 1:
+        return ["--model.attention", pattern[0]]
+    return ["--model.layer_pattern", ",".join(pattern), "--model.n_layers", str(max(4, len(pattern)))]
+
+
+def _train(args: list[str], cwd: Path, pythonpath: Sequence[str | os.PathLike], timeout: int, what: str) -> None:
+    """``python -m attnlab.train args`` on 2 processes, with ``pythonpath`` after this attnlab on PYTHONPATH."""
+    env = child_env(OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *map(str, pythonpath)])
+    proc = subprocess.run(train_command(args, nproc=2), env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{what}: training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+
+
+def check_lifecycle(pattern: str | Sequence[str], workdir: str | os.PathLike, *, train_flags: Sequence[str] = (),
+                    pythonpath: Sequence[str | os.PathLike] = (), corpus: dict[str, str] | None = None,
+                    timeout: int = 600) -> None:
+    """Run the conformance cell (this module's docstring) for ``pattern``: a registered mechanism's name, or a
+    layer pattern (:func:`pattern_flags`). Raises AssertionError at the first step that fails.
+
+    ``workdir``: an empty folder for the run, the export and (without ``corpus``) the tiny corpus, e.g. pytest's
+    ``tmp_path``. ``train_flags``: train.py flags added to both training commands, after the cell's own (so they
+    override them), e.g. ``["--experimental.custom_import", "mypkg.my_mech", "--attention.my_mech.decay", "0.5"]``.
+    ``pythonpath``: folders the training processes import from (after this ``attnlab``), e.g. the one holding
+    ``mypkg``; they are also on this process's ``sys.path`` while the run is rebuilt from its config.toml, which
+    imports ``experimental.custom_import`` here (its mechanism stays registered afterwards).
+    ``corpus``: :func:`attnlab.testing.tiny_runs.make_corpus`'s paths, to share one corpus between calls.
+    ``timeout``: seconds each training command may take.
+    """
+    import torch
+
+    from attnlab.checkpoint.dcp import build_model
+    from attnlab.checkpoint.hf import save_hf
+    from attnlab.checkpoint.load import load_checkpoint, load_tool_checkpoint
+    from attnlab.checkpoint.layout import resolve
+    from attnlab.models.decode import generate
+
+    pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    workdir = Path(workdir)
+    corpus = corpus or make_corpus(workdir / "corpus")
+    dump = workdir / "run"
+    args = tiny_args(corpus, dump, 4, 16, 2, *pattern_flags(pattern), "--optimizer.name", "muon",
+                     "--optimizer.muon_ns_dtype", "float32", "--validation.freq", "2", *train_flags)
+
+    _train([*args, "--training.stop_after_step", "3"], workdir, pythonpath, timeout, "steps 1-3 on 2 processes")
+    train = losses(dump)
+    assert sorted(train) == [1, 2, 3] and all(math.isfinite(v) for v in train.values()), f"steps 1-3: {train}"
+    val = {r["step"]: r["val_loss"] for r in read_metrics(dump) if "val_loss" in r}
+    assert sorted(val) == [1, 2] and all(map(math.isfinite, val.values())), f"validation at 1 and 2: {val}"
+    assert resolve(dump).step == 3, "no checkpoint of step 3 (the stop step)"
+
+    _train(args, workdir, pythonpath, timeout, "the resume to step 4 on 2 processes")
+    recs = read_metrics(dump)
+    steps = [r["step"] for r in recs if "loss" in r]
+    assert steps == [1, 2, 3, 4], f"the resumed run did not continue at step 4 (steps logged: {steps})"
+    assert all(math.isfinite(r["loss"]) for r in recs if "loss" in r), f"resume: {losses(dump)}"
+    val = [r["step"] for r in recs if "val_loss" in r]
+    assert val == [1, 2, 4] and all(math.isfinite(r["val_loss"]) for r in recs if "val_loss" in r), \
+        f"validation at 1, 2 and the last step 4: {val}"
+
+    # the sharded checkpoint, as the export and generate tools read it (run folder -> config.toml -> model)
+    ckpt = resolve(dump)
+    saved_path = list(sys.path)
+    sys.path[:0] = map(str, pythonpath)
+    try:
+        fmt, model_args, sd, _ = load_tool_checkpoint(ckpt)
+    finally:
+        sys.path[:] = saved_path
+    assert (fmt, ckpt.step) == ("dcp", 4), f"the last checkpoint is {fmt} step {ckpt.step}, not DCP step 4"
+    model = build_model(model_args, sd).eval()
+    mechanisms = [layer.attention.mechanism for layer in model.layers.values()]
+    assert mechanisms == [pattern[i % len(pattern)] for i in range(len(model.layers))], mechanisms
+    tokens = torch.randint(0, model.model_args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(tokens)
+    assert torch.isfinite(ref).all(), "the checkpoint's logits are not finite"
+
+    save_hf(model.state_dict(), model.model_args, workdir / "hf")
+    fmt, hf_args, hf_sd = load_checkpoint(workdir / "hf")
+    imported = build_model(hf_args, hf_sd)
+    assert fmt == "hf" and [layer.attention.mechanism for layer in imported.layers.values()] == mechanisms
+    with torch.no_grad():
+        torch.testing.assert_close(imported(tokens), ref, rtol=0, atol=0, msg="HF export -> import changed the logits")
+
+    res = generate(model, tokens[:, :6], 3, greedy=True, keep_logits=True)
+    with torch.no_grad():
+        full = model(res.tokens[:, :-1])[:, 5:]
+    for i, step_logits in enumerate(res.step_logits):
+        torch.testing.assert_close(step_logits, full[:, i], rtol=2e-4, atol=2e-4,
+                                   msg=f"decode step {i}: the cached logits differ from the full forward's")
