@@ -46,6 +46,47 @@ def test_shards_put_back_together_in_order(n):
     assert all(torch.equal(pieces[r], cp.shard(y, 1).movedim(1, 0)) for r, cp in enumerate(ranks))
 
 
+def _group(n: int, local) -> list[ContextParallel]:
+    """The n ranks of a CP group in one process: each rank's ``gather`` returns what every rank q hands it,
+    ``local(rank q's ContextParallel)``, in global order (the communication the primitives build on)."""
+
+    class OneProcess(ContextParallel):
+        def gather(self, x, dim=1):
+            parts = [local(ContextParallel(None, n, q)) for q in range(n)]
+            assert torch.equal(x, parts[self.rank])
+            return self.assemble(parts, dim)
+
+    return [OneProcess(None, n, r) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_halo_puts_the_tokens_before_each_chunk_in_front_of_it(n):
+    B, c, w, C = 2, 4, 3, 5
+    x = torch.randn(B, 2 * n * c, C)
+    padded = torch.cat([x.new_zeros(B, w, C), x], 1)  # zeros before the row's start
+    for cp in _group(n, lambda q: q.shard(x).view(B, 2, c, C)[:, :, c - w:]):
+        ext = cp.halo(cp.shard(x), w)
+        for half, i in enumerate(cp.chunks()):
+            assert torch.equal(ext[:, half], padded[:, i * c:i * c + w + c]), (cp.rank, half)
+    with pytest.raises(ValueError, match="chunks of 4 tokens, fewer than the 5 tokens of history"):
+        ContextParallel(None, n, 0).halo(x[:, :2 * c], 5)  # no gather: more history than a chunk holds
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_states_entering_composes_every_chunks_transition_in_order(n):
+    """S_0 = 0, S_i = M_{i-1} S_{i-1} + B_{i-1}, reset where chunk i starts a document, from the [B | M] maps."""
+    B, H, K, V = 2, 3, 4, 2
+    maps = torch.randn(B, 2 * n, H, K, V + K, dtype=torch.float64)
+    continues = torch.rand(B, 2 * n - 1) > 0.3
+    states = [maps.new_zeros(B, H, K, V)]
+    for i in range(1, 2 * n):
+        step = maps[:, i - 1, ..., V:] @ states[-1] + maps[:, i - 1, ..., :V]
+        states.append(torch.where(continues[:, i - 1, None, None, None], step, 0))
+    for cp in _group(n, lambda q: q.shard(maps)):
+        got = cp.states_entering(cp.shard(maps), continues)
+        assert torch.allclose(got, torch.stack([states[i] for i in cp.chunks()], 1)), cp.rank
+
+
 def _segment_mask(seg, B: int, c: int, T: int, window) -> torch.Tensor:
     """[B, c, T] bool: which keys of the row each of the chunk's queries sees, read off the segments as the kernels
     read them (query j of a segment of Lq queries and Lk keys sees its keys 0 .. Lk - Lq + j)."""

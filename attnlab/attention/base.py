@@ -24,8 +24,29 @@ Every mechanism module implements
 - ``init_cache(batch_size, max_len, device, dtype)`` (optional): a cache object for decoding.
   During decoding ``ctx.cache`` is this layer's cache and ``ctx.positions`` holds absolute positions.
 
-A mechanism that runs under context parallelism (``ctx.cp``, :mod:`attention.cp`) sets the class attribute
-``context_parallel = True``; the configuration refuses the others.
+Context parallelism (:mod:`attention.cp`, docs/context_parallel.md): a mechanism that runs under it sets the class
+attribute ``context_parallel = True`` (the configuration refuses the others). Then, for training and validation
+(no cache):
+
+- it receives ``x`` [B, 2c, dim], this rank's two chunks of every row (chunks r and 2N − 1 − r of 2N chunks of
+  c = T / (2N) tokens, in that order); ``ctx.cp``, this rank's :class:`attention.cp.ContextParallel`;
+  ``ctx.positions`` [B, 2c], the local tokens' positions in their documents (RoPE as usual); ``ctx.cp_docs``
+  [B, T] int64, the document index of every token of the whole row in global order; ``ctx.cu_seqlens`` None;
+- it returns [B, 2c, dim]: the one-process output at its local tokens, documents respected across the chunks;
+- it communicates only through the primitives of ``ContextParallel``, each differentiable (the backward sums every
+  token's gradient back to the rank holding it): ``gather`` with ``segments`` (the whole row, attention over it as
+  variable-length segments), ``halo`` with ``halo_segments`` (the tokens before each chunk), ``states_entering``
+  with ``chunk_segments`` (a chunked affine recurrence's state entering each chunk). What depends only on the batch
+  (segments) is built once per forward through ``ctx.once``. A pattern none of them covers is added there, named
+  for what it communicates, not for the mechanism;
+- its algorithm lives with it, a ``*_cp`` method beside the one-process path it replaces, chosen on ``ctx.cp``:
+  ``SoftmaxAttention.mix_cp``, ``DeltaRuleAttention._mix_cp``, and ``ShortConvolution.forward_cp`` for the
+  convolution the linear family shares. Not in ``attention.cp`` (layout and communication only) and not in
+  ``attention.ops``: the kernels know nothing of ranks; the algorithm hands them segments and initial states.
+
+``tests/test_context_parallel.py`` checks the layout and the primitives in one process, and trains every mechanism
+that sets ``context_parallel = True`` on 2 gloo processes (CP = 2) against one process, documents crossing the
+chunks: training and validation losses within 1e-4, and the CP checkpoint resumed on one process.
 """
 
 from __future__ import annotations

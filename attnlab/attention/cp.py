@@ -1,24 +1,26 @@
 """Context parallelism: every sequence of a batch split over the N ranks of a CP group (docs/context_parallel.md).
 
+This module holds the sequence layout and the communication, nothing of any one mechanism; each mechanism's CP
+algorithm lives with that mechanism and is built from the primitives below (the contract: ``attention.base``).
+
 Layout (causal load balancing): a row of T tokens is cut into 2N chunks of c = T / (2N) tokens and rank r holds
 chunks r and 2N − 1 − r, in that order (its T / N local tokens). Under a causal mask the queries of chunk i see
 i + 1 chunks of keys, so each rank's pair sees 2N + 1 chunks: every rank does the same attention work.
 
 The trainer shards the batch (tokens, labels, document positions) with :meth:`ContextParallel.shard`; everything
 token-wise (embeddings, MLPs, norms, projections, RoPE at each token's own position, the loss) then runs on the
-local tokens unchanged. The mechanisms that mix tokens communicate (``context_parallel = True`` on the mechanism
-class; the configuration refuses the others):
+local tokens unchanged. The mechanisms that mix tokens communicate through :class:`ContextParallel`, every
+primitive differentiable (its backward returns each rank the gradient of its own tokens, summed over the ranks
+that used them):
 
-- softmax / Parallax: the keys and values of every rank, all-gathered into global order ([B, T, HKV, D] each,
-  :meth:`ContextParallel.gather`); in the backward each rank receives the summed gradient of its own keys and
-  values (a reduce-scatter). Queries, and Parallax's probe ρ (one per query), stay local. Each chunk's queries
-  attend over the row's keys up to the chunk's end as variable-length segments, one per document piece, queries
-  aligned at their segment's end (:meth:`ContextParallel.segments`): the document mask spans the shards, and the
-  attention kernels (the project's Triton kernels, the reference) run unchanged.
-- the delta-rule family (DeltaNet, GDN, KDA): the state entering each chunk (:func:`delta_rule_cp`). Each rank runs
-  its chunks once more from the identity to get their transitions, all-gathers them ([B, 2N, H, K, V + K]) and
-  composes the states entering its chunks; no rank waits for another's recurrence.
-- their short convolutions: the K − 1 inputs before each chunk (:func:`short_conv_cp`).
+- :meth:`~ContextParallel.gather`: the whole row in global order ([B, T, ...] from [B, T / N, ...]), with
+  :meth:`~ContextParallel.segments` the attention of each local chunk over it as variable-length segments
+  (softmax, Parallax: the keys and values);
+- :meth:`~ContextParallel.halo`: each local chunk preceded by the ``width`` tokens before it in the row, with
+  :meth:`~ContextParallel.halo_segments` their documents (the short convolutions: the K − 1 inputs of history);
+- :meth:`~ContextParallel.states_entering`: every chunk's affine state transition all-gathered and composed in
+  chunk order into the state entering each local chunk, with :meth:`~ContextParallel.chunk_segments` the local
+  chunks' document pieces and which chunk continues the previous one's document (the delta-rule family).
 """
 
 from __future__ import annotations
@@ -117,6 +119,63 @@ class ContextParallel:
         lens = torch.stack([cu_q.diff(), cu_k.diff()]).amax(1).tolist()  # one host sync per forward
         return Segments(cu_q, cu_k, lens[0], lens[1], hi)
 
+    def halo(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """x [B, 2c, ...], this rank's two chunks -> [B, 2, width + c, ...]: each chunk preceded by the ``width``
+        tokens before it in the row (zeros before the row's start), taken from every rank's chunk tails
+        (all-gathered, [B, 2N, width, ...]). Which of them belong to the chunk's documents:
+        :meth:`halo_segments`."""
+        B, L = x.shape[:2]
+        c = L // 2
+        if c < width:
+            raise ValueError(f"context parallelism over {self.size} ranks cuts sequences into chunks of {c} tokens, "
+                             f"fewer than the {width} tokens of history each chunk needs; use longer sequences")
+        chunks = x.view(B, 2, c, *x.shape[2:])
+        tails = self.gather(chunks[:, :, c - width:], dim=1)  # [B, 2N, width, ...]: the last tokens of every chunk
+        before = torch.cat([tails.new_zeros(B, 1, *tails.shape[2:]), tails[:, :-1]], 1)  # the tokens before each
+        return torch.cat([before[:, list(self.chunks())], chunks], 2)
+
+    def halo_segments(self, docs: torch.Tensor, width: int) -> torch.Tensor:
+        """cu_seqlens [S + 1] int32 over the B·2·(width + c) tokens of :meth:`halo` (flattened): a segment per
+        document piece, so a chunk's first tokens see only the history of their own document (the tokens before the
+        row's start are a segment of their own). ``docs``: [B, T] document index of every token of the row."""
+        c = docs.shape[1] // (2 * self.size)
+        offsets = torch.arange(width + c, device=docs.device)
+        pos = torch.stack([i * c - width + offsets for i in self.chunks()])  # [2, width + c]
+        ext = docs[:, pos.clamp(min=0)].masked_fill(pos < 0, -1)  # [B, 2, width + c]; -1 before the row
+        starts = torch.ones_like(ext, dtype=torch.bool)
+        starts[..., 1:] = ext[..., 1:] != ext[..., :-1]
+        return _segments(starts.reshape(-1, width + c))[0]
+
+    def chunk_segments(self, positions: torch.Tensor, docs: torch.Tensor) -> "ChunkSegments":
+        """This rank's two chunks as variable-length segments, one per document piece, cut at the chunk boundary
+        too. ``positions``: [B, 2c] the local tokens' positions in their documents; ``docs``: [B, T] document index
+        of every token of the row."""
+        c = positions.shape[1] // 2
+        starts = positions == 0
+        starts[:, [0, c]] = True  # each chunk is its own stretch of the row
+        cu, seg = _segments(starts)
+        begins = torch.arange(1, 2 * self.size, device=docs.device) * c  # first token of chunks 1..2N-1
+        continues = docs[:, begins] == docs[:, begins - 1]
+        return ChunkSegments(cu, seg[:, [0, c]].reshape(-1), seg[:, [c - 1, 2 * c - 1]].reshape(-1), continues)
+
+    def states_entering(self, transitions: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+        """The state entering each of this rank's chunks of a recurrence whose chunks act on a [K, V] state as an
+        affine map h ↦ M h + B. ``transitions``: [B, 2, ..., K, V + K], this rank's two chunks' maps packed as
+        [B | M] along the last dim (... any leading state dims, e.g. heads); ``continues``: [B, 2N − 1] bool,
+        whether chunk i = 1..2N−1 continues the document of chunk i − 1 (:meth:`chunk_segments`).
+
+        Every chunk's map is all-gathered ([B, 2N, ..., K, V + K]) and composed in chunk order,
+        S_i = M_{i−1} S_{i−1} + B_{i−1} from S_0 = 0, reset to 0 where chunk i starts a document: no rank waits
+        for another's recurrence. Returns [B, 2, ..., K, V] in the transitions' dtype."""
+        V = transitions.shape[-1] - transitions.shape[-2]
+        maps = self.gather(transitions, dim=1)
+        keep = continues.to(maps.dtype).view(*continues.shape, *[1] * (maps.dim() - 2))
+        states = [maps.new_zeros(*maps.shape[:1], *maps.shape[2:-1], V)]
+        for i in range(1, max(self.chunks()) + 1):
+            b_prev, m_prev = maps[:, i - 1, ..., :V], maps[:, i - 1, ..., V:]
+            states.append(keep[:, i - 1] * (m_prev @ states[-1] + b_prev))
+        return torch.stack([states[i] for i in self.chunks()], 1)
+
 
 @dataclass
 class Segments:
@@ -130,6 +189,20 @@ class Segments:
     max_k: int
     keys: int
     """Keys per row the chunk sees: the row's tokens up to the chunk's end."""
+
+
+@dataclass
+class ChunkSegments:
+    """This rank's two chunks as variable-length segments (:meth:`ContextParallel.chunk_segments`)."""
+
+    cu_seqlens: torch.Tensor
+    """[S + 1] int32: segment offsets over the B·2c local tokens (one per document piece of each chunk)."""
+    first: torch.Tensor
+    """[B·2] int64: the segment each chunk starts with (row-major over rows, then the two chunks)."""
+    last: torch.Tensor
+    """[B·2] int64: the segment each chunk ends with."""
+    continues: torch.Tensor
+    """[B, 2N − 1] bool: chunk i = 1..2N−1 continues the document of chunk i − 1."""
 
 
 class _Gather(torch.autograd.Function):
@@ -172,81 +245,3 @@ def _segments(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first = flat.nonzero().flatten()
     cu = torch.cat([first, first.new_tensor([flat.numel()])]).to(torch.int32)
     return cu, (flat.cumsum(0) - 1).view_as(starts)
-
-
-def short_conv_cp(conv, x: torch.Tensor, ctx) -> torch.Tensor:
-    """A causal short convolution (``attention.linear_common.ShortConvolution``) of this rank's two chunks
-    x [B, 2c, C] under context parallelism: each chunk is extended by the K − 1 inputs before it in the row (every
-    rank's chunk tails, all-gathered), which count only where they belong to the same document."""
-    cp = ctx.cp
-    B, L, C = x.shape
-    c, k1 = L // 2, conv.kernel_size - 1
-    if c < k1:
-        raise ValueError(f"context parallelism over {cp.size} ranks cuts sequences into chunks of {c} tokens, fewer "
-                         f"than the short convolution's {k1} inputs of history; use longer sequences")
-    chunks = x.view(B, 2, c, C)
-    tails = cp.gather(chunks[:, :, c - k1:], dim=1)  # [B, 2N, K-1, C]: the last inputs of every chunk
-    before = torch.cat([x.new_zeros(B, 1, k1, C), tails[:, :-1]], 1)  # the K-1 inputs before each chunk
-    ext = torch.cat([before[:, list(cp.chunks())], chunks], 2)  # [B, 2, K-1+c, C]
-    cu = ctx.once(("cp_conv_segments", k1), lambda: _extended_segments(ctx, c, k1))
-    y, _ = conv(ext.reshape(1, 2 * B * (k1 + c), C), cu_seqlens=cu)
-    return y.view(B, 2, k1 + c, C)[:, :, k1:].reshape(B, L, C)
-
-
-def _extended_segments(ctx, c: int, k1: int) -> torch.Tensor:
-    """cu_seqlens of this rank's two chunks, each with the ``k1`` tokens before it in the row: a segment per
-    document (the tokens before the row's start are one of their own)."""
-    a, b = ctx.cp.chunks()
-    pos = torch.stack([i * c - k1 + torch.arange(k1 + c, device=ctx.cp_docs.device) for i in (a, b)])  # [2, K-1+c]
-    docs = ctx.cp_docs[:, pos.clamp(min=0)].masked_fill(pos < 0, -1)  # [B, 2, K-1+c]; -1 before the row
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[..., 1:] = docs[..., 1:] != docs[..., :-1]
-    return _segments(starts.reshape(-1, k1 + c))[0]
-
-
-def delta_rule_cp(q, k, v, beta, g, ctx, **kw) -> torch.Tensor:
-    """The delta rule (``attention.ops.delta_rule.delta_rule``, any impl; ``kw`` its options) over this rank's two
-    chunks under context parallelism. q, k: [B, 2c, H, K]; v: [B, 2c, H, V]; beta: [B, 2c, H]; g: None,
-    [B, 2c, H] or [B, 2c, H, K]; returns o [B, 2c, H, V].
-
-    The state h [K, V] changes as h ← A_t h + β_t k_t v_tᵀ with A_t = (I − β_t k_t k_tᵀ) D_t, linear in h column by
-    column, so a chunk maps the state h entering it to M h + B (M = its A_t multiplied out, K × K). Started from
-    [0 | I] with values [v | 0], the chunk's final state is [B | M]: one run of the same kernel over V + K columns.
-    The ranks all-gather every chunk's (B, M) and each composes the states entering its own chunks,
-    S_i = M_{i−1} S_{i−1} + B_{i−1} from S_0 = 0 (0 again where chunk i starts a document), then runs its chunks from
-    them. Documents inside a chunk are separate segments (the kernel's varlen form); a chunk whose last document
-    starts inside it has M = 0."""
-    from attnlab.attention.ops.delta_rule import delta_rule
-
-    cp = ctx.cp
-    B, L, H, K = q.shape
-    V, c = v.shape[-1], L // 2
-    cu, first, last, cont = ctx.once("cp_chunk_segments", lambda: _chunk_segments(ctx, c))
-    flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
-    segments = cu.numel() - 1
-    h0 = torch.zeros(segments, H, K, V + K, device=q.device)
-    h0[first, :, :, V:] = torch.eye(K, device=q.device)
-    v_ext = torch.cat([v, v.new_zeros(B, L, H, K)], -1)
-    _, final = delta_rule(flat(q), flat(k), flat(v_ext), flat(beta), flat(g), initial_state=h0,
-                          output_final_state=True, cu_seqlens=cu, **kw)
-    maps = cp.gather(final[last].view(B, 2, H, K, V + K), dim=1)  # [B, 2N, H, K, V+K]: every chunk's [B | M]
-    states = [torch.zeros(B, H, K, V, device=q.device)]
-    for i in range(1, max(cp.chunks()) + 1):
-        b_prev, m_prev = maps[:, i - 1, ..., :V], maps[:, i - 1, ..., V:]
-        states.append(cont[:, i - 1] * (m_prev @ states[-1] + b_prev))
-    entering = torch.stack([states[i] for i in cp.chunks()], 1).reshape(B * 2, H, K, V)
-    h_in = torch.zeros(segments, H, K, V, device=q.device).index_put((first,), entering)
-    o, _ = delta_rule(flat(q), flat(k), flat(v), flat(beta), flat(g), initial_state=h_in, cu_seqlens=cu, **kw)
-    return o.view(B, L, H, V)
-
-
-def _chunk_segments(ctx, c: int):
-    """This rank's two chunks of ``c`` tokens per row as variable-length segments, one per document piece:
-    (cu_seqlens, the segment [B·2] each chunk starts with, the one it ends with, [B, 2N−1, 1, 1, 1] 1.0 where chunk
-    i = 1..2N−1 continues the document of chunk i − 1, else 0.0)."""
-    starts = ctx.positions == 0
-    starts[:, [0, c]] = True  # each chunk is its own stretch of the row
-    cu, seg = _segments(starts)
-    ends = torch.arange(1, 2 * ctx.cp.size, device=starts.device) * c  # first token of chunks 1..2N-1
-    cont = (ctx.cp_docs[:, ends] == ctx.cp_docs[:, ends - 1]).float()[:, :, None, None, None]
-    return cu, seg[:, [0, c]].reshape(-1), seg[:, [c - 1, 2 * c - 1]].reshape(-1), cont

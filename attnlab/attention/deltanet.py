@@ -27,7 +27,6 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attnlab.attention.base import AttentionArgs, AttentionContext
-from attnlab.attention.cp import delta_rule_cp, short_conv_cp
 from attnlab.attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.delta_rule import DELTA_RULE_IMPLS, delta_rule
@@ -62,7 +61,7 @@ class DeltaRuleAttention(nn.Module):
     impls = DELTA_RULE_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
-    """Runs under context parallelism (:func:`attention.cp.delta_rule_cp`, :func:`attention.cp.short_conv_cp`)."""
+    """Runs under context parallelism (:meth:`_mix_cp`, :meth:`attention.linear_common.ShortConvolution.forward_cp`)."""
 
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
     gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
@@ -139,7 +138,7 @@ class DeltaRuleAttention(nn.Module):
         cache = ctx.cache
         conv = getattr(self, f"conv_{name}")
         if ctx.cp is not None:
-            return short_conv_cp(conv, x, ctx)
+            return conv.forward_cp(x, ctx)
         y, state = conv(x, cu_seqlens=None if cache is not None else ctx.cu_seqlens,
                         state=None if cache is None else cache.conv[name])
         if cache is not None:
@@ -173,7 +172,7 @@ class DeltaRuleAttention(nn.Module):
         B, T = q.shape[:2]
         kw = dict(chunk_size=self.opts.chunk_size, impl=self.args.impl, gate_lower_bound=self.gate_lower_bound)
         if ctx.cp is not None:
-            return delta_rule_cp(q, k, v, beta, g, ctx, **kw)
+            return self._mix_cp(q, k, v, beta, g, ctx, **kw)
         if ctx.cache is not None:
             o, ctx.cache.state = delta_rule(q, k, v, beta, g, initial_state=ctx.cache.state, output_final_state=True, **kw)
             ctx.cache.seen += T
@@ -183,6 +182,34 @@ class DeltaRuleAttention(nn.Module):
         flat = lambda t: None if t is None else t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
         o, _ = delta_rule(flat(q), flat(k), flat(v), flat(beta), flat(g), cu_seqlens=ctx.cu_seqlens, **kw)
         return o.view(B, T, *o.shape[2:])
+
+    def _mix_cp(self, q, k, v, beta, g, ctx: AttentionContext, **kw) -> torch.Tensor:
+        """The delta rule (``kw``: :func:`attention.ops.delta_rule.delta_rule`'s options, any impl) over this rank's
+        two chunks under context parallelism (:mod:`attention.cp`). q, k: [B, 2c, H, K]; v: [B, 2c, H, V];
+        beta: [B, 2c, H]; g: None, [B, 2c, H] or [B, 2c, H, K]; returns o [B, 2c, H, V].
+
+        The state h [K, V] changes as h ← A_t h + β_t k_t v_tᵀ with A_t = (I − β_t k_t k_tᵀ) D_t, linear in h
+        column by column, so a chunk maps the state entering it to M h + B (M = its A_t multiplied out, K × K).
+        Started from [0 | I] with values [v | 0], the chunk's final state is [B | M]: one run of the same kernel over
+        V + K columns gives the chunk's transition, from which :meth:`attention.cp.ContextParallel.states_entering`
+        composes the states entering this rank's chunks; the chunks then run from them. Documents inside a chunk
+        are separate segments (the kernel's varlen form); a chunk whose last document starts inside it has M = 0."""
+        cp = ctx.cp
+        B, L, H, K = q.shape
+        V = v.shape[-1]
+        seg = ctx.once("cp_chunk_segments", lambda: cp.chunk_segments(ctx.positions, ctx.cp_docs))
+        flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
+        segments = seg.cu_seqlens.numel() - 1
+        h0 = torch.zeros(segments, H, K, V + K, device=q.device)
+        h0[seg.first, :, :, V:] = torch.eye(K, device=q.device)
+        v_ext = torch.cat([v, v.new_zeros(B, L, H, K)], -1)
+        _, final = delta_rule(flat(q), flat(k), flat(v_ext), flat(beta), flat(g), initial_state=h0,
+                              output_final_state=True, cu_seqlens=seg.cu_seqlens, **kw)
+        entering = cp.states_entering(final[seg.last].view(B, 2, H, K, V + K), seg.continues)  # [B, 2, H, K, V]
+        h_in = torch.zeros(segments, H, K, V, device=q.device).index_put((seg.first,), entering.reshape(B * 2, H, K, V))
+        o, _ = delta_rule(flat(q), flat(k), flat(v), flat(beta), flat(g), initial_state=h_in,
+                          cu_seqlens=seg.cu_seqlens, **kw)
+        return o.view(B, L, H, V)
 
 
 @register_attention("deltanet", options=DeltaNetOptions,

@@ -130,6 +130,18 @@ class ShortConvolution(nn.Module):
         """
         return short_conv(x, self.weight, cu_seqlens, state, self.activation is not None)
 
+    def forward_cp(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """The convolution of this rank's two chunks x [B, 2c, C] under context parallelism (``ctx.cp``,
+        :mod:`attention.cp`): each chunk extended by the K − 1 inputs before it in the row
+        (:meth:`attention.cp.ContextParallel.halo`), which count only where they belong to the same document
+        (:meth:`attention.cp.ContextParallel.halo_segments`). Returns y [B, 2c, C]."""
+        B, L, C = x.shape
+        c, k1 = L // 2, self.kernel_size - 1
+        ext = ctx.cp.halo(x, k1)  # [B, 2, K-1+c, C]
+        cu = ctx.once(("cp_halo_segments", k1), lambda: ctx.cp.halo_segments(ctx.cp_docs, k1))
+        y, _ = self(ext.reshape(1, 2 * B * (k1 + c), C), cu_seqlens=cu)
+        return y.view(B, 2, k1 + c, C)[:, :, k1:].reshape(B, L, C)
+
     def init_state(self, batch_size: int, device, dtype) -> torch.Tensor:
         return torch.zeros(batch_size, self.channels, self.kernel_size - 1, device=device, dtype=dtype)
 
