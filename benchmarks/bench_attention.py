@@ -30,7 +30,8 @@ measured in the same run. They run after this script's own tables, as those scri
 
 Extending: add a factory to ``benchmarks.common.TRAIN_COLUMNS`` (name → factory(q, k, v, r) returning a zero-argument
 callable that returns the output, or None when unavailable; ``profile_attention`` profiles the same columns) or to
-``DECODE`` (name → factory(q, r, k_cache, v_cache, seqlens)). Inputs are [B, T, H, D] (``q, r`` with 16 heads, ``k, v`` with 8).
+``DECODE`` (name → factory(q, r, k_cache, v_cache, seqlens)). Inputs are [B, T, H, D] (``q, r`` with 16 heads,
+``k, v`` with 8).
 """
 
 from __future__ import annotations
