@@ -28,9 +28,10 @@ B=4, T=4096, H=16, D=128 (all heads equal: these mechanisms have no GQA), each s
 measured in the same run. They run after this script's own tables, as those scripts' processes (their compiled
 "chunk" rows have time budgets that kill a child process); ``--only-linear`` runs them alone.
 
-Extending: add a factory to ``TRAIN`` (name → factory(q, k, v, r) returning a zero-argument callable that
-returns the output, or None when unavailable) or to ``DECODE`` (name → factory(q, r, k_cache, v_cache,
-seqlens)). Inputs are [B, T, H, D] (``q, r`` with 16 heads, ``k, v`` with 8).
+Extending: add a factory to ``benchmarks.common.TRAIN_COLUMNS`` (name → factory(q, k, v, r) returning a zero-argument
+callable that returns the output, or None when unavailable; ``profile_attention`` profiles the same columns) or to
+``DECODE`` (name → factory(q, r, k_cache, v_cache, seqlens)). Inputs are [B, T, H, D] (``q, r`` with 16 heads,
+``k, v`` with 8).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import median_ms, queued_ms
+from benchmarks.common import TRAIN_COLUMNS, Factory, median_ms, queued_ms
 
 TIMING = "queued"
 """How the training table times a call: "queued" (back-to-back calls, host launch cost overlapped as in training;
@@ -54,69 +55,6 @@ the default) or "percall" (sync after each call: adds each call's host latency).
 
 def bench_ms(fn, rep: int = 20, warmup: int = 5) -> float:
     return queued_ms(fn, rep=rep // 2, warmup=warmup) if TIMING == "queued" else median_ms(fn, rep=rep, warmup=warmup)
-
-Factory = Callable[..., "Callable[[], torch.Tensor] | None"]
-
-
-# ------------------------------------------------------------------ training columns
-def _ours(probe: bool) -> Factory:
-    def make(q, k, v, r):
-        from attnlab.attention.ops.parallax.triton import parallax_triton
-
-        return lambda: parallax_triton(q, k, v, r if probe else None)
-
-    return make
-
-
-def _sdpa(backend_name: str) -> Factory:
-    def make(q, k, v, r):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, backend_name)
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-        def gqa():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-
-        try:
-            gqa()
-            return gqa
-        except RuntimeError:  # backend without native GQA: repeat K/V outside the timed region
-            G = q.shape[2] // k.shape[2]
-            ke, ve = (t.repeat_interleave(G, dim=1).detach().requires_grad_(t.requires_grad) for t in (kt, vt))
-
-            def rep():
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qt, ke, ve, is_causal=True)
-
-            rep()
-            return rep
-
-    return make
-
-
-def _fla(q, k, v, r):
-    from fla.ops.parallax import parallel_parallax
-
-    return lambda: parallel_parallax(q, r, k, v)
-
-
-def _parallax_kernel(q, k, v, r):
-    from parallax import parallax_func
-
-    qt, rt, kt, vt = (t.transpose(1, 2) for t in (q, r, k, v))
-    return lambda: parallax_func(qt, rt, kt, vt)
-
-
-TRAIN: dict[str, tuple[Factory, bool]] = {  # name -> (factory, is_parallax for the FLOP count)
-    "ours-parallax": (_ours(True), True),
-    "ours-softmax": (_ours(False), False),
-    "sdpa-cudnn": (_sdpa("CUDNN_ATTENTION"), False),
-    "sdpa-flash": (_sdpa("FLASH_ATTENTION"), False),
-    "fla-parallax": (_fla, True),
-    "pk-parallax": (_parallax_kernel, True),
-}
 
 
 # ------------------------------------------------------------------ decode columns
@@ -183,7 +121,7 @@ def run_train(T: int, D: int, names: list[str], B=4, HQ=16, HKV=8) -> dict:
     flops_sm = 2 * B * HQ * T * T * D
     row = {}
     for name in names:
-        factory, is_px = TRAIN[name]
+        factory, is_px = TRAIN_COLUMNS[name]
         try:
             fn = factory(q, k, v, r)
             do = None
@@ -258,7 +196,7 @@ def fmt(x, spec="7.3f"):
 
 def report(train: dict, decode: dict) -> str:
     lines = []
-    names = sorted({n for row in train.values() for n in row}, key=list(TRAIN).index)
+    names = sorted({n for row in train.values() for n in row}, key=list(TRAIN_COLUMNS).index)
     lines.append("## training, ms (B=4, HQ=16, HKV=8, bf16, causal)")
     lines.append("| shape | pass | " + " | ".join(names) + " |")
     lines.append("|---" * (len(names) + 2) + "|")
@@ -552,7 +490,7 @@ def main() -> None:
         print("\n".join(best_configs()))
         sweep_decode()
         return
-    names = available(args.only.split(",") if args.only else list(TRAIN))
+    names = available(args.only.split(",") if args.only else list(TRAIN_COLUMNS))
     Ts = [4096] if args.quick else [1024, 4096, 8192, 16384]
     import triton
 

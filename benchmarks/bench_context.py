@@ -5,16 +5,17 @@
     python -m benchmarks.bench_context ... --cp 1,2,4 --seq-lens 32768,65536,131072 --tokens 131072 --gpus 4
     python -m benchmarks.bench_context --results OUT1/results.json,OUT2/results.json --plot all.png   # no runs
 
-Every (mechanism, T) row launches ``train.py`` with the mechanism's 0.6B paper config
-(``attnlab/configs/paper/qwen3_0.6b_<mechanism>.toml``; with ``--config FILE``, FILE and ``--model.attention <mechanism>``
-for every row), ``training.seq_len`` T and local batch ``--tokens`` / T, so every T trains on the same tokens per
-step. The mask is plain causal, every row one sequence of T tokens: under the document mask a corpus of short
-documents would make a long T measure short documents. No float8 (the configs' bf16), ``--steps`` steps. The numbers
-are read from the run's metrics.jsonl as ``benchmarks.bench_train`` reads them: tok/s is the median over the steps after
-``--warmup``; MFU counts the attention FLOPs a causal mask leaves (T(T+1)/2 query-key pairs per sequence for
-softmax; ``models.args.ModelArgs.training_flops``); GiB is the peak reserved memory; busy % is the traced steps'
-GPU-busy time over the median step (``--profile``, bench_train's trace summary, printed per row). ``--ac`` sets
-activation checkpointing on every row: ``config`` keeps each config's (selective per op in the paper configs),
+Every (mechanism, T) row launches ``--repo``'s ``train.py`` with the mechanism's 0.6B paper config
+(``attnlab/configs/paper/qwen3_0.6b_<mechanism>.toml``, or ``configs/paper/`` in a checkout from before the move; with
+``--config FILE``, FILE and ``--model.attention <mechanism>`` for every row), ``training.seq_len`` T and local batch
+``--tokens`` / T, so every T trains on the same tokens per step. The mask is plain causal, every row one sequence of
+T tokens: under the document mask a corpus of short documents would make a long T measure short documents. No float8
+(the configs' bf16), ``--steps`` steps. The numbers are read from the run's metrics.jsonl as ``benchmarks.bench_train``
+reads them (the helpers of ``benchmarks.common``): tok/s is the median over the steps after ``--warmup``; MFU counts
+the attention FLOPs a causal mask leaves (T(T+1)/2 query-key pairs per sequence for softmax;
+``attnlab.models.args.ModelArgs.training_flops``); GiB is the peak reserved memory; busy % is the traced steps'
+GPU-busy time over the median step (``--profile``, ``benchmarks.common.trace_summary``, printed per row). ``--ac``
+sets activation checkpointing on every row: ``config`` keeps each config's (selective per op in the paper configs),
 ``full`` recomputes every block in the backward, which the longest T may need to fit.
 
 With ``--cp N1,N2,...`` every (mechanism, T) runs once per context-parallel degree N, on N GPUs with each sequence
@@ -42,8 +43,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from benchmarks.bench_train import (ADAMW, REPO, busy, check_trace_steps, common, first_profiled, paper_config,
-                                 profiled, profiling, run, side_by_side, summarize)
+from benchmarks.common import (ADAMW, PAPER_CONFIG_DIRS, REPO, busy, check_trace_steps, first_profiled, paper_config,
+                               profiled, profiling, run, side_by_side, summarize, train_flags)
 
 MECHANISMS = "softmax,parallax,parallax_p64,gdn,kda,hla,lla,cala"
 AC_MODES = ("config", "none", "selective", "full")
@@ -65,7 +66,7 @@ def command(args, mechanism: str, seq_len: int, dump: Path, cp: int = 1) -> list
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", "--master_port=0",
         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
     cmd = [*launch, str(Path(args.repo) / "train.py"), "--job.config_file", str(config),
-           *common(row, dump, fp8=False), *extra, "--model.attn_mask_type", "causal", "--model.converters", ""]
+           *train_flags(row, dump), *extra, "--model.attn_mask_type", "causal", "--model.converters", ""]
     if cp > 1:
         cmd += ["--parallelism.context_parallel_degree", str(cp)]
     if max(args.cp) > 1:  # every degree alike: the /cp1 column compares the same program
@@ -246,8 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         unknown = [m for m in args.mechanisms if not config_for(args, m)[0].is_file()]
         if unknown:
-            have = sorted(p.stem.removeprefix("qwen3_0.6b_") for p in (Path(args.repo) / "configs" / "paper").glob(
-                "qwen3_0.6b_*.toml"))
+            have = sorted({p.stem.removeprefix("qwen3_0.6b_") for folder in PAPER_CONFIG_DIRS
+                           for p in (Path(args.repo) / folder).glob("qwen3_0.6b_*.toml")})
             ap.error(f"--mechanisms: no paper config qwen3_0.6b_<name>.toml for {unknown}; choose from {have}")
     check_trace_steps(ap, args)
     if not args.profile and args.steps <= args.warmup:

@@ -21,11 +21,11 @@ work per op), so its own busy share, "traced %", understates the untraced steps 
 (B2). Where the GPU does (B8), a document-masked row's step follows each batch's document lengths (attention work
 grows with their squares), so a few traced steps need not match the median step: there "traced %" is the busy
 share.
-``trace_summary`` prints the GPU time by kernel class, the top kernels, the longest GPU-idle gaps with the host ops
-inside them, and which host ops overlap the GPU's idle time in all (several traced steps show what one step's gaps
-cannot: stalls that come every other step). Per-step tok/s varies, so medians want ~20 steps (the defaults give
-steps 9–25). ``--repo DIR`` runs another checkout's ``train.py`` and configs with this script (before/after rows of
-one change in one call).
+``benchmarks.common.trace_summary`` prints the GPU time by kernel class, the top kernels, the longest GPU-idle gaps
+with the host ops inside them, and which host ops overlap the GPU's idle time in all (several traced steps show what
+one step's gaps cannot: stalls that come every other step). Per-step tok/s varies, so medians want ~20 steps (the
+defaults give steps 9–25). ``--repo DIR`` runs another checkout's ``train.py`` and paper configs with this script
+(before/after rows of one change in one call; ``benchmarks.common.paper_config`` finds them in either layout).
 
 ``--data`` is a folder of JSONL files with a "text" field; ``--tokenizer`` a folder with tokenizer.json.
 """
@@ -33,21 +33,17 @@ one change in one call).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
-import math
-import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ADAMW = ["--optimizer.name", "AdamW", "--optimizer.lr", "3e-4"]
+from benchmarks.common import (ADAMW, REPO, busy, check_trace_steps, first_profiled, paper_config, profiled,
+                               profiling, run, side_by_side, summarize, train_flags)
+
 ROWS = {  # name -> (config, extra args)
     "softmax": ("qwen3_0.6b_softmax", []),
     "parallax": ("qwen3_0.6b_parallax", []),
@@ -78,58 +74,15 @@ RATIOS = (  # (row, baseline row, the end-to-end target): same optimizer on both
 )
 
 
-def common(args, dump: Path, fp8: bool, nproc: int = 1) -> list[str]:
-    out = ["--job.dump_folder", str(dump), "--model.hf_assets_path", args.tokenizer,
-           "--training.dataset_path", args.data, "--training.local_batch_size", str(args.batch),
-           "--training.global_batch_size", str(args.batch * nproc), "--training.seq_len", str(args.seq),
-           "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--validation.no-enable",
-           "--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
-    return out
-
-
-def run(cmd: list[str], log: Path, repo: Path, devices: str = "", timeout: float | None = None) -> str:
-    """Run ``cmd`` (on the GPUs ``devices``, a CUDA_VISIBLE_DEVICES list, when given), its output to ``log``. After
-    ``timeout`` seconds the command and every process it started (torchrun's workers) are killed."""
-    env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = devices
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(repo),
-                         start_new_session=True)
-    try:
-        output, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        output = p.communicate()[0] + f"\nkilled after {timeout:.0f} s\n"
-    log.write_text(output)
-    if p.returncode:
-        print(f"FAILED: {' '.join(cmd[:6])} ...\n{output[-1500:]}", file=sys.stderr)
-    return output
-
-
-def summarize(records: list[dict], warmup: int) -> dict:
-    """Medians of the steps after ``warmup`` (MFU is NaN where the run logged none: on a CPU), peak memory, last
-    loss."""
-    rows = [r for r in records if r["step"] > warmup]
-    if not rows:
-        return {}
-    med = lambda k: statistics.median(math.nan if r[k] is None else r[k] for r in rows)  # noqa: E731
-    return {"tps": med("tps"), "mfu": med("mfu"), "mem": max(r["memory_gib"] for r in rows), "loss": rows[-1]["loss"]}
-
-
-def paper_config(repo: Path, name: str) -> Path:
-    """The paper configuration ``name`` in checkout ``repo`` (``attnlab/configs/paper/``, or ``attnlab/configs/`` in checkouts from
-    before the move, so ``--repo`` can time an older commit)."""
-    new = repo / "configs" / "paper" / f"{name}.toml"
-    return new if new.is_file() else repo / "configs" / f"{name}.toml"
-
-
 def ours(args, name, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
+    """Our row ``name`` (:data:`ROWS`) through ``--repo``'s train.py on ``nproc`` GPUs: its medians, memory and loss
+    (and busy/wall ms when traced), empty where the run logged no step after the warm-up."""
     config, extra = ROWS[name]
     dump = out / f"{name}_{'fp8' if fp8 else 'bf16'}{f'_x{nproc}' if nproc > 1 else ''}"
     repo = Path(args.repo)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(repo / "train.py"),
-           "--job.config_file", str(paper_config(repo, config)), *common(args, dump, fp8, nproc), *extra]
+           "--job.config_file", str(paper_config(repo, config)), *train_flags(args, dump, nproc), *extra]
     if args.optimizer == "adamw":
         cmd += ADAMW
     cmd += shlex.split(args.train_args)
@@ -145,140 +98,6 @@ def ours(args, name, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
     return summarize(records, args.warmup) | profiled(args, dump)
 
 
-PROFILER_WARMUP = 3  # torchtitan's default profiler warm-up steps, which run slower too
-
-
-def profiling(args) -> list[str]:
-    """torchtitan's profiler: ``--trace-steps`` active steps ending just before the last, after its warm-up."""
-    if not args.profile:
-        return []
-    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 1),
-            "--profiling.profiler_active", str(args.trace_steps),
-            "--profiling.profiler_warmup", str(PROFILER_WARMUP), "--profiling.save_traces_folder", "traces"]
-
-
-def first_profiled(args) -> int:
-    """The first step the profiler slows (its warm-up); steps from here on are left out of the medians."""
-    return args.steps - args.trace_steps - PROFILER_WARMUP  # the traced steps end at --steps - 1
-
-
-def check_trace_steps(ap, args) -> None:
-    """``--trace-steps`` and ``--steps`` leave untraced steps after ``--warmup`` and the profiler's warm-up
-    (``ap.error`` naming the flag otherwise)."""
-    if args.trace_steps < 1:
-        ap.error(f"--trace-steps {args.trace_steps} must be >= 1 (--no-profile traces nothing)")
-    if args.profile and first_profiled(args) <= args.warmup + 1:
-        ap.error(f"--steps {args.steps} leaves no untraced step after --warmup {args.warmup} and the profiler's "
-                 f"{PROFILER_WARMUP} warm-up + {args.trace_steps} traced steps; raise --steps")
-
-
-def profiled(args, dump: Path) -> dict:
-    """Print the traced step's summary; return its GPU-busy and wall ms (empty without a trace)."""
-    traces = sorted(dump.glob("traces/iteration_*/rank0_trace.json"))
-    if not args.profile or not traces:
-        return {}
-    text, busy = trace_summary(traces[-1], with_busy=True)
-    print(f"--- {dump.name}: {args.trace_steps} traced step(s), GPU kernels ({traces[-1]})\n{text}", flush=True)
-    return busy
-
-
-KERNEL_CLASSES = (  # (class, substrings of the kernel name, lower case); first match wins
-    ("attention", ("parallax", "flash", "fmha", "cudnn", "attn", "_fwd_kernel", "_bwd_")),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "cublas")),
-    ("optimizer", ("multi_tensor", "foreach", "adam", "newton", "muon")),
-    ("nccl", ("nccl",)),
-    ("inductor (fused elementwise/norm/rope)", ("triton_",)),
-    ("copy/fill", ("copy", "fill", "memset", "memcpy", "cat", "elementwise")),
-)
-
-
-def trace_summary(path: Path, top: int = 12, with_busy: bool = False):
-    """GPU time of the traced step(s) by kernel class and the ``top`` kernels, from a chrome trace; then how
-    much of the step the GPU sat idle, the largest idle gaps and the host ops running in them. With
-    ``with_busy`` returns ``(text, {"busy_ms": GPU-busy ms, "wall_ms": traced step wall ms})``."""
-    trace = json.load(open(path))["traceEvents"]
-    events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_name: dict[str, float] = {}
-    for e in events:
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e.get("dur", 0.0) / 1e3
-    total = sum(by_name.values())
-    by_class: dict[str, float] = {}
-    for name, ms in by_name.items():
-        low = name.lower()
-        cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
-        by_class[cls] = by_class.get(cls, 0.0) + ms
-    lines = [f"GPU kernel time {total:.1f} ms"]
-    lines += [f"  {c:40s} {ms:8.1f} ms {100 * ms / total:5.1f} %" for c, ms in
-              sorted(by_class.items(), key=lambda x: -x[1])]
-    lines.append("  top kernels:")
-    lines += [f"  {ms:8.2f} ms  {name[:110]}" for name, ms in sorted(by_name.items(), key=lambda x: -x[1])[:top]]
-    idle, busy = idle_summary(trace, events)
-    text = "\n".join(lines + idle)
-    return (text, busy) if with_busy else text
-
-
-def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6, top: int = 12) -> tuple[list[str], dict]:
-    """Wall time of the traced steps (ProfilerStep spans), GPU-busy time (union of kernel intervals), the ``gaps``
-    longest idle stretches with the longest host ops (cpu_op / cuda_runtime / python) overlapping each, and the
-    ``top`` host ops (cpu ops, record_function ranges, runtime calls; by name) by how much of all idle time they
-    overlap: a nested op counts within its parent as well, so the list reads from the outside in. Returns the lines
-    and ``{"busy_ms": busy, "wall_ms": wall}`` per traced step."""
-    steps = [e for e in trace if e.get("name", "").startswith("ProfilerStep#") and "dur" in e
-             and e.get("cat") != "gpu_user_annotation"]  # the host spans; the GPU's copies of them run later
-    if not steps or not kernels:
-        return [], {}
-    n = len(steps)
-    t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)
-    busy, idle, cur_s, cur_e = 0.0, [], None, None
-    for a, b in spans:
-        if cur_e is None or a > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-                idle.append((a - cur_e, cur_e, a))
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    busy += cur_e - cur_s
-    host = [e for e in trace if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function") and "dur" in e]
-    syncs = sum(e["dur"] for e in host if "Synchronize" in e["name"] or e["name"] in ("aten::item",
-                                                                                       "aten::_local_scalar_dense"))
-    per = f" per step over {n} steps" if n > 1 else ""
-    lines = [f"  step wall {(t1 - t0) / 1e3 / n:.1f} ms (ProfilerStep), GPU busy {busy / 1e3 / n:.1f} ms "
-             f"({100 * busy / max(t1 - t0, 1):.0f} %), host in syncs/item {syncs / 1e3 / n:.1f} ms{per}",
-             "  longest GPU idle gaps:"]
-    for dur, a, b in sorted(idle, reverse=True)[:gaps]:
-        inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
-        lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
-                     + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
-    lines += idle_by_host_op(trace, sorted((a, b) for _, a, b in idle), n, top)
-    return lines, {"busy_ms": busy / 1e3 / n, "wall_ms": (t1 - t0) / 1e3 / n}
-
-
-def idle_by_host_op(trace: list[dict], idle: list[tuple[float, float]], n: int, top: int) -> list[str]:
-    """The ``top`` host op names by the GPU-idle time (``idle``: sorted (start, end) µs) their calls overlap,
-    in ms per step over ``n`` steps; ProfilerStep spans left out (they hold everything)."""
-    cats = ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
-    starts = [a for a, _ in idle]
-    total = sum(b - a for a, b in idle)
-    by_name: dict[str, float] = {}
-    for e in trace:
-        if e.get("cat") not in cats or "dur" not in e or e["name"].startswith("ProfilerStep#"):
-            continue
-        lo, hi = e["ts"], e["ts"] + e["dur"]
-        i = max(bisect.bisect_right(starts, lo) - 1, 0)
-        ov = 0.0
-        while i < len(idle) and idle[i][0] < hi:
-            ov += max(0.0, min(hi, idle[i][1]) - max(lo, idle[i][0]))
-            i += 1
-        if ov > 0:
-            by_name[e["name"]] = by_name.get(e["name"], 0.0) + ov
-    lines = [f"  host ops during GPU idle ({total / 1e3 / n:.1f} ms per step; ms per step each op's calls overlap):"]
-    ranked = sorted(by_name.items(), key=lambda x: -x[1])[:top]
-    lines += [f"  {ms / 1e3 / n:8.2f} ms  {name[:100]}" for name, ms in ranked]
-    return lines
-
-
 LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps: ([\d,]+).*?mfu: ([\d.]+)%")
 
 
@@ -289,7 +108,7 @@ def stock(args, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "torchtitan.train",
            "--model.name", "qwen3", "--model.flavor", "0.6B", "--training.dataset", "c4_test",
            "--compile.enable", "--compile.components", "model,loss", "--activation_checkpoint.mode", "selective",
-           "--training.mixed_precision_param", "bfloat16", *common(args, dump, fp8, nproc)]
+           "--training.mixed_precision_param", "bfloat16", *train_flags(args, dump, nproc)]
     if fp8:
         cmd += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name",
                 "tensorwise", "--quantize.linear.float8.filter_fqns", "output"]
@@ -300,36 +119,6 @@ def stock(args, fp8, out: Path, nproc: int = 1, devices: str = "") -> dict:
         return {}
     return {"tps": statistics.median(r[2] for r in rows), "mfu": statistics.median(r[3] for r in rows),
             "mem": max(r[1] for r in rows), "loss": float("nan")} | profiled(args, dump)
-
-
-def side_by_side(fn, jobs: list, gpus: int, per_job: int = 1) -> dict:
-    """``{job: fn(job, devices)}`` with at most ``gpus // per_job`` calls at once, each given ``per_job`` GPUs (a
-    CUDA_VISIBLE_DEVICES list of entries: the i-th GPU is the i-th of the caller's own list where it has one) that
-    no other running call holds."""
-    import queue
-    from concurrent.futures import ThreadPoolExecutor
-
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    names = [visible[i] if i < len(visible) else str(i) for i in range(gpus)]
-    slots = max(1, gpus // per_job)
-    free: queue.Queue = queue.Queue()
-    for i in range(slots):
-        free.put(",".join(names[i * per_job:(i + 1) * per_job]))
-
-    def call(job):
-        gpu = free.get()
-        try:
-            return fn(job, gpu)
-        finally:
-            free.put(gpu)
-
-    with ThreadPoolExecutor(slots) as pool:
-        return dict(zip(jobs, pool.map(call, jobs)))
-
-
-def busy(r: dict, tokens: int) -> str:
-    """GPU-busy ms of the traced step over the median step's ms (``tokens`` per step per GPU / tok/s)."""
-    return f"{100 * r['busy_ms'] / (1e3 * tokens / r['tps']):.0f}" if "busy_ms" in r else "n/a"
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_attention import TRAIN
+from benchmarks.common import TRAIN_COLUMNS
 
 
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
@@ -90,7 +90,7 @@ def main() -> None:
     q, k, v, r = rnd(16), rnd(8), rnd(8), rnd(16)
     calls = {}
     for name in a.columns.split(","):
-        fn = TRAIN[name][0](q, k, v, r)
+        fn = TRAIN_COLUMNS[name][0](q, k, v, r)
         if fn is None:
             print(f"{name}: unavailable")
             continue

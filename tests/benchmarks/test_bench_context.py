@@ -87,6 +87,22 @@ def test_bad_arguments_fail_before_any_run(capsys, tmp_path, flags, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_repo_of_the_layout_before_the_move(capsys, tmp_path):
+    """``--repo`` naming a checkout from before the move (configs/paper/, train.py at its root): its train.py runs
+    its paper config, and an unknown mechanism is refused with that checkout's configs listed."""
+    old = tmp_path / "old"
+    (old / "configs" / "paper").mkdir(parents=True)
+    (old / "configs" / "paper" / "qwen3_0.6b_gdn.toml").write_text("")
+    flags = ["--data", "d", "--tokenizer", "t", "--repo", str(old), "--no-profile", "--steps", "4", "--warmup", "1"]
+    args = bench_context.parse_args([*flags, "--mechanisms", "gdn"])
+    cmd = bench_context.command(args, "gdn", 4096, tmp_path / "run")
+    assert cmd[1] == str(old / "train.py")
+    assert _flag(cmd, "--job.config_file") == str(old / "configs" / "paper" / "qwen3_0.6b_gdn.toml")
+    with pytest.raises(SystemExit):
+        bench_context.parse_args([*flags, "--mechanisms", "gdn,kda"])
+    assert "no paper config qwen3_0.6b_<name>.toml for ['kda']; choose from ['gdn']" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # two real train.py launches on the CPU: ~25 s idle, a minute on a loaded 2-core machine
 def test_tiny_cpu_sweep(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")

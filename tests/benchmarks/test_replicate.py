@@ -1,4 +1,4 @@
-"""benchmarks/replicate.py: the budget arithmetic, metrics parsing, table/plots, and (slow) the whole pipeline on CPU."""
+"""benchmarks/replicate/: the budget arithmetic, metrics parsing, table/plots, and (slow) the whole pipeline on CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import os
 
 import pytest
 
-from benchmarks import replicate as R
+from benchmarks.replicate import run as replicate_run
+from benchmarks.replicate.__main__ import main, parse_args
+from benchmarks.replicate.metrics import (finished_at, read_metrics, resumable_step, summary_rows, truncate_metrics,
+                                          write_summary)
+from benchmarks.replicate.plan import RHO_NORM_LR_1X, RUNS, chunk_stop, fit_steps, mechanism, plan_steps, suite_arms
+from benchmarks.replicate.report import arm_rows, format_table, plot_diagnostics
+from benchmarks.replicate.run import train_tokenizer
 
 
 def test_plan_steps_fits_the_budget_exactly():
@@ -16,31 +22,31 @@ def test_plan_steps_fits_the_budget_exactly():
     tps = {"softmax": 800_000.0, "parallax": 600_000.0}
     k = 65_536
     secs = 400.0
-    steps = R.plan_steps(secs, fixed, tps, k)
+    steps = plan_steps(secs, fixed, tps, k)
 
     def cost(s):  # 2 softmax, 3 parallax, converted (s // 4), one parallax-sized GDN slot
         return 2 * (20 + s * k / 8e5) + 3 * (25 + s * k / 6e5) + (25 + s / 4 * k / 6e5) + (25 + s * k / 6e5)
 
     assert steps > 100
     assert cost(steps) <= secs < cost(steps + 1)
-    assert R.plan_steps(100.0, fixed, tps, k) == 0  # fixed costs alone exceed the budget
+    assert plan_steps(100.0, fixed, tps, k) == 0  # fixed costs alone exceed the budget
 
 
 def test_fit_steps_caps_and_floors():
-    assert R.fit_steps(100.0, 10.0, 1000.0, 100, cap=10_000) == 900
-    assert R.fit_steps(100.0, 10.0, 1000.0, 100, cap=50) == 50
-    assert R.fit_steps(5.0, 10.0, 1000.0, 100, cap=50) == 0
+    assert fit_steps(100.0, 10.0, 1000.0, 100, cap=10_000) == 900
+    assert fit_steps(100.0, 10.0, 1000.0, 100, cap=50) == 50
+    assert fit_steps(5.0, 10.0, 1000.0, 100, cap=50) == 0
 
 
 def test_mechanism_of_each_run():
-    assert {n: R.mechanism(n) for n in R.RUNS} == {
+    assert {n: mechanism(n) for n in RUNS} == {
         "softmax_muon": "softmax", "parallax_muon": "parallax", "softmax_adamw": "softmax",
         "parallax_adamw": "parallax", "parallax_muon_wd2": "parallax", "converted": "parallax", "gdn_muon": "gdn"}
-    assert list(R.RUNS).index("softmax_muon") < list(R.RUNS).index("converted") < list(R.RUNS).index("gdn_muon")
+    assert list(RUNS).index("softmax_muon") < list(RUNS).index("converted") < list(RUNS).index("gdn_muon")
     # the replication keeps the paper's ρ-norm gain whatever the framework default
-    for name, flags in R.RUNS.items():
-        gain = flags[flags.index("--attention.parallax.rho_norm_init") + 1] if R.mechanism(name) == "parallax" else None
-        assert gain == ("1" if R.mechanism(name) == "parallax" else None), name
+    for name, flags in RUNS.items():
+        gain = flags[flags.index("--attention.parallax.rho_norm_init") + 1] if mechanism(name) == "parallax" else None
+        assert gain == ("1" if mechanism(name) == "parallax" else None), name
 
 
 def test_read_metrics_median_tps_skips_step_one(tmp_path):
@@ -48,18 +54,18 @@ def test_read_metrics_median_tps_skips_step_one(tmp_path):
             {"step": 10, "loss": 7.0, "tps": 100.0}, {"step": 15, "loss": 6.5, "tps": 200.0},
             {"step": 15, "val_loss": 6.9, "val_ppl": math.exp(6.9)}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    m = R.read_metrics(str(tmp_path))
+    m = read_metrics(str(tmp_path))
     assert m == {"val_loss": 6.9, "val_ppl": math.exp(6.9), "train_loss": 6.5, "step": 15, "val_step": 15,
                  "tps": 200.0}
-    assert R.read_metrics(str(tmp_path / "missing")) == {}
+    assert read_metrics(str(tmp_path / "missing")) == {}
     # finished = validated at the last step, although the last logged training step can be earlier
-    assert R.finished_at(m, 15) and not R.finished_at(m, 16) and not R.finished_at({"step": 15}, 15)
+    assert finished_at(m, 15) and not finished_at(m, 16) and not finished_at({"step": 15}, 15)
 
 
 def test_parse_args_rejects_unknown_runs():
     with pytest.raises(SystemExit):
-        R.parse_args(["--corpus", "c", "--runs", "softmax_muon,nope"])
-    assert R.parse_args(["--corpus", "c", "--budget-s", "520"]).budget_s == 520.0
+        parse_args(["--corpus", "c", "--runs", "softmax_muon,nope"])
+    assert parse_args(["--corpus", "c", "--budget-s", "520"]).budget_s == 520.0
 
 
 def test_table_and_diagnostics_plot(tmp_path):
@@ -70,7 +76,7 @@ def test_table_and_diagnostics_plot(tmp_path):
             {"run": "gdn_muon", "steps": 0, "tokens": 0, "ok": False, "seconds": 0.0, "error": "RuntimeError: no time"},
             {"run": "parallax_g0.1_rnormlr1_muon_s0", "steps": 10, "tokens": 655_360, "ok": False, "seconds": 9.0,
              "paused": 4, "error": "paused at step 4/10 (no time left); the same command resumes it"}]
-    table = R.format_table(rows, {"tokens_per_step": 65536, "val_tokens": 262144, "compile": True, "device": "x"})
+    table = format_table(rows, {"tokens_per_step": 65536, "val_tokens": 262144, "compile": True, "device": "x"})
     lines = table.splitlines()
     assert lines[0].split()[:11] == ["run", "steps", "tokens", "val_ppl", "val_loss", "COR", "CPA", "|rho|", "gain",
                                      "srankWr", "s/run"]
@@ -83,9 +89,9 @@ def test_table_and_diagnostics_plot(tmp_path):
                "rho_norm_gain": {"mean": 1.0}} for i in range(3)]
     os.makedirs(tmp_path / "parallax_muon" / "analysis")
     (tmp_path / "parallax_muon" / "analysis" / "analysis.json").write_text(json.dumps({"layers": layers}))
-    path = R.plot_diagnostics(str(tmp_path), ["softmax_muon", "parallax_muon"])
+    path = plot_diagnostics(str(tmp_path), ["softmax_muon", "parallax_muon"])
     assert path and os.path.getsize(path) > 1000
-    assert R.plot_diagnostics(str(tmp_path), ["softmax_muon"]) is None
+    assert plot_diagnostics(str(tmp_path), ["softmax_muon"]) is None
 
 
 def _tiny_corpus(folder):
@@ -101,13 +107,13 @@ def _tiny_corpus(folder):
 
 def test_tokenizer_is_trained_and_cached(tmp_path):
     _tiny_corpus(tmp_path)
-    out = R.train_tokenizer(str(tmp_path), str(tmp_path / "tok"), 300, 20)
+    out = train_tokenizer(str(tmp_path), str(tmp_path / "tok"), 300, 20)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     assert tok.token_to_id("<|bos|>") is not None and 260 <= tok.get_vocab_size() <= 300
     mtime = os.path.getmtime(os.path.join(out, "tokenizer.json"))
-    R.train_tokenizer(str(tmp_path), str(tmp_path / "tok"), 300, 20)  # cached: not rewritten
+    train_tokenizer(str(tmp_path), str(tmp_path / "tok"), 300, 20)  # cached: not rewritten
     assert os.path.getmtime(os.path.join(out, "tokenizer.json")) == mtime
 
 
@@ -117,7 +123,7 @@ def test_pipeline_end_to_end_cpu(tmp_path):
     plots, the table, and checkpoints removed at the end (minutes on a busy 2-core machine)."""
     _tiny_corpus(tmp_path)
     out = tmp_path / "out"
-    rows = R.main(["--corpus", str(tmp_path), "--out", str(out), "--flavor", "debug", "--steps", "4", "--batch", "2",
+    rows = main(["--corpus", str(tmp_path), "--out", str(out), "--flavor", "debug", "--steps", "4", "--batch", "2",
                    "--seq-len", "32", "--vocab", "300", "--tokenizer-docs", "40", "--val-tokens", "64",
                    "--runs", "parallax_muon,converted", "--timeout", "900"])
     assert [r["run"] for r in rows] == ["softmax_muon", "parallax_muon", "converted"]
@@ -135,70 +141,70 @@ def test_pipeline_end_to_end_cpu(tmp_path):
 def test_plan_steps_counts_only_the_requested_runs():
     fixed, tps, k = {"parallax": 10.0}, {"parallax": 1000.0}, 100  # softmax borrows parallax's numbers
     # softmax_muon + converted: 2 fixed costs, 1.25 * steps * 0.1 s
-    assert R.plan_steps(60.0, fixed, tps, k, ["softmax_muon", "converted"]) == 320
+    assert plan_steps(60.0, fixed, tps, k, ["softmax_muon", "converted"]) == 320
 
 
 def test_suite_arms_flags():
-    dose = R.suite_arms("dose", [1.0, 0.3, 0.1], 0.1, [])
+    dose = suite_arms("dose", [1.0, 0.3, 0.1], 0.1, [])
     assert list(dose) == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon", "parallax_g0.1_muon",
                           "parallax_g0.1_rnormlr1_muon"]
     assert dose["parallax_g0.3_muon"] == ["--model.attention", "parallax", "--attention.parallax.rho_norm_init", "0.3"]
     assert dose["parallax_g0.1_rnormlr1_muon"][-2:] == ["--optimizer.lr_mult_patterns", r"\.r_norm\.=1"]
     assert not any("lr_mult" in f for a in list(dose)[:4] for f in dose[a])
-    horizon = R.suite_arms("horizon", [], 0.3, [5e-4, 1e-3, 2e-3])
+    horizon = suite_arms("horizon", [], 0.3, [5e-4, 1e-3, 2e-3])
     assert list(horizon)[:4] == ["softmax_muon", "parallax_g1_muon", "parallax_g0.3_muon", "parallax_g0.3_rnormlr1_muon"]
-    assert horizon["parallax_g0.3_rnormlr1_muon"] == [*horizon["parallax_g0.3_muon"], *R.RHO_NORM_LR_1X]
+    assert horizon["parallax_g0.3_rnormlr1_muon"] == [*horizon["parallax_g0.3_muon"], *RHO_NORM_LR_1X]
     assert len(horizon) == 4 + 6
     assert not any("warmup" in f for a in horizon for f in horizon[a])
-    warm = R.suite_arms("horizon", [], 0.1, [1e-3], adamw_warmup=80)
+    warm = suite_arms("horizon", [], 0.1, [1e-3], adamw_warmup=80)
     assert list(warm)[4:] == ["softmax_adamw_lr0.001_wu80", "parallax_g1_adamw_lr0.001_wu80"]
     assert warm["softmax_adamw_lr0.001_wu80"][-2:] == ["--lr_scheduler.warmup_steps", "80"]
     flags = horizon["parallax_g1_adamw_lr0.002"]
     assert flags[flags.index("--optimizer.name") + 1] == "adamw" and flags.count("--optimizer.lr") == 1
     assert flags[flags.index("--optimizer.lr") + 1] == "0.002"
-    sweep = R.suite_arms("adamw", [], 0.3, [5e-4, 1e-3])
+    sweep = suite_arms("adamw", [], 0.3, [5e-4, 1e-3])
     assert list(sweep) == ["softmax_adamw_lr0.0005", "parallax_g1_adamw_lr0.0005", "softmax_adamw_lr0.001",
                            "parallax_g1_adamw_lr0.001"]
     assert sweep["parallax_g1_adamw_lr0.001"] == horizon["parallax_g1_adamw_lr0.001"]
-    context = R.suite_arms("context", [], 0.1, [])
+    context = suite_arms("context", [], 0.1, [])
     assert len(context) == 6 and context["parallax_g0.1_muon_causal"][-2:] == ["--model.attn_mask_type", "causal"]
     assert context["softmax_muon_block_causal"][-1] == "block_causal"
 
 
 def test_parse_args_suites():
-    a = R.parse_args(["--corpus", "c", "--suite", "context", "--seeds", "0,1", "--runs", "softmax_muon_causal"])
+    a = parse_args(["--corpus", "c", "--suite", "context", "--seeds", "0,1", "--runs", "softmax_muon_causal"])
     assert (a.seq_len, a.batch, a.steps, a.seeds) == (4096, 16, 160, [0, 1])
-    a = R.parse_args(["--corpus", "c", "--suite", "horizon", "--steps", "20", "--batch", "2"])
+    a = parse_args(["--corpus", "c", "--suite", "horizon", "--steps", "20", "--batch", "2"])
     assert (a.seq_len, a.batch, a.steps) == (1024, 2, 20)
-    assert (R.parse_args(["--corpus", "c"]).steps, R.parse_args(["--corpus", "c"]).batch) == (300, 64)
+    assert (parse_args(["--corpus", "c"]).steps, parse_args(["--corpus", "c"]).batch) == (300, 64)
     for bad in (["--suite", "dose", "--runs", "softmax_adamw"], ["--suite", "dose", "--seeds", "a"],
                 ["--suite", "nope"]):
         with pytest.raises(SystemExit):
-            R.parse_args(["--corpus", "c", *bad])
+            parse_args(["--corpus", "c", *bad])
 
 
 def test_chunk_stop():
-    assert R.chunk_stop(0, 160, 0, None, 0, 0, 100) == 160  # no budget, no chunk: the whole run
-    assert R.chunk_stop(40, 160, 50, None, 0, 0, 100) == 90
-    assert R.chunk_stop(150, 160, 50, None, 0, 0, 100) == 160
+    assert chunk_stop(0, 160, 0, None, 0, 0, 100) == 160  # no budget, no chunk: the whole run
+    assert chunk_stop(40, 160, 50, None, 0, 0, 100) == 90
+    assert chunk_stop(150, 160, 50, None, 0, 0, 100) == 160
     # 100 s left, 10 s per launch, 1000 tokens/s at 100 tokens/step: 900 steps fit; capped by chunk and by steps
-    assert R.chunk_stop(0, 2000, 0, 100.0, 10.0, 1000.0, 100) == 900
-    assert R.chunk_stop(0, 2000, 300, 100.0, 10.0, 1000.0, 100) == 300
-    assert R.chunk_stop(5, 10, 0, 100.0, 10.0, 1000.0, 100) == 10
-    assert R.chunk_stop(7, 2000, 0, 5.0, 10.0, 1000.0, 100) == 7  # nothing fits
+    assert chunk_stop(0, 2000, 0, 100.0, 10.0, 1000.0, 100) == 900
+    assert chunk_stop(0, 2000, 300, 100.0, 10.0, 1000.0, 100) == 300
+    assert chunk_stop(5, 10, 0, 100.0, 10.0, 1000.0, 100) == 10
+    assert chunk_stop(7, 2000, 0, 5.0, 10.0, 1000.0, 100) == 7  # nothing fits
 
 
 def test_resumable_step_and_truncate_metrics(tmp_path):
-    assert R.resumable_step(str(tmp_path)) == 0
+    assert resumable_step(str(tmp_path)) == 0
     for n, meta in ((40, True), (80, True), (120, False)):  # step-120: interrupted save without metadata
         d = tmp_path / "checkpoint" / f"step-{n}"
         d.mkdir(parents=True)
         if meta:
             (d / ".metadata").write_bytes(b"x")
-    assert R.resumable_step(str(tmp_path)) == 80
+    assert resumable_step(str(tmp_path)) == 80
     recs = [{"step": s, "loss": 1.0} for s in (1, 40, 80, 100)] + [{"step": 100, "val_loss": 1.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    R.truncate_metrics(str(tmp_path), 80)
+    truncate_metrics(str(tmp_path), 80)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 40, 80]
 
 
@@ -213,7 +219,7 @@ def test_dose_suite_chunks_resume_and_records_gain_cpu(tmp_path):
             "--seq-len", "32", "--vocab", "300", "--tokenizer-docs", "40", "--val-tokens", "64", "--suite", "dose",
             "--runs", "softmax_muon,parallax_g0.1_rnormlr1_muon", "--seeds", "3", "--chunk-steps", "2",
             "--timeout", "900"]
-    rows = R.main(argv)
+    rows = main(argv)
     assert [r["run"] for r in rows] == ["softmax_muon_s3", "parallax_g0.1_rnormlr1_muon_s3"]
     assert all(r["ok"] and r["step"] == 4 and math.isfinite(r["val_loss"]) for r in rows), rows
     run = out / "dose" / "parallax_g0.1_rnormlr1_muon_s3"
@@ -228,7 +234,7 @@ def test_dose_suite_chunks_resume_and_records_gain_cpu(tmp_path):
     for f in ("summary.json", "table.txt", "ppl.png", "diagnostics_by_layer.png"):
         assert (out / "dose" / f).is_file(), f
     assert not (run / "checkpoint").exists() and (out / "tokenizer" / "tokenizer.json").is_file()
-    again = R.main(argv)
+    again = main(argv)
     assert all(r.get("cached") for r in again) and again[1]["rho_gain"] == rows[1]["rho_gain"]
     assert [r["seconds"] for r in again] == [r["seconds"] for r in rows]
 
@@ -259,9 +265,9 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
             active[0] -= 1
         return True, 0.1
 
-    monkeypatch.setattr(R, "_run", fake_run)
+    monkeypatch.setattr(replicate_run, "_run", fake_run)
     runs = "softmax_muon,parallax_g1_muon,parallax_g0.1_muon"
-    rows = R.main(["--corpus", str(tmp_path), "--out", str(tmp_path / "out"), "--flavor", "debug", "--steps", "4",
+    rows = main(["--corpus", str(tmp_path), "--out", str(tmp_path / "out"), "--flavor", "debug", "--steps", "4",
                    "--vocab", "300", "--tokenizer-docs", "40", "--suite", "dose", "--runs", runs, "--seeds", "0",
                    "--gpus", "2", "--no-analyze", "--compile", "off"])
     assert peak[0] == 2
@@ -270,14 +276,14 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     summary = json.load(open(tmp_path / "out" / "dose" / "summary.json"))
     assert [r["run"] for r in summary["runs"]] == [r["run"] for r in rows] and summary["gpus"] == 2
     with pytest.raises(SystemExit):
-        R.parse_args(["--corpus", "x", "--gpus", "2"])  # only a suite runs several at once
+        parse_args(["--corpus", "x", "--gpus", "2"])  # only a suite runs several at once
 
     # the table is rebuilt from the run folders alone, in the summary's order, without training
     runs_before = [r["run"] for r in summary["runs"]]
     summary["runs"] = summary["runs"][:1]  # as if a second process had overwritten the summary
     json.dump(summary, open(tmp_path / "out" / "dose" / "summary.json", "w"))
     seen.clear()
-    report = R.main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
+    report = main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
     assert not seen and [r["run"] for r in report][0] == runs_before[0]
     assert sorted(r["run"] for r in report) == sorted(runs_before)
     assert all(r["ok"] and r["steps"] == 4 and r["val_ppl"] == pytest.approx(math.exp(5.1)) for r in report)
@@ -287,18 +293,18 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     elsewhere = {**summary["runs"][0], "run": "softmax_muon_s1", "seed": 1, "val_ppl": 2 * summary["runs"][0]["val_ppl"]}
     summary["runs"].insert(1, elsewhere)
     json.dump(summary, open(tmp_path / "out" / "dose" / "summary.json", "w"))
-    report = R.main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
+    report = main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
     assert [r["run"] for r in report][:2] == [runs_before[0], "softmax_muon_s1"] and report[1] == elsewhere
-    assert R.arm_rows(report)[0]["mean"] == pytest.approx(1.5 * math.exp(5.1))
+    assert arm_rows(report)[0]["mean"] == pytest.approx(1.5 * math.exp(5.1))
 
 
 def test_write_summary_merges_rows_of_other_processes(tmp_path):
-    R.write_summary(str(tmp_path), [{"run": "a", "v": 1}, {"run": "b", "v": 1}], {"x": 1}, merge=True)
-    R.write_summary(str(tmp_path), [{"run": "c", "v": 2}], {"x": 2}, merge=True)  # another process, another run
-    rows = R.write_summary(str(tmp_path), [{"run": "a", "v": 3}], {"x": 3}, merge=True)
+    write_summary(str(tmp_path), [{"run": "a", "v": 1}, {"run": "b", "v": 1}], {"x": 1}, merge=True)
+    write_summary(str(tmp_path), [{"run": "c", "v": 2}], {"x": 2}, merge=True)  # another process, another run
+    rows = write_summary(str(tmp_path), [{"run": "a", "v": 3}], {"x": 3}, merge=True)
     assert [(r["run"], r["v"]) for r in rows] == [("b", 1), ("c", 2), ("a", 3)]
-    assert R.summary_rows(str(tmp_path)) == rows and json.load(open(tmp_path / "summary.json"))["x"] == 3
-    assert R.write_summary(str(tmp_path), [{"run": "z"}], {}) == [{"run": "z"}]  # no merge: the rows given
+    assert summary_rows(str(tmp_path)) == rows and json.load(open(tmp_path / "summary.json"))["x"] == 3
+    assert write_summary(str(tmp_path), [{"run": "z"}], {}) == [{"run": "z"}]  # no merge: the rows given
 
 
 def test_seeds_table_mean_min_max_and_delta_of_means():
@@ -311,17 +317,17 @@ def test_seeds_table_mean_min_max_and_delta_of_means():
             row("parallax_g0.1_muon", 3, 99.0, ok=False),  # unfinished: not in the arm's statistics
             row("softmax_adamw_lr0.001", 0, 21.0), row("softmax_adamw_lr0.002", 0, 20.0),
             row("parallax_g1_adamw_lr0.002", 0, 18.0), row("parallax_g1_adamw_lr0.002_wu80", 2, 16.0)]
-    arms = {a["arm"]: a for a in R.arm_rows(rows)}
+    arms = {a["arm"]: a for a in arm_rows(rows)}
     assert arms["parallax_g0.1_muon"]["seeds"] == [0, 1, 2]
     assert arms["parallax_g0.1_muon"]["mean"] == pytest.approx(12.6)
     assert (arms["parallax_g0.1_muon"]["min"], arms["parallax_g0.1_muon"]["max"]) == (12.3, 12.9)
     assert arms["parallax_g0.1_muon"]["delta"] == pytest.approx(100 * (12.6 / 13.0 - 1))  # means, not seed 0
     assert arms["parallax_g1_adamw_lr0.002"]["delta"] == pytest.approx(100 * (18.0 / 20.0 - 1))  # best AdamW softmax
     assert arms["softmax_muon"]["delta"] is None and arms["parallax_g1_adamw_lr0.002_wu80"]["delta"] is None
-    lines = R.format_table(rows).splitlines()
+    lines = format_table(rows).splitlines()
     at = lines.index(next(line for line in lines if line.startswith("arm ")))
     assert lines[at].split() == ["arm", "seeds", "ppl", "mean", "min", "max", "vs", "softmax"]
     assert lines[at + 2].split() == ["softmax_muon", "0,1,2", "13.00", "12.80", "13.20", "-"]
     assert lines[at + 3].split() == ["parallax_g0.1_muon", "0,1,2", "12.60", "12.30", "12.90", "-3.1%"]
-    single = R.format_table([row("softmax_muon", 0, 13.0), row("parallax_g0.1_muon", 0, 12.6)])
+    single = format_table([row("softmax_muon", 0, 13.0), row("parallax_g0.1_muon", 0, 12.6)])
     assert "ppl mean" not in single  # one seed per arm: the run table says it all
