@@ -17,7 +17,8 @@ import inspect
 import textwrap
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+OUT = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+"""The page in a checkout (``docs/`` beside the ``attnlab`` package)."""
 
 HEADER = """# Configuration reference
 
