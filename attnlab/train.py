@@ -6,7 +6,7 @@
     torchrun --nproc_per_node=N -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax [--section.key value ...]
 
 ``--job.config_file`` takes a TOML file or a shipped configuration's name (``attnlab configs`` lists them);
-``attnlab train`` and a checkout's ``python train.py`` run the same :func:`main`.
+``attnlab train`` and a checkout's ``python -m attnlab.train`` run the same :func:`main`.
 
 Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``, which
 parses and validates it). ``AttnTrainer`` is torchtitan's ``Trainer`` with this project's TrainSpec and the
@@ -33,6 +33,7 @@ from torchtitan.train import Trainer
 from attnlab import attention
 import attnlab.config as project_config
 from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+from attnlab.config.parse import import_requested_module, resolve_config_file
 from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
 from attnlab.trainer.cpu import install_cpu_shim, single_process_env
 from attnlab.trainer.metrics import DocumentFlops
@@ -200,7 +201,11 @@ def run(cfg) -> AttnTrainer:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--list-attention" in argv:
+    if "--list-attention" in argv:  # with the mechanisms of the experimental.custom_import module it names
+        try:
+            import_requested_module(resolve_config_file([a for a in argv if a != "--list-attention"]))
+        except ValueError as e:
+            sys.exit(f"train.py: error: {e}")
         print(attention.describe())
         return
     check_only = "--preflight" in argv  # check the configuration as a run would, then exit

@@ -1,10 +1,11 @@
 """Every command of the README's ```bash blocks is accounted for here: run as written (``RUN``, in a scratch copy of
 the checkout, marked ``slow``: they train for minutes on a CPU), or listed with the reason it is not run (``CHECKED``:
-a GPU, the network, a long run, or inputs that stand for the user's own; ``NOT_CHECKED``: not a train.py or tool
+a GPU, the network, a long run, or inputs that stand for the user's own; ``NOT_CHECKED``: not a trainer or tool
 command, or its input is written by an earlier command). In the default suite every ``RUN`` and ``CHECKED`` command's
-flags are accepted as written: ``python train.py`` / ``torchrun … train.py`` ones by train.py's config parser and its
-preflight (nothing built or written), ``python -m scripts.X`` ones by the tool's own argparse parser. A README command
-in no table, or a table entry no longer in the README, fails."""
+flags are accepted as written: the trainer's (``python train.py``, ``python -m attnlab.train``, ``torchrun … -m
+attnlab.train``) by its config parser and its preflight (nothing built or written), a tool's (``attnlab TOOL``,
+``python -m benchmarks.X``) by the tool's own argparse parser. A README command in no table, or a table entry no
+longer in the README, fails."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from tests.utils import REPO
 
 RUN = {
     "python train.py": "trains the embedded default, minutes on a CPU",
-    "python -m attnlab.tools.train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
-    "python train.py --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer --model.vocab_size 2048 "
+    "python -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax --preflight":
+        "checks a shipped config by name, seconds",
+    "attnlab train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
+    "python -m attnlab.train --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer --model.vocab_size 2048 "
     "--data.val_every 2 --validation.local_batch_size 2 --training.steps 60 --job.dump_folder runs/my_text":
         "the docs/ block",
-    "python -m attnlab.tools.eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
+    "attnlab eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
 }
 """Run as written, in README order (each block's commands read what the ones before wrote)."""
 
@@ -34,50 +37,51 @@ NETWORK, GPU = "needs the network", "needs a GPU"
 HF_DOWNLOAD = f"{NETWORK} (the Qwen3-0.6B download)"
 USER_RUN = "runs/x, runs/my_run and their data stand for the user's run (tests/tools/ runs the tool on tiny ones)"
 CHECKED = {
-    "python -m attnlab.tools.fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
-    "python train.py --training.dataset allenai/c4 --data.hub_subset en --model.hf_assets_path assets/hf/Qwen3-0.6B "
+    "attnlab fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
+    "python -m attnlab.train --training.dataset allenai/c4 --data.hub_subset en --model.hf_assets_path assets/hf/Qwen3-0.6B "
     "--model.vocab_size 151936 --training.steps 100 --job.dump_folder runs/c4": f"{NETWORK} (streams allenai/c4)",
-    "torchrun --nproc_per_node=8 train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml": "needs 8 GPUs",
-    "torchrun --nproc_per_node=1 train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml "
+    "torchrun --nproc_per_node=8 -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax": "needs 8 GPUs",
+    "torchrun --nproc_per_node=1 -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax "
     "--training.global_batch_size 8 --training.steps 20": f"{GPU} (the 0.6B model)",
-    "python train.py --job.config_file attnlab/configs/paper/qwen3_0.6b_parallax.toml": f"{GPU} (the 0.6B model)",
-    "python -m attnlab.tools.smoke_configs --data DATA --tokenizer TOKDIR --local-batch 1 --seq 2048":
+    "python -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax": f"{GPU} (the 0.6B model)",
+    "attnlab smoke_configs --data DATA --tokenizer TOKDIR --local-batch 1 --seq 2048":
         f"{GPU}; DATA and TOKDIR stand for the user's corpus and tokenizer",
-    "python -m attnlab.tools.smoke_configs --data DATA --tokenizer TOKDIR --nproc 4 --only qwen3_0.6b_*": "needs 4 GPUs",
-    "python -m attnlab.tools.plot_ppl runs/softmax runs/parallax -o ppl.png --smooth 0.9 --x tokens --skip 50":
+    "attnlab smoke_configs --data DATA --tokenizer TOKDIR --nproc 4 --only qwen3_0.6b_*": "needs 4 GPUs",
+    "attnlab plot_ppl runs/softmax runs/parallax -o ppl.png --smooth 0.9 --x tokens --skip 50":
         "needs two training runs (tests/tools/test_plot_ppl.py plots tiny ones)",
-    "python -m attnlab.tools.convert_to_parallax runs/qwen3_0.6b/checkpoint/step-20000 runs/converted/step-0":
+    "attnlab convert_to_parallax runs/qwen3_0.6b/checkpoint/step-20000 runs/converted/step-0":
         "needs a trained 0.6B run (tests/tools/test_convert_to_parallax.py converts a tiny one)",
-    "python -m attnlab.tools.convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
-    "python -m attnlab.tools.convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
+    "attnlab convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
+    "attnlab convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
         "SRC and DST stand for the user's folders",
-    "python train.py --job.config_file attnlab/configs/convert_finetune_parallax.toml --checkpoint.initial_load_path "
+    "python -m attnlab.train --job.config_file convert_finetune_parallax --checkpoint.initial_load_path "
     "runs/converted/step-0": f"{GPU} and {NETWORK} (fine-tunes the converted 0.6B model on c4)",
-    "python -m attnlab.tools.export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
+    "attnlab export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
         f"{USER_RUN}; tests/tools/test_hf_round_trip.py exports a trained run",
-    "python -m attnlab.tools.export_hf runs/my_run/checkpoint/step-N hf_out --config attnlab/configs/my_run.toml": USER_RUN,
-    "python -m attnlab.tools.import_hf assets/hf/Qwen3-0.6B runs/qwen3_parallax --parallax [--top-half --rho-gate] --base "
-    "attnlab/configs/convert_finetune_parallax.toml": f"{HF_DOWNLOAD}; tests/tools/test_hf_round_trip.py imports one",
-    "python -m attnlab.tools.train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
+    "attnlab export_hf runs/my_run/checkpoint/step-N hf_out --config attnlab/configs/my_run.toml": USER_RUN,
+    "attnlab import_hf assets/hf/Qwen3-0.6B runs/qwen3_parallax --parallax [--top-half --rho-gate] --base "
+    "convert_finetune_parallax": f"{HF_DOWNLOAD}; tests/tools/test_hf_round_trip.py imports one",
+    "attnlab train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
-    "python train.py --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path my_text/":
+    "python -m attnlab.train --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path my_text/":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
-    "python -m attnlab.tools.generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
+    "attnlab generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
     "--top-k 50 --top-p 0.95": "needs an export (hf_out) of a trained run",
-    "python -m attnlab.tools.generate runs/my_run [--step N] --prompt ...": USER_RUN,
-    "python -m attnlab.tools.eval_ppl runs/x --data val.jsonl.gz [--step N]": USER_RUN,
-    "python -m attnlab.tools.eval_ppl runs/x --data val.jsonl.gz --by-position": USER_RUN,
-    "python -m attnlab.tools.passkey runs/x [--lengths 1024,4096] [--depths 0,0.5,1]": USER_RUN,
-    "python -m attnlab.tools.analyze runs/x --data val.jsonl.gz": USER_RUN,
-    "python -m attnlab.tools.eval_downstream runs/x [--tasks lambada_openai,wikitext] [--limit 200]":
+    "attnlab generate runs/my_run [--step N] --prompt ...": USER_RUN,
+    "attnlab eval_ppl runs/x --data val.jsonl.gz [--step N]": USER_RUN,
+    "attnlab eval_ppl runs/x --data val.jsonl.gz --by-position": USER_RUN,
+    "attnlab passkey runs/x [--lengths 1024,4096] [--depths 0,0.5,1]": USER_RUN,
+    "attnlab analyze runs/x --data val.jsonl.gz": USER_RUN,
+    "attnlab eval_downstream runs/x [--tasks lambada_openai,wikitext] [--limit 200]":
         f"{USER_RUN}; {NETWORK} for the tasks' data",
-    "python -m attnlab.tools.synthetic --attention softmax,parallax,gdn --sweep quick":
+    "attnlab synthetic --attention softmax,parallax,gdn --sweep quick":
         "trains every mechanism on every synthetic task: long on a CPU",
     "python -m benchmarks.replicate --corpus CORPUS_DIR --steps 160":
         f"{GPU} (~68M-parameter runs); CORPUS_DIR is the user's",
 }
 
 NOT_CHECKED = {
+    "attnlab configs": "prints the shipped configurations' names (tests/test_package.py checks them in the wheel)",
     "pip install torch==2.13.0 -e .[test]": f"{NETWORK}; installs the environment the tests run in",
     "pip install -e .[eval]": f"{NETWORK}; installs lm-eval",
     "python -m pytest -q": "the test suite itself, this file included",
@@ -89,7 +93,7 @@ NOT_CHECKED = {
         f"{NETWORK} (downloads wheels); tests/tools/test_wheelhouse.py checks the script",
     "bash wheels/install.sh": "installs the wheel folder the wheelhouse command writes",
     "hf download Qwen/Qwen3-0.6B --local-dir assets/hf/Qwen3-0.6B": HF_DOWNLOAD,
-    "python train.py --job.config_file runs/qwen3_parallax/config.toml":
+    "python -m attnlab.train --job.config_file runs/qwen3_parallax/config.toml":
         "its config.toml is written by the import_hf command before it (tests/tools/test_hf_round_trip.py trains "
         "from one)",
 }
@@ -135,17 +139,19 @@ class _Parsed(Exception):
 
 
 def _check_train_flags(flags: list[str]) -> None:
-    """train.py's configuration of ``flags``, parsed and preflighted as train.py's main does (nothing built)."""
+    """The trainer's configuration of ``flags``, parsed and preflighted as its main does (nothing built); main's own
+    ``--preflight`` switch stops there too."""
     from attnlab.config import DEFAULT_CONFIG, parse_config
     from attnlab.train import preflight
 
+    flags = [f for f in flags if f != "--preflight"]
     if not any(f.split("=")[0] in ("--job.config_file", "--job.config-file") for f in flags):
         flags = ["--job.config_file", DEFAULT_CONFIG, *flags]
     preflight(parse_config(flags))
 
 
 def _check_tool_flags(module: str, args: list[str], monkeypatch) -> None:
-    """``scripts.X``'s ``main(args)`` up to its argparse parser accepting ``args``; stopped there."""
+    """``module``'s ``main(args)`` up to its argparse parser accepting ``args``; stopped there."""
     real = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, *a, **k):
@@ -157,16 +163,33 @@ def _check_tool_flags(module: str, args: list[str], monkeypatch) -> None:
         importlib.import_module(module).main(args)
 
 
+def _entry(argv: list[str]) -> tuple[str, list[str]]:
+    """(what a README command runs, its arguments): "train" for the trainer (``python train.py``, ``python -m
+    attnlab.train``, ``torchrun … -m attnlab.train``, ``attnlab train``), else the module of a tool or script
+    (``attnlab TOOL`` through :data:`attnlab.cli.COMMANDS`, ``python -m attnlab.tools.X`` / ``benchmarks.X``)."""
+    from attnlab.cli import COMMANDS
+
+    if "train.py" in argv:
+        return "train", argv[argv.index("train.py") + 1:]
+    if argv[0] == "attnlab":
+        module = COMMANDS[argv[1]]
+        return ("train" if module == "attnlab.train" else module), argv[2:]
+    i = argv.index("-m") + 1
+    assert argv[i] == "attnlab.train" or argv[i].startswith(("attnlab.tools.", "benchmarks.")), argv
+    return ("train" if argv[i] == "attnlab.train" else argv[i]), argv[i + 1:]
+
+
 @pytest.mark.parametrize("command", sorted({**RUN, **CHECKED}))
 def test_readme_command_flags_are_accepted(command, monkeypatch, capsys):
     argv = _as_written(readme_commands()[command])
     monkeypatch.chdir(REPO)  # the README's commands run from the checkout's root
+    entry, args = _entry(argv)
     try:
-        if "train.py" in argv:  # python train.py … / torchrun … train.py …
-            _check_train_flags(argv[argv.index("train.py") + 1:])
+        if entry == "train":
+            _check_train_flags(args)
         else:
-            assert argv[:2] == ["python", "-m"] and argv[2].startswith("scripts."), command
-            _check_tool_flags(argv[2], argv[3:], monkeypatch)
+            module = importlib.import_module(entry)
+            _check_tool_flags(entry + (".__main__" if hasattr(module, "__path__") else ""), args, monkeypatch)
     except SystemExit as e:  # a parser rejected an argument (its message is on stderr)
         raise AssertionError(f"{command}: exit {e.code}: {capsys.readouterr().err.strip()}") from None
 
@@ -178,11 +201,13 @@ def test_readme_commands_run_as_written(tmp_path):
     for entry in REPO.iterdir():
         if entry.name not in ("runs", ".cache", ".git"):
             (tmp_path / entry.name).symlink_to(entry)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    # this environment's interpreter and its ``attnlab`` command (installed beside it by ``pip install -e``)
+    env = {**os.environ, "OMP_NUM_THREADS": "2",
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
     commands = readme_commands()
     for command in [c for c in commands if c in RUN]:
         argv = commands[command]
-        argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv  # this environment's interpreter
+        argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
         proc = subprocess.run(shlex.join(argv), shell=True, cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=1800, executable="/bin/bash")
         assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -73,7 +73,7 @@ def build_attention(name: str, args: AttentionArgs, opts: Any = None) -> nn.Modu
 
 
 def describe() -> str:
-    """One line per registered mechanism (``python train.py --list-attention``): name, the ``[attention] impl``
+    """One line per registered mechanism (``python -m attnlab.train --list-attention``): name, the ``[attention] impl``
     values it accepts, description, and whether it is reference-only (no fast path)."""
     impls = {n: " | ".join(m.cls.impls) for n, m in REGISTRY.items()}
     w1, w2 = max(len(n) for n in REGISTRY), max(len(i) for i in impls.values())

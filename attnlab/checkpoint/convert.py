@@ -88,8 +88,8 @@ def max_logit_diff(args_a, sd_a, args_b, sd_b, seq_len: int = 32, batch: int = 2
     return (a(tokens) - b(tokens)).abs().max().item()
 
 
-FINETUNE_CONFIG = "attnlab/configs/convert_finetune_parallax.toml"
-"""The fine-tuning recipe of a converted checkpoint (W_R's own lr warmup), relative to the checkout's root."""
+FINETUNE_CONFIG = "convert_finetune_parallax"
+"""The fine-tuning recipe of a converted checkpoint (W_R's own lr warmup): a shipped configuration's name."""
 
 
 def flavor_and_dims(args) -> tuple[str, dict[str, int]]:
@@ -153,4 +153,4 @@ def finetune_command(args, checkpoint, tokenizer=None) -> str:
     flags = ["--checkpoint.initial_load_path", str(checkpoint), *config_flags(config_overrides(args))]
     if tokenizer is not None:
         flags += ["--model.hf_assets_path", str(tokenizer)]
-    return shlex.join(["python", "train.py", "--job.config_file", FINETUNE_CONFIG, *flags])
+    return shlex.join(["python", "-m", "attnlab.train", "--job.config_file", FINETUNE_CONFIG, *flags])

@@ -54,6 +54,10 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
     args = ModelArgs(**kw)
     opts = {}
     for name in set(args.layer_mechanisms()):
+        if name not in attention.REGISTRY:  # a mechanism of the user's own package, not imported in this process
+            raise CheckpointError(f"the checkpoint's layers use attention {name!r}, which is not registered here: "
+                                  "import the module that registers it first (the run's [experimental] custom_import, "
+                                  f"its folder on PYTHONPATH); registered: {sorted(attention.REGISTRY)}")
         mech = attention.get_mechanism(name, "layer_pattern")
         kw = dict(d.get("attention_options", {}).get(name, {}))
         defaults = mech.options()
@@ -219,7 +223,7 @@ def undescribed(step_dir: Path) -> CheckpointError:
     return CheckpointError(f"nothing describes the model of {str(step_dir)!r}: its run folder "
                            f"{str(run_dir_of(step_dir))!r} has no config.toml or train_args.json and the step "
                            f"folder no {SIDECAR}; pass the run's training config after `--`, e.g. "
-                           "`-- --job.config_file attnlab/configs/x.toml --model.attention parallax`")
+                           "`-- --job.config_file x --model.attention parallax`")
 
 
 def _with_architecture(cfg, args: ModelArgs) -> None:

@@ -87,6 +87,16 @@ def _read_toml(argv: list[str]) -> dict | None:
     return None
 
 
+def import_requested_module(argv: list[str]) -> dict | None:
+    """Import the module ``experimental.custom_import`` names in ``argv`` (its ``--job.config_file`` resolved) or in
+    the TOML it names, if any; returns that TOML's values (None without one)."""
+    toml_values = _read_toml(argv)
+    module = custom_import_of(argv, toml_values)
+    if module:
+        import_custom_module(module)
+    return toml_values
+
+
 def _check_keys(cls, data: dict, prefix: str = "") -> None:
     """Reject unknown TOML keys, naming the section, the key and the valid keys."""
     if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
@@ -195,10 +205,7 @@ def parse_config(argv: list[str]):
                 m.hf_assets_path = EMBEDDED
 
     argv = resolve_config_file(argv)
-    toml_values = _read_toml(argv)
-    module = custom_import_of(argv, toml_values)
-    if module:  # before the config class is built: it may register a mechanism, whose table the class needs
-        import_custom_module(module)
+    toml_values = import_requested_module(argv)  # before the class is built: it needs the user's mechanisms' tables
     merged = merge_config_classes(TitanJobConfig, job_config_class())
     argv = bool_values_as_flags(argv, merged)
     manager = Manager(config_cls=merged)

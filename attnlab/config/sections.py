@@ -33,7 +33,7 @@ class Model:
     hidden_dim: int = 0
     """Feed-forward (SwiGLU) inner width (0 = flavor's)."""
     attention: str = "softmax"
-    """Token mixer of every layer (``python train.py --list-attention`` lists them)."""
+    """Token mixer of every layer (``python -m attnlab.train --list-attention`` lists them)."""
     layer_pattern: list[str] = field(default_factory=list)
     """Mechanisms repeated over depth, e.g. ["gdn", "gdn", "gdn", "parallax"]; empty = ``attention`` everywhere."""
     attn_mask_type: str = "causal"

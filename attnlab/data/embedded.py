@@ -1,6 +1,6 @@
 """The embedded default corpus: docstrings of the Python standard library on this machine.
 
-Every machine with Python has it, so ``python train.py`` needs no download. Docstrings are read with
+Every machine with Python has it, so ``python -m attnlab.train`` needs no download. Docstrings are read with
 ``ast`` from the stdlib's ``.py`` sources (nothing is imported), grouped one document per module, split
 deterministically into train/validation, and written once as JSONL under the cache folder together with a
 byte-level BPE tokenizer trained on the train split by Hugging Face ``tokenizers``.

@@ -18,7 +18,7 @@ from attnlab.checkpoint.load import load_model
 
 TRAIN_FLAGS_HELP = ("After `--`, train.py flags (`--section.key value`) applied on top of the run's config.toml; "
                     "a run without config.toml (older runs) needs its training flags here, e.g. "
-                    "`-- --job.config_file attnlab/configs/x.toml --model.attention parallax`.")
+                    "`-- --job.config_file x --model.attention parallax`.")
 
 
 def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -26,7 +26,7 @@ A run is configured by one TOML file (`--job.config_file`), overridden key by ke
 `--section.key value` (precedence: command line > TOML > the defaults below; booleans also as `true`/`false`,
 `1`/`0` or the bare `--section.key` / `--section.no-key`). Bad input fails before training with
 one message naming the key and what is valid (`config.validate_config`). Examples: `attnlab/configs/debug_cpu.toml` (the
-default of `python train.py`), `attnlab/configs/paper/` (the paper's runs), `attnlab/configs/replication/`.
+default of `python -m attnlab.train`), `attnlab/configs/paper/` (the paper's runs), `attnlab/configs/replication/`.
 
 torchtitan's own sections keep their names and defaults (its `torchtitan.config.JobConfig` documents them): `[job]`,
 `[training]` (`dataset`, `dataset_path`, `local_batch_size`, `global_batch_size`, `seq_len`, `steps`, `max_norm`,
@@ -39,7 +39,7 @@ docstrings in the code, not this file.
 
 SECTIONS = """
 `[attention] impl` picks the compute path of every layer: `"auto"` chooses per device; each mechanism's table below
-says which values it accepts (`python train.py --list-attention` lists the mechanisms). One `[attention.<name>]`
+says which values it accepts (`python -m attnlab.train --list-attention` lists the mechanisms). One `[attention.<name>]`
 table per registered mechanism; only the tables of mechanisms the model uses matter. `[attention] sac_save`
 (default true) keeps the attention custom ops' outputs under selective activation checkpointing ("op" mode);
 false recomputes them in the backward: less activation memory, one more forward of each op per step.

@@ -1,8 +1,8 @@
 """Import a Hugging Face Qwen3 checkpoint into a trainable run, optionally as Parallax with W_R = 0.
 
-    python -m attnlab.tools.import_hf HF_DIR OUT [--base attnlab/configs/debug_cpu.toml] [--parallax [--layers 14-27 |
+    python -m attnlab.tools.import_hf HF_DIR OUT [--base debug_cpu] [--parallax [--layers 14-27 |
                                 --top-half] [--rho-gate --gate-bias B] [--no-rope-on-rho]] [--dump-folder DIR]
-    python train.py --job.config_file OUT/config.toml
+    python -m attnlab.train --job.config_file OUT/config.toml
 
 HF_DIR is a Qwen3 folder (config.json + safetensors: a hub download such as ``hf download Qwen/Qwen3-0.6B
 --local-dir DIR``, or ``transformers``' ``save_pretrained``) or an attnlab export. OUT (new) receives:
@@ -62,8 +62,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
     ap.add_argument("out", metavar="OUT", help="output folder; must not exist")
-    ap.add_argument("--base", default=str(configs.path("debug_cpu")),
-                    help="training TOML whose attnlab/data/optimizer/schedule/parallelism sections the run uses")
+    ap.add_argument("--base", default="debug_cpu",
+                    help="training TOML, or a shipped config's name (attnlab configs), whose data, optimizer, "
+                         "schedule and parallelism sections the run uses")
     ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
     ap.add_argument("--tokenizer", default="",
                     help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{out} already exists; choose a new destination")
         if not is_hf_folder(a.src):
             raise CheckpointError(f"{a.src}: not a Hugging Face folder (config.json + *.safetensors)")
-        with open(a.base, "rb") as f:
+        with open(configs.resolve(a.base), "rb") as f:
             base = tomllib.load(f)
         _, args, sd = load_checkpoint(a.src, progress=True)
         sd = {k: v.float() for k, v in sd.items()}
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     mechs = sorted(set(args.layer_mechanisms()))
     sizes = f" with {dims}" if dims else ""
     print(f"wrote {out}: flavor {flavor}{sizes}, {mechs}, step-0 + config.toml + tokenizer")
-    print(f"train: python train.py --job.config_file {out / CONFIG_FILE}")
+    print(f"train: python -m attnlab.train --job.config_file {out / CONFIG_FILE}")
     return 0
 
 

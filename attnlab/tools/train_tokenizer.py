@@ -1,7 +1,7 @@
 """Train a byte-level BPE tokenizer (Hugging Face ``tokenizers``) on your own text files.
 
     python -m attnlab.tools.train_tokenizer FILES [FILES ...] -o tokenizers/mine --vocab-size 8192 [--max-docs 100000]
-    python train.py --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path FILES
+    python -m attnlab.train --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path FILES
 
 FILES: files, folders or globs of .jsonl/.json/.parquet/.txt/.md (optionally .gz), read with ``datasets`` as the
 trainer reads them (JSON/Parquet: the ``--text-field`` column; a text file is one document). The output folder

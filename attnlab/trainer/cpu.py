@@ -73,7 +73,7 @@ def install_cpu_shim() -> None:
 
 
 def single_process_env() -> None:
-    """``python train.py`` without torchrun: the environment of a world of one process (a free local port)."""
+    """``python -m attnlab.train`` without torchrun: the environment of a world of one process (a free local port)."""
     if "LOCAL_RANK" in os.environ:
         return
     with socket.socket() as s:

@@ -177,3 +177,10 @@ def test_a_bad_custom_import_is_one_line(user_folder):
     assert proc.stderr.strip().splitlines()[-1] == (
         "train.py: error: experimental.custom_import='mymech.broken': importing it failed (RuntimeError: the user "
         "module failed); it must be a dotted module name importable from the Python path (PYTHONPATH)")
+
+
+def test_list_attention_shows_the_imported_mechanism(user_folder):
+    proc = subprocess.run([sys.executable, "-m", "attnlab.train", "--list-attention", "--experimental.custom_import",
+                           MODULE], env=_env_with(user_folder), capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert any(line.startswith(NAME + " ") for line in proc.stdout.splitlines()), proc.stdout

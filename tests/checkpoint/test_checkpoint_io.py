@@ -47,3 +47,14 @@ def test_train_flags_for_a_hugging_face_folder_without_a_config_are_refused(tmp_
     save_hf(softmax.state_dict(), softmax.model_args, tmp_path / "hf")
     with pytest.raises(CheckpointError, match=r"flags after `--` \(--model.attention parallax\) have no configuration"):
         load_model(tmp_path / "hf", ["--model.attention", "parallax"])
+
+
+def test_a_mechanism_not_registered_here_is_one_error_naming_the_import():
+    """A record of a user's own mechanism, read where its module was not imported: one CheckpointError (the tools
+    print it as one line) that says what to import, not the registry's generic refusal."""
+    from attnlab.checkpoint.dcp import args_from_dict, args_to_dict
+
+    record = args_to_dict(model_args_from_config(parse_config(["--job.config_file", DEFAULT_CONFIG])))
+    record.update(attention="my_own_mechanism", layer_pattern=[], attention_options={})
+    with pytest.raises(CheckpointError, match=r"'my_own_mechanism', which is not registered here: import the module"):
+        args_from_dict(record)

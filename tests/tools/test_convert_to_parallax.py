@@ -50,11 +50,11 @@ def _convert(*argv) -> int:
 
 
 def _finetune_flags(capsys) -> list[str]:
-    """The train.py flags of the fine-tune command the converter printed (after ``python train.py``)."""
+    """The trainer's flags of the fine-tune command the converter printed (after ``python -m attnlab.train``)."""
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fine-tune: "))
     argv = shlex.split(line.removeprefix("fine-tune: "))
-    assert argv[:2] == ["python", "train.py"], line
-    return argv[2:]
+    assert argv[:3] == ["python", "-m", "attnlab.train"], line
+    return argv[3:]
 
 
 def _check_finetune_command(flags, dst, tokenizer):
