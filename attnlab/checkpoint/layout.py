@@ -7,7 +7,7 @@ A run folder (``job.dump_folder``) is laid out as::
     <run>/config.resolved.toml  instead, when config.toml is the file the run was started from (kept as written)
     <run>/tokenizer/            the tokenizer the run trained with (tokenizer.json, tokenizer_config.json)
     <run>/checkpoint/step-N/    DCP checkpoints
-    <run>/train_args.json       older runs: the train.py argv (benchmarks/replicate.py)
+    <run>/train_args.json       older runs: the train.py argv (benchmarks/replicate/)
 
 A step folder is a folder named exactly ``step-N`` (:func:`step_of`); a checkpoint folder holds weights of either
 format (:func:`is_checkpoint_folder`): DCP (:func:`is_dcp_folder`) or safetensors, a Hugging Face folder with its

@@ -103,7 +103,7 @@ FLAVORS: dict[str, ModelArgs] = {
     # ~1.3M parameters with the embedded 4096-token vocabulary: trains visibly on a 2-core CPU in minutes (the embedded default).
     "debug": _flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
                      vocab_size=4096, max_seq_len=256),
-    # ~45M parameters, 8k vocabulary: the small-scale replication model (benchmarks/replicate.py).
+    # ~45M parameters, 8k vocabulary: the small-scale replication model (benchmarks/replicate/).
     "repl-45M": _flavor(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536,
                         vocab_size=8192, max_seq_len=512),
     # ~68M parameters (softmax; Parallax adds W_R, +4.9M): inside the 50-150M range, same vocabulary.
