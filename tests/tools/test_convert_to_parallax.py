@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab import configs
 from attnlab.attention.parallax import ParallaxOptions
 from attnlab.models.args import FLAVORS
 from attnlab.checkpoint.dcp import build_model, load_dcp_state
 from attnlab.checkpoint.load import load_checkpoint
 from attnlab.tools import convert_to_parallax as conv
 from attnlab.tools import export_hf
-from tests.utils import REPO, make_corpus, run_train, tiny_args
+from tests.utils import make_corpus, run_train, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def _finetune_flags(capsys) -> list[str]:
 
 
 def _check_finetune_command(flags, dst, tokenizer):
-    """The printed command as train.py takes it: it parses, passes the trainer's preflight, and builds exactly the
+    """The printed command as the trainer takes it: it parses, passes the trainer's preflight, and builds exactly the
     converted architecture (what the step folder's attnlab.json records) with the run's tokenizer."""
     from attnlab.config import parse_config
     from attnlab.checkpoint.dcp import model_args_from_config
@@ -68,15 +69,15 @@ def _check_finetune_command(flags, dst, tokenizer):
 
     cfg = parse_config(flags)
     preflight(cfg)
-    assert cfg.job.config_file == "attnlab/configs/convert_finetune_parallax.toml"
+    assert cfg.job.config_file == str(configs.path("convert_finetune_parallax"))  # the shipped config, by name
     assert cfg.checkpoint.initial_load_path == str(dst) and cfg.model.hf_assets_path == str(tokenizer)
     assert architecture_changes(args_to_dict(read_sidecar(dst)), args_to_dict(model_args_from_config(cfg))) == {}
     return cfg
 
 
 def test_convert_same_loss_then_finetune(trained, capsys, monkeypatch):
-    monkeypatch.chdir(REPO)  # the printed command runs from the checkout's root
     root, corpus, src = trained
+    monkeypatch.chdir(root)  # the printed command runs from any folder: it names the shipped config
     dst = root / "converted" / "step-0"  # a new folder under a missing parent, as in the README's command
     assert _convert(src, dst) == 0
     flags = _finetune_flags(capsys)
@@ -117,8 +118,8 @@ def test_convert_same_loss_then_finetune(trained, capsys, monkeypatch):
 
 
 def test_top_half_with_gate_and_hf_source(trained, capsys, monkeypatch):
-    monkeypatch.chdir(REPO)  # the printed command runs from the checkout's root
     root, corpus, src = trained
+    monkeypatch.chdir(root)  # the printed command runs from any folder: it names the shipped config
     tokens = _batch(corpus)
     dst = root / "top"
     assert _convert(src, dst, "--top-half", "--rho-gate", "--gate-bias", "1.5", "--no-rope-on-rho",
