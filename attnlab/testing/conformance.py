@@ -7,13 +7,14 @@ size, as one function a test calls, the project's matrix (tests/test_conformance
         check_lifecycle("my_mech", tmp_path, train_flags=["--experimental.custom_import", "mypkg.my_mech"],
                         pythonpath=["/path/to/folder/holding/mypkg"])
 
-:func:`check_lifecycle` trains real (tiny) runs in subprocesses, two gloo processes each (CPU is enough), and reads
-their output back in the calling process:
+:func:`check_lifecycle` trains real (tiny) runs in subprocesses on gloo (CPU is enough), and reads their output back
+in the calling process:
 
   - ``attnlab.train`` on 2 processes: the model built on the meta device, ``init_weights`` on FSDP-sharded (DTensor)
     parameters, Muon steps, validation on both ranks, and a checkpoint of the sharded state at step 3 (the run
     stops there as if preempted, ``training.stop_after_step``);
-  - the same command without the stop: the run resumes from that checkpoint and trains step 4;
+  - the same command without the stop, on one process: the run resumes from the 2-process checkpoint, resharded
+    onto one, and trains step 4;
   - the last checkpoint read back offline as the tools read it (the run folder's config.toml, which imports
     ``experimental.custom_import`` here too), exported to a Hugging Face folder and imported again (the same
     logits), and decoded with the layers' caches (the same logits as the full forward).
@@ -45,11 +46,13 @@ def pattern_flags(pattern: str | Sequence[str]) -> list[str]:
     return ["--model.layer_pattern", ",".join(pattern), "--model.n_layers", str(max(4, len(pattern)))]
 
 
-def _train(args: list[str], cwd: Path, pythonpath: Sequence[str | os.PathLike], timeout: int, what: str) -> None:
-    """``python -m attnlab.train args`` on 2 processes, with ``pythonpath`` after this attnlab on PYTHONPATH."""
+def _train(args: list[str], cwd: Path, pythonpath: Sequence[str | os.PathLike], timeout: int, what: str,
+           nproc: int) -> None:
+    """``python -m attnlab.train args`` on ``nproc`` processes, with ``pythonpath`` after this attnlab on
+    PYTHONPATH."""
     env = child_env(OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *map(str, pythonpath)])
-    proc = subprocess.run(train_command(args, nproc=2), env=env, cwd=cwd, capture_output=True, text=True,
+    proc = subprocess.run(train_command(args, nproc), env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{what}: training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -86,14 +89,14 @@ def check_lifecycle(pattern: str | Sequence[str], workdir: str | os.PathLike, *,
     args = tiny_args(corpus, dump, 4, 16, 2, *pattern_flags(pattern), "--optimizer.name", "muon",
                      "--optimizer.muon_ns_dtype", "float32", "--validation.freq", "2", *train_flags)
 
-    _train([*args, "--training.stop_after_step", "3"], workdir, pythonpath, timeout, "steps 1-3 on 2 processes")
+    _train([*args, "--training.stop_after_step", "3"], workdir, pythonpath, timeout, "steps 1-3 on 2 processes", nproc=2)
     train = losses(dump)
     assert sorted(train) == [1, 2, 3] and all(math.isfinite(v) for v in train.values()), f"steps 1-3: {train}"
     val = {r["step"]: r["val_loss"] for r in read_metrics(dump) if "val_loss" in r}
     assert sorted(val) == [1, 2] and all(map(math.isfinite, val.values())), f"validation at 1 and 2: {val}"
     assert resolve(dump).step == 3, "no checkpoint of step 3 (the stop step)"
 
-    _train(args, workdir, pythonpath, timeout, "the resume to step 4 on 2 processes")
+    _train(args, workdir, pythonpath, timeout, "the resume to step 4 on 1 process", nproc=1)
     recs = read_metrics(dump)
     steps = [r["step"] for r in recs if "loss" in r]
     assert steps == [1, 2, 3, 4], f"the resumed run did not continue at step 4 (steps logged: {steps})"
