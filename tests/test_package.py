@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,10 +19,14 @@ from tests.utils import REPO
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The wheel ``pip wheel --no-deps`` builds from this checkout (without build isolation: no download)."""
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel ``pip wheel --no-deps`` builds from this checkout (without build isolation: no download), built
+    from a copy of what it packs, so setuptools' ``build/`` and ``*.egg-info`` land there, not in the checkout."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    shutil.copytree(REPO / "attnlab", src / "attnlab", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, text=True, timeout=600)
+                    str(src)], check=True, capture_output=True, text=True, timeout=600)
     (found,) = out.glob("attnlab-*.whl")
     return found
 
