@@ -10,9 +10,9 @@
 
 Config precedence: command line > TOML > defaults (torchtitan's ``JobConfig`` merged with ``config.py``, which
 parses and validates it). ``AttnTrainer`` is torchtitan's ``Trainer`` with this project's TrainSpec and the
-components of ``attnlab/trainer/`` (docs/architecture.md) in its loop: CPU support, the run folder's locks and start-time
-checks, the non-finite guard, the checkpoint load and save checks, metrics with perplexity and progress, a stop
-with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, each rank's
+components of ``attnlab/trainer/`` (docs/architecture.md) in its loop: CPU support, the run folder's locks and
+start-time checks, the non-finite guard, the checkpoint load and save checks, metrics with perplexity and progress, a
+stop with a checkpoint on SIGTERM/SIGUSR1 or at ``training.stop_after_step``, RNG state in checkpoints, each rank's
 shard of the batch under context parallelism (``attnlab/attention/cp.py``), and the loss computed by the model in chunks
 without the logits under ``training.loss_chunk_tokens`` (``attnlab/models/loss.py``).
 """

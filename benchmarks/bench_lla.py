@@ -105,8 +105,9 @@ def lla_error(op, q, k, v):
 
 
 def ptxas_report(tiles):
-    """Compile the LLA kernels for sm_90 without a GPU (as a launch at T=4096 sees them: ``attnlab/attention/ops/sm90.py``) and
-    print registers, stack (spill) bytes, shared memory and whether wgmma is used, per (kernel, BR, BC, warps)."""
+    """Compile the LLA kernels for sm_90 without a GPU (as a launch at T=4096 sees them:
+    ``attnlab/attention/ops/sm90.py``) and print registers, stack (spill) bytes, shared memory and whether wgmma is
+    used, per (kernel, BR, BC, warps)."""
     import inspect
 
     from attnlab.attention.ops.lla.triton import bwd, cg, fwd

@@ -28,8 +28,9 @@ from benchmarks.common import TRAIN_COLUMNS
 
 
 def spill_report(D: int, probe: bool, kernels: list[str], dtype: str = "bf16") -> list[str]:
-    """Offline sm_90a compile of each candidate config (as a launch at T=4096 sees it: ``attnlab/attention/ops/sm90.py``);
-    ptxas registers / spill stores / loads / smem, and whether the K/V loads became async copies."""
+    """Offline sm_90a compile of each candidate config (as a launch at T=4096 sees it:
+    ``attnlab/attention/ops/sm90.py``); ptxas registers / spill stores / loads / smem, and whether the K/V loads became
+    async copies."""
     from attnlab.attention.ops.parallax.triton import autotuned_kernels, common
     from attnlab.attention.ops.sm90 import compile_sm90, loop_local_memory, resources
 

@@ -31,8 +31,8 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    """Every Triton op's output buffers are NaN before its kernels run (attnlab/attention/ops/outputs.py), so an element a
-    kernel does not write fails the test that reads it."""
+    """Every Triton op's output buffers are NaN before its kernels run (attnlab/attention/ops/outputs.py), so an element
+    a kernel does not write fails the test that reads it."""
     from attnlab.attention.ops import outputs
 
     monkeypatch.setattr(outputs, "POISON_OUTPUTS", True)

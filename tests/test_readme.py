@@ -26,7 +26,8 @@ RUN = {
     "python -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax --preflight":
         "checks a shipped config by name, seconds",
     "attnlab train_tokenizer docs/ -o runs/my_tokenizer --vocab-size 2048": "the docs/ block, about a minute",
-    "python -m attnlab.train --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer --model.vocab_size 2048 "
+    "python -m attnlab.train --training.dataset_path docs/ --model.hf_assets_path runs/my_tokenizer "
+    "--model.vocab_size 2048 "
     "--data.val_every 2 --validation.local_batch_size 2 --training.steps 60 --job.dump_folder runs/my_text":
         "the docs/ block",
     "attnlab eval_ppl runs/my_text --data docs/ --max-rows 8": "the docs/ block",
@@ -38,7 +39,8 @@ HF_DOWNLOAD = f"{NETWORK} (the Qwen3-0.6B download)"
 USER_RUN = "runs/x, runs/my_run and their data stand for the user's run (tests/tools/ runs the tool on tiny ones)"
 CHECKED = {
     "attnlab fetch_tokenizer": f"{NETWORK} (downloads Qwen/Qwen3-0.6B's tokenizer)",
-    "python -m attnlab.train --training.dataset allenai/c4 --data.hub_subset en --model.hf_assets_path assets/hf/Qwen3-0.6B "
+    "python -m attnlab.train --training.dataset allenai/c4 --data.hub_subset en "
+    "--model.hf_assets_path assets/hf/Qwen3-0.6B "
     "--model.vocab_size 151936 --training.steps 100 --job.dump_folder runs/c4": f"{NETWORK} (streams allenai/c4)",
     "torchrun --nproc_per_node=8 -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax": "needs 8 GPUs",
     "torchrun --nproc_per_node=1 -m attnlab.train --job.config_file paper/qwen3_0.6b_parallax "
@@ -63,7 +65,8 @@ CHECKED = {
     "convert_finetune_parallax": f"{HF_DOWNLOAD}; tests/tools/test_hf_round_trip.py imports one",
     "attnlab train_tokenizer my_text/ -o tokenizers/mine --vocab-size 8192":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
-    "python -m attnlab.train --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 --training.dataset_path my_text/":
+    "python -m attnlab.train --model.hf_assets_path tokenizers/mine --model.vocab_size 8192 "
+    "--training.dataset_path my_text/":
         "my_text/ stands for the user's files (the docs/ block runs the same commands)",
     "attnlab generate hf_out --prompt The capital of France is --max-new-tokens 64 --temperature 0.8 "
     "--top-k 50 --top-p 0.95": "needs an export (hf_out) of a trained run",

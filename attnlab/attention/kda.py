@@ -47,8 +47,8 @@ class KDAOptions(DeltaNetOptions):
     gate_lower_bound: float | None = None
     """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
     gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA forward use tensor cores on the diagonal
-    blocks (safe_gate); our backward kernel (``attnlab/attention/ops/delta_rule/triton/kda_intra.py``) does so for either
-    gate, so the two gates cost about the same."""
+    blocks (safe_gate); our backward kernel (``attnlab/attention/ops/delta_rule/triton/kda_intra.py``) does so for
+    either gate, so the two gates cost about the same."""
 
 
 @register_attention("kda", options=KDAOptions,

@@ -2,8 +2,8 @@
 
 Adding a mechanism is one module file in ``attnlab/attention/`` that decorates its ``nn.Module`` with
 :func:`register_attention` (giving its options dataclass and a one-line description), plus one line in
-``attnlab/attention/__init__.py`` importing that file. The module class lists the ``[attention] impl`` values it accepts in
-``impls`` (a subset of :data:`attention.ops.common.IMPLS`, "auto" included). The options dataclass becomes the TOML
+``attnlab/attention/__init__.py`` importing that file. The module class lists the ``[attention] impl`` values it accepts
+in ``impls`` (a subset of :data:`attention.ops.common.IMPLS`, "auto" included). The options dataclass becomes the TOML
 section ``[attention.<name>]`` automatically (see ``config.py``).
 """
 

@@ -148,9 +148,9 @@ def check_context_parallel(job_config) -> None:
 
 
 def check_loss_chunks(job_config) -> None:
-    """``training.loss_chunk_tokens`` runs the head's matmuls itself (attnlab/models/loss.py), in the compute dtype: a float8
-    or MX converter must leave the head alone, i.e. have it in its ``filter_fqns`` (matched as torchtitan does: an
-    entry contained in the name "output")."""
+    """``training.loss_chunk_tokens`` runs the head's matmuls itself (attnlab/models/loss.py), in the compute dtype: a
+    float8 or MX converter must leave the head alone, i.e. have it in its ``filter_fqns`` (matched as torchtitan does:
+    an entry contained in the name "output")."""
     n, converters = job_config.training.loss_chunk_tokens, job_config.model.converters
     for name in ("quantize.linear.float8", "quantize.linear.mx"):
         filters = functools.reduce(getattr, name.split("."), job_config).filter_fqns

@@ -103,8 +103,8 @@ class Training:
     vocab] logits). The logits of one chunk exist at a time, so the loss needs O(N·vocab) memory instead of
     O(tokens·vocab): Qwen3's 151,936-entry head at 65,536 tokens a rank makes 18.5 GiB of bf16 logits (and twice
     that in their fp32 upcast); a chunk peaks at about 6·N·vocab bytes in bf16, 3.5 GiB at N = 4096
-    (attnlab/models/loss.py). Same loss and gradients, no recomputation; validation, evaluation and decoding keep the full
-    logits. The head must stay out of float8/MX conversion (``filter_fqns`` holds "output")."""
+    (attnlab/models/loss.py). Same loss and gradients, no recomputation; validation, evaluation and decoding keep the
+    full logits. The head must stay out of float8/MX conversion (``filter_fqns`` holds "output")."""
 
 
 @dataclass

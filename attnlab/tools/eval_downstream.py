@@ -9,8 +9,8 @@ remote-code model) into a temporary folder; an HF folder is used as it is. lm-ev
 it, so every lm-eval task and option applies unchanged; the equivalent direct command is
 ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks ...``. Remote code
 (``auto_map`` in config.json or tokenizer_config.json) is trusted only when it is this project's own
-(``attnlab/checkpoint/hf_remote``'s files, byte for byte, under ``model_type = "attnlab"``) or with ``--trust-remote-code``,
-as in transformers: any other folder's code would run with this process's rights.
+(``attnlab/checkpoint/hf_remote``'s files, byte for byte, under ``model_type = "attnlab"``) or with
+``--trust-remote-code``, as in transformers: any other folder's code would run with this process's rights.
 The default tasks are the Parallax paper's (LAMBADA and WikiText perplexity; BoolQ, HellaSwag, PIQA, ARC-e/c,
 WinoGrande, OpenBookQA, SciQ zero-shot); lm-eval downloads their data from the Hugging Face Hub on first use.
 Offline (the Hub does not answer, or ``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``), tasks run from local copies
@@ -50,8 +50,8 @@ def _auto_map_modules(folder: Path) -> set[str]:
 
 def trust_remote_code(folder: Path, allowed: bool) -> bool:
     """Whether lm-eval may run the remote code of the Hugging Face folder ``folder``: yes for this project's own
-    (config.json ``model_type = "attnlab"``, every ``auto_map`` module one of ``attnlab/checkpoint/hf_remote``'s files and
-    byte-identical to it) or when ``allowed`` (``--trust-remote-code``); a folder with no remote code needs none.
+    (config.json ``model_type = "attnlab"``, every ``auto_map`` module one of ``attnlab/checkpoint/hf_remote``'s files
+    and byte-identical to it) or when ``allowed`` (``--trust-remote-code``); a folder with no remote code needs none.
     Any other remote code is a CheckpointError naming the modules and the flag."""
     from attnlab.checkpoint.dcp import CheckpointError
     from attnlab.checkpoint.hf import REMOTE_CODE_DIR, REMOTE_CODE_FILES
@@ -67,7 +67,8 @@ def trust_remote_code(folder: Path, allowed: bool) -> bool:
     if json.loads((folder / "config.json").read_text()).get("model_type") == "attnlab" and all(map(ours, modules)):
         return True
     raise CheckpointError(f"{folder}: its auto_map runs its own code ({', '.join(sorted(modules))}), which is not this "
-                          "project's exported model (attnlab/checkpoint/hf_remote); pass --trust-remote-code to run it anyway")
+                          "project's exported model (attnlab/checkpoint/hf_remote); pass --trust-remote-code to run it "
+                          "anyway")
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:

@@ -6,8 +6,8 @@ CKPT is a run folder (latest step, or ``--step N``), a ``checkpoint/step-N`` fol
 architecture comes from ``--config`` (a training TOML), else the run's ``config.toml``, else the folder's
 ``attnlab.json``, else the tensor shapes (softmax/Parallax). The tokenizer written is ``--tokenizer``, else the
 run's ``tokenizer/`` or the config's ``model.hf_assets_path``, saved by transformers so that it prepends the BOS
-training prepends to every document (``attnlab.checkpoint.hf.save_hf_tokenizer``). An all-softmax Qwen3 model becomes a plain
-``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
+training prepends to every document (``attnlab.checkpoint.hf.save_hf_tokenizer``). An all-softmax Qwen3 model becomes a
+plain ``Qwen3ForCausalLM`` folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with equal logits;
 other mechanisms add their own tensors under ``self_attn.`` and the architecture under ``"attnlab"`` in
 config.json, read back exactly by ``attnlab.checkpoint.load.load_checkpoint`` (attnlab/tools/generate.py and
 attnlab/tools/convert_to_parallax.py accept such folders). Softmax-with-options and Parallax folders also carry a

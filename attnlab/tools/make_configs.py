@@ -1,6 +1,6 @@
 """Write the paper's training configurations (Parallax paper Table 2a / Appendix F) into ``attnlab/configs/paper/``.
 
-    python -m attnlab.tools.make_configs              # (re)writes attnlab/configs/paper/qwen3_{0.6b,1.7b}_{softmax,parallax}*.toml
+    python -m attnlab.tools.make_configs  # (re)writes attnlab/configs/paper/qwen3_{0.6b,1.7b}_{softmax,parallax}*.toml
     python -m attnlab.tools.make_configs --out DIR    # writes them elsewhere (the tests compare the two)
 
 One template, so every row shares the same recipe and differs only where the paper's rows differ:

@@ -1,12 +1,13 @@
 """Multi-GPU correctness: FSDP on K devices vs one device at the same global batch, and resume across world sizes.
 
-    python -m attnlab.tools.multigpu_check                                   # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
+    python -m attnlab.tools.multigpu_check                             # CUDA: 1 vs 2 vs 4 GPUs, resume 4->2, 2->4, 4->1
     python -m attnlab.tools.multigpu_check --nprocs 1,2 --resume 2:1 --device cpu   # gloo, CPU processes
-    python -m attnlab.tools.multigpu_check --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax   # extra train args
+    python -m attnlab.tools.multigpu_check --flavor 0.6B --seq 1024 -- --model.layer_pattern parallax # extra train args
     python -m attnlab.tools.multigpu_check --nprocs 1,2,4 --resume 4:2,2:4 --replicate 2   # HSDP 2 x 2 on 4 GPUs
     python -m attnlab.tools.multigpu_check --attention gdn --context-parallel -- --model.layer_pattern gdn   # CP 1/2/4
 
-What it runs (each its own torchrun launch of python -m attnlab.train; Parallax + Muon, block_causal, compile off by default):
+What it runs (each its own torchrun launch of python -m attnlab.train; Parallax + Muon, block_causal, compile off by
+default):
   1. a seed checkpoint on one process (sharded and unsharded initialisation draw different random numbers);
   2. for every K in --nprocs: ``--steps`` steps on K processes from that seed, local batch G/max(K) per
      process and global batch G, so runs with fewer processes use gradient accumulation; checkpoint every
@@ -26,8 +27,8 @@ and PASS/FAIL against --tol. Default tolerances: 1e-4 in float32 (CPU: only summ
 3e-2 with bf16 (GPU: the 1-device run uses autocast over fp32 weights, FSDP bf16 parameters with fp32
 reduction; differences grow over steps, so the tolerance is for ~12 steps).
 
-The default data are synthetic (attnlab.testing.tiny_runs.make_corpus: a word-level tokenizer and documents that each fill
-one packed row exactly), because only then do 1 and K processes see identical global batches. With real data
+The default data are synthetic (attnlab.testing.tiny_runs.make_corpus: a word-level tokenizer and documents that each
+fill one packed row exactly), because only then do 1 and K processes see identical global batches. With real data
 (--data/--tokenizer) each rank packs its own document stream, so rows differ and the curves agree only
 statistically.
 """

@@ -1,4 +1,5 @@
-"""Smoke-test every paper configuration in attnlab/configs/paper/: does it start and train a few steps at a reduced batch?
+"""Smoke-test every paper configuration in attnlab/configs/paper/: does it start and train a few steps at a reduced
+batch?
 
     python -m attnlab.tools.smoke_configs --data DATA --tokenizer TOKDIR                        # one GPU, all configs
     python -m attnlab.tools.smoke_configs --data D --tokenizer T --nproc 4 --local-batch 2      # a 4-GPU node

@@ -32,8 +32,9 @@ JSONL_KEYS = {
     "time_metrics/elapsed(s)": "elapsed_s", "time_metrics/eta(s)": "eta_s",
     "validation_metrics/loss": "val_loss", "validation_metrics/perplexity": "val_ppl",
 }
-"""Logged name -> ``metrics.jsonl`` key, for the keys the tools read (``attnlab.tools.plot_ppl``, ``benchmarks.replicate``,
-``benchmarks.bench_train``, ``attnlab.tools.smoke_configs``); the other names are written as logged."""
+"""Logged name -> ``metrics.jsonl`` key, for the keys the tools read (``attnlab.tools.plot_ppl``,
+``benchmarks.replicate``, ``benchmarks.bench_train``, ``attnlab.tools.smoke_configs``); the other names are written as
+logged."""
 
 
 def perplexity(loss: float) -> float:

@@ -44,9 +44,9 @@ Pipeline: a BPE tokenizer (``--vocab`` tokens) is trained on the first ``--token
 ``train.py`` in its own process (base config ``attnlab/configs/replication/repl_base.toml``, bf16 autocast, compiled
 on CUDA, one data-loader worker) on all ``train-*.jsonl.gz`` of ``--corpus`` and validates on the first
 ``--val-tokens`` tokens of ``val.jsonl.gz`` (full batches only) at its last step. Softmax/Parallax runs are
-analysed with ``attnlab.tools.analyze`` (on the CPU) in the background while the next run trains; checkpoints are deleted
-afterwards (``--keep-checkpoints`` keeps them) so ``<out>`` stays small. A failed run is reported in the table and
-does not stop the others. Outputs, all under ``<out>``: ``summary.json``, ``table.txt`` (also printed last),
+analysed with ``attnlab.tools.analyze`` (on the CPU) in the background while the next run trains; checkpoints are
+deleted afterwards (``--keep-checkpoints`` keeps them) so ``<out>`` stays small. A failed run is reported in the table
+and does not stop the others. Outputs, all under ``<out>``: ``summary.json``, ``table.txt`` (also printed last),
 ``ppl.png`` (perplexity curves of all runs), ``diagnostics_by_layer.png`` (COR/CPA/entropy/sink per layer of
 every analysed run), ``<run>/{metrics.jsonl,train.log,analysis/}``, ``calibration/``.
 

@@ -42,9 +42,9 @@ def test_sweep_keeps_tokens_per_step_and_reports_every_row(monkeypatch, tmp_path
 
     monkeypatch.setattr(bench_context, "run", fake_run)
     results = bench_context.main([
-        "--data", "d", "--tokenizer", "t", "--config", str(REPO / "attnlab" / "configs" / "debug_cpu.toml"), "--mechanisms",
-        "softmax,gdn", "--seq-lens", "16,32", "--tokens", "64", "--steps", "4", "--warmup", "1", "--no-profile",
-        "--ac", "full", "--out", str(tmp_path / "out")])
+        "--data", "d", "--tokenizer", "t", "--config", str(REPO / "attnlab" / "configs" / "debug_cpu.toml"),
+        "--mechanisms", "softmax,gdn", "--seq-lens", "16,32", "--tokens", "64", "--steps", "4", "--warmup", "1",
+        "--no-profile", "--ac", "full", "--out", str(tmp_path / "out")])
     assert launched == [("softmax", 16, 4), ("softmax", 32, 2), ("gdn", 16, 4), ("gdn", 32, 2)]
     assert results[("softmax", 32, 1)]["tps"] == 200.0 and results[("softmax", 32, 1)]["mem"] == 2.0
     assert results[("gdn", 32, 1)] == {"failed": "out of memory"}
@@ -108,7 +108,8 @@ def test_tiny_cpu_sweep(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     results = bench_context.main([
         "--data", corpus["train"], "--tokenizer", corpus["tokenizer"],
-        "--config", str(REPO / "attnlab" / "configs" / "debug_cpu.toml"), "--mechanisms", "softmax", "--seq-lens", "16,32",
+        "--config", str(REPO / "attnlab" / "configs" / "debug_cpu.toml"), "--mechanisms", "softmax",
+        "--seq-lens", "16,32",
         "--tokens", "32", "--steps", "3", "--warmup", "1", "--no-profile", "--train-args", "--model.vocab_size 64 --lr_scheduler.warmup_steps 1",
         "--out", str(tmp_path / "out")])
     assert all(results[("softmax", T, 1)]["tps"] > 0 for T in (16, 32))

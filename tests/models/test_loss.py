@@ -1,6 +1,6 @@
-"""attnlab/models/loss.py: the chunked linear cross-entropy against torchtitan's loss of the full logits (value and every
-gradient; ignored labels, ragged last chunks, fp32 and bf16), that no tensor holds more than a chunk of logits, and
-the model's loss path (tied and untied head) against its logits path for every parameter."""
+"""attnlab/models/loss.py: the chunked linear cross-entropy against torchtitan's loss of the full logits (value and
+every gradient; ignored labels, ragged last chunks, fp32 and bf16), that no tensor holds more than a chunk of logits,
+and the model's loss path (tied and untied head) against its logits path for every parameter."""
 
 import pytest
 import torch

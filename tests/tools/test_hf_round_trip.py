@@ -1,6 +1,7 @@
 """The Hugging Face round trip a user runs: a Qwen3 folder written by transformers (with its tokenizer, or without
-one and ``--tokenizer DIR``) is imported as a run (``attnlab.tools.import_hf``), trained a few steps by train.py, exported
-(``attnlab.tools.export_hf``) and loaded back by transformers, which gives our logits and tokenizes text as training does."""
+one and ``--tokenizer DIR``) is imported as a run (``attnlab.tools.import_hf``), trained a few steps by train.py,
+exported (``attnlab.tools.export_hf``) and loaded back by transformers, which gives our logits and tokenizes text as
+training does."""
 
 import warnings
 

@@ -1,4 +1,5 @@
-"""attnlab/tools/train_tokenizer.py (BPE on your own files) and attnlab/tools/fetch_tokenizer.py (hub, offline error)."""
+"""attnlab/tools/train_tokenizer.py (BPE on your own files) and attnlab/tools/fetch_tokenizer.py (hub, offline
+error)."""
 
 import gzip
 import json

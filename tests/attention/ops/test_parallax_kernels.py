@@ -840,8 +840,8 @@ def test_gpu_every_bwd_candidate(D, layout, monkeypatch):
     """Each row-pass and column-pass candidate of the short lists and the tune report's extras (TMA twins included)
     pinned, in pairs, probe and softmax, bf16, packed documents or query offsets: every gradient against the float32
     reference (with offsets, the 200 keys of the segment without queries get exactly zero dk, dv)."""
-    from attnlab.attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ, configs,
-                                                       prune_bwd)
+    from attnlab.attention.ops.parallax.triton.common import (DKV_SPECS, DQ_SPECS, TUNE_EXTRA_DKV, TUNE_EXTRA_DQ,
+                                                              configs, prune_bwd)
 
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "all")  # the whole list, not the test suite's first candidate
     pinned = lambda c: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)  # noqa: E731

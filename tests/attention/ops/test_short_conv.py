@@ -1,4 +1,5 @@
-"""The short convolution's Triton kernels (attnlab/attention/ops/short_conv/triton/conv.py) against the float64 reference.
+"""The short convolution's Triton kernels (attnlab/attention/ops/short_conv/triton/conv.py) against the float64
+reference.
 
 CPU (TRITON_INTERPRET=1, float32, tiny shapes): forward, dx and dweight at pinned tiles smaller than the shapes (T
 not a multiple of BT, C not a multiple of BC, backward programs walking several tiles), B > 1 per-row and varlen

@@ -1,6 +1,6 @@
-"""Program order of the causal tile kernels (``attnlab/attention/ops/tiles.py``): every (tile, pair) exactly once, heaviest
-tiles first inside each group of pairs, groups one after another; or one pair after another with only the last pairs
-grouped (TAIL). Runs the order itself through a Triton kernel (the interpreter on CPU)."""
+"""Program order of the causal tile kernels (``attnlab/attention/ops/tiles.py``): every (tile, pair) exactly once,
+heaviest tiles first inside each group of pairs, groups one after another; or one pair after another with only the last
+pairs grouped (TAIL). Runs the order itself through a Triton kernel (the interpreter on CPU)."""
 
 import pytest
 import torch

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from attnlab.attention.ops.lla.triton.cg import _cg_start
-from attnlab.attention.ops.lla.triton.common import (_BN, _LT, _RQ, _TAU, _UQ, _addr, _bwd_a_pass, _bwd_b_pass, _key_tile,
-                                              _kv_weights, _q_tile, _rows, _store_kv)
+from attnlab.attention.ops.lla.triton.common import (_BN, _LT, _RQ, _TAU, _UQ, _addr, _bwd_a_pass, _bwd_b_pass,
+                                                     _key_tile, _kv_weights, _q_tile, _rows, _store_kv)
 
 
 @triton.jit

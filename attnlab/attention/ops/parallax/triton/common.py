@@ -173,8 +173,8 @@ DKV_SPECS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (6
              (64, 64, 4, 2, 1, 0), (64, 32, 4, 3)]  # (BN, BM, ...)
 # The 8-warp and BM = 32 entries are candidates against the backward's register spills at D = 128 with a probe:
 # 8 warps halve each thread's share of the two [BM|BN, D] fp32 accumulators, BM = 32 halves every score tile
-# (offline counts: ``benchmarks/profile_attention.py --spills``; ``benchmarks/bench_attention.py --tune-report`` times each
-# kernel alone to re-pick the lists).
+# (offline counts: ``benchmarks/profile_attention.py --spills``; ``benchmarks/bench_attention.py --tune-report`` times
+# each kernel alone to re-pick the lists).
 # Forward entries may add (kv_tma, ws): K/V tiles of the mask-free key blocks by TMA (device-side descriptors) and a
 # warp-specialised loop; they paid at D = 128 only. Warp specialisation does not compile at 4 warps (Triton 3.6).
 # ``prune_fwd`` keeps the TMA/WS entries at D >= 128 and sm_90+ only, and on sm_90 drops the plain twin of a TMA + WS
