@@ -89,7 +89,8 @@ def check_lifecycle(pattern: str | Sequence[str], workdir: str | os.PathLike, *,
     args = tiny_args(corpus, dump, 4, 16, 2, *pattern_flags(pattern), "--optimizer.name", "muon",
                      "--optimizer.muon_ns_dtype", "float32", "--validation.freq", "2", *train_flags)
 
-    _train([*args, "--training.stop_after_step", "3"], workdir, pythonpath, timeout, "steps 1-3 on 2 processes", nproc=2)
+    _train([*args, "--training.stop_after_step", "3"], workdir, pythonpath, timeout, "steps 1-3 on 2 processes",
+           nproc=2)
     train = losses(dump)
     assert sorted(train) == [1, 2, 3] and all(math.isfinite(v) for v in train.values()), f"steps 1-3: {train}"
     val = {r["step"]: r["val_loss"] for r in read_metrics(dump) if "val_loss" in r}

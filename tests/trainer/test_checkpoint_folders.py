@@ -39,7 +39,8 @@ def _checkpoint_folder(tmp_path):
 def _guard(ck, keep_latest_k):
     """A CheckpointGuard around a stand-in for torchtitan's CheckpointManager that records the purged folders."""
     checkpointer = SimpleNamespace(enable=True, load_only=False, folder=str(ck), keep_latest_k=keep_latest_k,
-                                   purge_queue=queue.Queue(), _create_checkpoint_id=lambda step: str(ck / f"step-{step}"),
+                                   purge_queue=queue.Queue(),
+                                   _create_checkpoint_id=lambda step: str(ck / f"step-{step}"),
                                    load=None, save=None, dcp_load=None)
     return CheckpointGuard(SimpleNamespace(checkpointer=checkpointer), nonfinite=None, after_load=lambda: None)
 
