@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from attnlab import attention
+from attnlab.config.parse import import_custom_module
 from attnlab.models.args import ModelArgs
 from attnlab.models.model import Transformer
 from attnlab.checkpoint.layout import CONFIG_FILE, TRAIN_ARGS_FILE, new_folder, run_dir_of
@@ -53,6 +54,12 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
     kw = {k: v for k, v in d.items() if k != "attention_options"}
     args = ModelArgs(**kw)
     opts = {}
+    missing = sorted(set(args.layer_mechanisms()) - set(attention.REGISTRY))
+    if missing and args.custom_import:  # a mechanism of the user's own package: the record names its module
+        try:
+            import_custom_module(args.custom_import)
+        except ValueError as e:
+            raise CheckpointError(f"the checkpoint's layers use attention {missing}: {e}") from None
     for name in set(args.layer_mechanisms()):
         if name not in attention.REGISTRY:  # a mechanism of the user's own package, not imported in this process
             raise CheckpointError(f"the checkpoint's layers use attention {name!r}, which is not registered here: "

@@ -36,6 +36,7 @@ class ModelArgs(BaseModelArgs):
     layer_pattern: list[str] = field(default_factory=list)  # repeated over depth; empty = all `attention`
     attn_impl: str = "auto"
     attention_options: dict[str, Any] = field(default_factory=dict)  # mechanism name -> options dataclass
+    custom_import: str = ""  # [experimental] custom_import: the user's module registering a mechanism used here
 
     def layer_mechanisms(self) -> list[str]:
         """The mechanism of every layer: ``layer_pattern`` repeated over depth, or ``attention`` everywhere."""
@@ -50,6 +51,7 @@ class ModelArgs(BaseModelArgs):
         self.layer_pattern = list(m.layer_pattern)
         self.attn_mask_type = m.attn_mask_type
         self.attn_impl = a.impl
+        self.custom_import = job_config.experimental.custom_import
         if m.vocab_size > 0:
             self.vocab_size = m.vocab_size
         if m.rope_theta > 0:

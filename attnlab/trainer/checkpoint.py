@@ -37,9 +37,9 @@ from attnlab.trainer.titan import hook_checkpointer, purge, saves_at, step_path
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
-RUNTIME_FIELDS = ("max_seq_len", "attn_impl")
+RUNTIME_FIELDS = ("max_seq_len", "attn_impl", "custom_import")
 """Architecture-record fields (dotted paths into ``checkpoint.dcp.args_to_dict``) a resume may change: they choose
-kernels and table sizes, not the weights' meaning."""
+kernels, table sizes and where a mechanism's code is imported from, not the weights' meaning."""
 
 INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
                                                for name, mech in attention.REGISTRY.items()

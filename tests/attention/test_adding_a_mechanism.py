@@ -184,3 +184,22 @@ def test_list_attention_shows_the_imported_mechanism(user_folder):
                            MODULE], env=_env_with(user_folder), capture_output=True, text=True,
                           timeout=300, check=True)
     assert any(line.startswith(NAME + " ") for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_an_export_read_elsewhere_imports_the_module_its_record_names(on_path, tmp_path):
+    """The architecture record keeps ``experimental.custom_import``: a Hugging Face export of the mechanism, read in
+    a process that never imported the user's package (only its folder on the path), imports it and loads."""
+    from attnlab.checkpoint.dcp import build_model, model_args_from_config
+    from attnlab.checkpoint.hf import save_hf
+    from attnlab.checkpoint.load import load_checkpoint
+
+    cfg = parse_config(["--job.config_file", DEFAULT_CONFIG, "--experimental.custom_import", MODULE,
+                        "--model.attention", NAME, "--model.n_layers", "2"])
+    model = build_model(model_args_from_config(cfg))
+    save_hf(model.state_dict(), model.model_args, tmp_path / "hf")
+    REGISTRY.pop(NAME)  # as in a fresh process: neither the mechanism nor its package imported
+    for mod in [m for m in sys.modules if m == "mymech" or m.startswith("mymech.")]:
+        del sys.modules[mod]
+    fmt, args, sd = load_checkpoint(tmp_path / "hf")
+    assert fmt == "hf" and args.custom_import == MODULE and NAME in REGISTRY
+    assert [layer.attention.mechanism for layer in build_model(args, sd).layers.values()] == [NAME, NAME]
