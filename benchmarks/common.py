@@ -279,13 +279,27 @@ def idle_summary(trace: list[dict], kernels: list[dict], gaps: int = 6, top: int
     per = f" per step over {n} steps" if n > 1 else ""
     lines = [f"  step wall {(t1 - t0) / 1e3 / n:.1f} ms (ProfilerStep), GPU busy {busy / 1e3 / n:.1f} ms "
              f"({100 * busy / max(t1 - t0, 1):.0f} %), host in syncs/item {syncs / 1e3 / n:.1f} ms{per}",
-             "  longest GPU idle gaps:"]
+             *sync_count(host, n), "  longest GPU idle gaps:"]
     for dur, a, b in sorted(idle, reverse=True)[:gaps]:
         inside = sorted((e for e in host if e["ts"] < b and e["ts"] + e["dur"] > a), key=lambda e: -e["dur"])[:3]
         lines.append(f"  {dur / 1e3:8.2f} ms at +{(a - t0) / 1e3:.1f} ms: "
                      + "; ".join(f"{e['name'][:50]} {e['dur'] / 1e3:.1f}ms" for e in inside))
     lines += idle_by_host_op(trace, sorted((a, b) for _, a, b in idle), n, top)
     return lines, {"busy_ms": busy / 1e3 / n, "wall_ms": (t1 - t0) / 1e3 / n}
+
+
+def sync_count(host: list[dict], n: int) -> list[str]:
+    """Host syncs per step: CUDA runtime calls that wait for the GPU (stream/device/event synchronize), each
+    attributed to the innermost CPU op around it (``aten::item``, ``aten::nonzero``, a collective's wait, ...)."""
+    waits = [e for e in host if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
+    ops = sorted((e for e in host if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    by_op: dict[str, int] = {}
+    for w in waits:
+        around = [e for e in ops if e["ts"] <= w["ts"] and e["ts"] + e["dur"] >= w["ts"] + w["dur"]]
+        name = min(around, key=lambda e: e["dur"])["name"] if around else "(no CPU op)"
+        by_op[name] = by_op.get(name, 0) + 1
+    parts = ", ".join(f"{name} {count / n:g}" for name, count in sorted(by_op.items(), key=lambda x: -x[1])[:8])
+    return [f"  host syncs per step: {len(waits) / n:g}" + (f" ({parts})" if parts else "")]
 
 
 def idle_by_host_op(trace: list[dict], idle: list[tuple[float, float]], n: int, top: int) -> list[str]:

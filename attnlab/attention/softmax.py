@@ -3,11 +3,14 @@
 Parameter names follow torchtitan's Qwen3 (``wq wk wv wo q_norm k_norm``) so its Hugging Face state-dict
 adapter applies unchanged. Kernels (``[attention] impl``):
 
-- "auto": torch's fused kernels: SDPA (cuDNN/flash) for plain causal batches; with packed documents on CUDA
-  torch's ``varlen_attn`` (fp16/bf16); on CPU, and for float32 (e.g. ``attnlab/tools/analyze.py``), a boolean-masked
-  SDPA (exact, O(T²) memory). These are torch's paths, not the project's, so they have no word of their own in
-  the ``impl`` vocabulary (``attention.ops.common.IMPLS``); Parallax (a probe) resolves "auto" per
-  ``attention.ops.parallax``; under context parallelism "auto" is the "triton" kernel on CUDA (:func:`attend_chunks`);
+- "auto": the fastest path measured for the call (``benchmarks/bench_softmax_paths.py``). Packed documents on
+  CUDA take the project's Triton kernel, GQA native, where it takes the head dim (faster than torch's
+  ``varlen_attn``, FlashAttention-2 with the KV heads repeated: benchmarks/README.md), else ``varlen_attn`` (both
+  fp16/bf16); plain causal batches take torch's SDPA (cuDNN/flash); on CPU, and for float32
+  (e.g. ``attnlab/tools/analyze.py``), a boolean-masked SDPA (exact, O(T²) memory). torch's paths have no
+  word of their own in the ``impl`` vocabulary (``attention.ops.common.IMPLS``); Parallax (a probe) resolves "auto"
+  per ``attention.ops.parallax``; under context parallelism "auto" is the "triton" kernel on CUDA
+  (:func:`attend_chunks`);
 - "reference": the PyTorch oracle ``naive_parallax`` (float32, float64 for float64 inputs);
 - "triton": the project's streaming kernel (``attnlab/attention/ops/parallax``, probe off).
 """
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
 from attnlab.attention.ops.common import check_impl, visibility_mask
-from attnlab.attention.ops.parallax import parallax_attention, parallax_decode
+from attnlab.attention.ops.parallax import parallax_attention, parallax_decode, resolve_impl
 from attnlab.attention.registry import register_attention
 
 SOFTMAX_IMPLS = ("auto", "reference", "triton")
@@ -140,7 +143,8 @@ class SoftmaxAttention(QKVAttentionBase):
             return self.mix_cp(q, k, v, r, ctx, window)
         if r is None and impl == "auto":
             if q.is_cuda and ctx.cu_seqlens is not None and q.dtype in _FLASH_DTYPES:
-                if not window or "window_size" in _varlen_params():
+                # the Triton kernel below where it takes the head dim; torch's varlen_attn otherwise
+                if resolve_impl(impl, q) != "triton" and (not window or "window_size" in _varlen_params()):
                     return _varlen(q, k, v, ctx, window, self.scale)
             else:
                 return _sdpa(q, k, v, ctx, window, self.scale)

@@ -45,6 +45,8 @@ def test_trace_summary(tmp_path):
         {"name": "triton_poi_fused_add_0", "cat": "kernel", "ts": 7_000, "dur": 200},
         {"name": "aten::item", "cat": "cpu_op", "ts": 4_000, "dur": 2_500},
         {"name": "aten::mm", "cat": "cpu_op", "ts": 100, "dur": 99_999},  # a host op is no GPU time
+        {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 5_000, "dur": 1_000},  # inside aten::item
+        {"name": "cudaDeviceSynchronize", "cat": "cuda_runtime", "ts": 200_000, "dur": 10},  # inside no CPU op
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -56,7 +58,9 @@ def test_trace_summary(tmp_path):
     assert "3.00 ms at +4.0 ms: aten::mm 100.0ms; aten::item 2.5ms" in text
     # all idle time by host op: aten::mm spans the whole gap, aten::item 2.5 ms of it
     assert "host ops during GPU idle (3.0 ms per step" in text
-    assert _after(text, "host ops during GPU idle") == ["3.00 ms  aten::mm", "2.50 ms  aten::item"]
+    assert _after(text, "host ops during GPU idle") == ["3.00 ms  aten::mm", "2.50 ms  aten::item",
+                                                         "1.00 ms  cudaStreamSynchronize"]
+    assert "host syncs per step: 2 (aten::item 1, (no CPU op) 1)" in text  # the innermost op around each wait
     text_again, busy = trace_summary(path, with_busy=True)
     assert text_again == text and busy == {"busy_ms": 4.1, "wall_ms": 10.0}  # the table's busy % column
 
