@@ -15,13 +15,21 @@ if torch.cuda.is_available():  # the same for fla-core's kernels (imported later
     first_config_for_fla()
 
 
+GPU_TEST_TIMEOUT = 300
+"""Seconds a GPU test may take (pytest-timeout), compiles and fla-core's autotuning on a cold cache included (the
+slowest cold test takes about 2 minutes on an H200): past it the test fails with its name, so a stall in the GPU suite
+reads as a failure, not as a hang. A test may set its own with ``@pytest.mark.timeout(N)``."""
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    cuda = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" not in item.keywords:
+            continue
+        if not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        elif item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT))
 
 
 @pytest.fixture(autouse=True)
