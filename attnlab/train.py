@@ -40,6 +40,7 @@ from attnlab.trainer.metrics import DocumentFlops
 from attnlab.trainer.nonfinite import NonFiniteGuard
 from attnlab.trainer.preemption import StopSignals
 from attnlab.trainer.run_guard import RunGuard
+from attnlab.trainer.step import run_step
 from attnlab.trainer.spec import register_train_spec
 from attnlab.trainer.teardown import destroy_process_groups
 
@@ -115,7 +116,8 @@ class AttnTrainer(Trainer):
     def train_step(self, data_iterator):
         # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
         self.metrics_processor.lr_wd = self.optimizers.lr_wd()
-        super().train_step(self.metrics_processor.counted(data_iterator))
+        documents = self.job_config.model.attn_mask_type == "block_causal" and self.model_parts[0].cp is None
+        run_step(self, self.metrics_processor.counted(data_iterator), documents)
         if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
             logged = self.metrics_processor.logged
             self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])

@@ -140,15 +140,12 @@ class AttentionContext:
         self._rope[head_dim] = (t[..., None, :head_dim], t[..., None, head_dim:])
 
     @staticmethod
-    def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float) -> "AttentionContext":
-        """Build the context for a training batch. With ``block_causal`` a new document starts wherever
-        ``positions == 0`` (and at every row start).
-
-        Host syncs: none for causal rows (positions restart in every row, so they are < T); with ``block_causal``
-        one read of two integers, the document count (the size of ``cu_seqlens``) and the longest document."""
+    def document_offsets(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The packed documents of ``positions`` [B, T] (a new document wherever ``positions == 0`` and at every row
+        start) as (cu_seqlens [n_docs + 1] int32 offsets into the B·T flattened tokens, the longest document's
+        length), on ``positions``' device: one read of two integers back from a GPU, none on the host (the trainer
+        computes them there before the batch's copy, :mod:`attnlab.trainer.step`)."""
         B, T = positions.shape
-        if not block_causal:
-            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
         starts = positions.reshape(-1) == 0
         starts[::T] = True  # every row starts a document
         idx = torch.arange(B * T, device=positions.device)
@@ -156,6 +153,20 @@ class AttentionContext:
         n_docs, max_seqlen = torch.stack([starts.sum(), (idx - begin).max() + 1]).tolist()  # the one host read
         first = torch.sort(torch.where(starts, idx, B * T)).values[:n_docs]  # document starts, ascending
         cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
+        return cu, max_seqlen
+
+    @staticmethod
+    def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float,
+                       documents: tuple[torch.Tensor, int] | None = None) -> "AttentionContext":
+        """Build the context for a training batch. With ``block_causal`` the documents are
+        :meth:`document_offsets` of ``positions``, or ``documents`` when the caller computed them already.
+
+        Host syncs: none for causal rows (positions restart in every row, so they are < T) or given ``documents``;
+        otherwise :meth:`document_offsets`' one read."""
+        T = positions.shape[1]
+        if not block_causal:
+            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
+        cu, max_seqlen = documents if documents is not None else AttentionContext.document_offsets(positions)
         return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
                                 max_position=T)
 
