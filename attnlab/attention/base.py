@@ -143,17 +143,14 @@ class AttentionContext:
     def document_offsets(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The packed documents of ``positions`` [B, T] (a new document wherever ``positions == 0`` and at every row
         start) as (cu_seqlens [n_docs + 1] int32 offsets into the B·T flattened tokens, the longest document's
-        length), on ``positions``' device: one read of two integers back from a GPU, none on the host (the trainer
-        computes them there before the batch's copy, :mod:`attnlab.trainer.step`)."""
+        length), on ``positions``' device: O(B·T) host work and no sync on the host, where the trainer computes
+        them before the batch's copy (:mod:`attnlab.trainer.step`); two reads back from a GPU."""
         B, T = positions.shape
         starts = positions.reshape(-1) == 0
         starts[::T] = True  # every row starts a document
-        idx = torch.arange(B * T, device=positions.device)
-        begin = torch.cummax(torch.where(starts, idx, 0), dim=0).values  # first token of each token's document
-        n_docs, max_seqlen = torch.stack([starts.sum(), (idx - begin).max() + 1]).tolist()  # the one host read
-        first = torch.sort(torch.where(starts, idx, B * T)).values[:n_docs]  # document starts, ascending
+        first = starts.nonzero().flatten()  # document starts, ascending
         cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
-        return cu, max_seqlen
+        return cu, int((cu[1:] - cu[:-1]).max())
 
     @staticmethod
     def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float,
@@ -162,7 +159,7 @@ class AttentionContext:
         :meth:`document_offsets` of ``positions``, or ``documents`` when the caller computed them already.
 
         Host syncs: none for causal rows (positions restart in every row, so they are < T) or given ``documents``;
-        otherwise :meth:`document_offsets`' one read."""
+        otherwise :meth:`document_offsets`' two reads on a GPU."""
         T = positions.shape[1]
         if not block_causal:
             return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
