@@ -10,7 +10,7 @@ checkpoints off, ``--steps`` steps, and reads the process's peak RSS from ``wait
 - ``one``: the same ``--mb`` MB of text as one document (one ``.txt`` file).
 
 The text is the embedded corpus repeated. ``--repo DIR`` runs another checkout's ``attnlab`` (before/after rows of
-one change). The data files are written once under ``--work`` (default ``/tmp/bench_data_memory``).
+one change), run in that folder. The data files are written once under ``--work`` (default ``/tmp/bench_data_memory``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def data_files(work: Path, cache_dir: str, mb: int) -> dict[str, str]:
     return {"default": "", "docs": str(docs), "one": str(one)}
 
 
-def peak_rss(cmd: list[str], env: dict, log: Path) -> tuple[float, float, int]:
+def peak_rss(cmd: list[str], env: dict, log: Path, cwd: str | None) -> tuple[float, float, int]:
     """(peak RSS in MB, wall seconds, exit status) of ``cmd``."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
     return usage.ru_maxrss / 1024, time.perf_counter() - t0, os.waitstatus_to_exitcode(status)
 
@@ -70,8 +70,9 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     cache = str(work / "cache")
     files = data_files(work, cache, a.mb)
-    env = {**os.environ, **({"PYTHONPATH": a.repo} if a.repo else {})}
-    print(f"| row | data | peak RSS MB | wall s | exit |\n|---|---|---|---|---|")
+    env = {**os.environ, **({"PYTHONPATH": a.repo} if a.repo else {})}  # and its folder as the working directory,
+    # which ``python -m`` puts first on the import path
+    print("| row | data | peak RSS MB | wall s | exit |\n|---|---|---|---|---|")
     base = None
     for row in a.rows.split(","):
         with tempfile.TemporaryDirectory(dir=work) as dump:
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
                    "--training.steps", str(a.steps), "--lr_scheduler.warmup_steps", "1", "--validation.no-enable", "--checkpoint.no-enable",
                    "--metrics.no-enable-tensorboard", "--metrics.log_freq", "1", "--data.cache_dir", cache,
                    *(["--training.dataset_path", files[row]] if files[row] else [])]
-            rss, wall, code = peak_rss(cmd, env, work / f"{row}.log")
+            rss, wall, code = peak_rss(cmd, env, work / f"{row}.log", a.repo or None)
         base = base or rss
         what = {"default": "embedded corpus", "docs": f"{a.mb} MB, 10 KB documents",
                 "one": f"{a.mb} MB, one document"}[row]
