@@ -411,14 +411,14 @@ class ReshardableDataloader(ParallelAwareDataloader):
         old = state_dict.get("world_size") if state_dict else None
         if old is None or old == self.dp_world_size:
             if state_dict and self._rank_id in state_dict:
-                self._note_data_change(state_dict[self._rank_id])
+                _note_data_change(self, state_dict[self._rank_id])
             return super().load_state_dict(state_dict)
         import math
         import pickle
 
         self.check_reshardable(old)
         ds = self.dataset
-        self._note_data_change(state_dict["dp_rank_0"])
+        _note_data_change(self, state_dict["dp_rank_0"])
         done = [dataset_state(pickle.loads(state_dict[f"dp_rank_{r}"]))["sample_idx"] for r in range(old)]
         n_global = min(n * old + r for r, n in enumerate(done))
         W, r = self.dp_world_size, self.dp_rank
@@ -428,20 +428,20 @@ class ReshardableDataloader(ParallelAwareDataloader):
                        f"(rank {r} skips {ds._sample_idx} of its documents; leftover partial rows dropped)")
 
 
-    def _note_data_change(self, rank_state: bytes) -> None:
-        """Warn in one line when the checkpoint's loader read other data than this one (:func:`data_identity`):
-        its position (documents read, tokens buffered) is applied to this data as it is."""
-        import pickle
+def _note_data_change(loader, rank_state: bytes) -> None:
+    """Warn in one line when the checkpoint's loader read other data than ``loader`` (:func:`data_identity`): its
+    position (documents read, tokens buffered) is applied to this data as it is."""
+    import pickle
 
-        try:
-            saved = dataset_state(pickle.loads(rank_state)).get("data_identity")
-        except (KeyError, TypeError):  # no batch delivered yet, or a state without the dataset's
-            return
-        changes = data_changes(saved, self.dataset.identity) if saved else ""
-        if changes:
-            logger.warning(f"Data changed since checkpoint {self.checkpoint_path or '(resumed)'}: {changes}; its "
-                           "loader position is applied to this data as it is (to read this data from its first "
-                           "document, resume with --checkpoint.exclude_from_loading dataloader)")
+    try:
+        saved = dataset_state(pickle.loads(rank_state)).get("data_identity")
+    except (KeyError, TypeError):  # no batch delivered yet, or a state without the dataset's
+        return
+    changes = data_changes(saved, loader.dataset.identity) if saved else ""
+    if changes:
+        logger.warning(f"Data changed since checkpoint {loader.checkpoint_path or '(resumed)'}: {changes}; its "
+                       "loader position is applied to this data as it is (to read this data from its first "
+                       "document, resume with --checkpoint.exclude_from_loading dataloader)")
 
 
 def dataset_state(loader_state: dict) -> dict:

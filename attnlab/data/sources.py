@@ -44,7 +44,11 @@ SUPPORTED = ("supported: .jsonl/.json (JSON Lines, or one array of records), .pa
 def check_files(spec: str, key: str, text_field: str) -> None:
     """What preflight checks of local data without reading it: the files exist and have a supported format
     (:func:`resolve_files`), and every parquet file's schema has the ``text_field`` column (its footer only).
-    JSON and text records are scanned when the loader opens them (:func:`scan_files`), still before step 1."""
+    JSON and text records are scanned when the loader opens them (:func:`scan_files`), still before step 1. A
+    path that matches nothing is left to the loader, which names it then: a configuration may be checked where
+    its data is not mounted."""
+    if not (os.path.exists(spec) or glob.glob(spec, recursive=True)):
+        return
     builder, files = resolve_files(spec, key)
     if builder != "parquet":
         return
