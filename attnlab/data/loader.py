@@ -359,8 +359,8 @@ def data_identity(job_config, split: str) -> dict:
 def data_changes(saved: dict, now: dict) -> str:
     """The differences between two :func:`data_identity` records, as "what: saved -> now" parts ("" if none)."""
     name = {"source": now.get("key", "source"), "digest": "files' paths and sizes"}
-    return ", ".join(f"{name.get(k, k)} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted({*saved, *now})
-                     if k != "key" and saved.get(k) != now.get(k))
+    keys = sorted({*saved, *now} - {"key"}, key=lambda k: (k != "source", k))  # the dataset's name first
+    return ", ".join(f"{name.get(k, k)} {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k))
 
 
 def _loader(job_config, split, tokenizer, dp_rank, dp_world_size, batch_size, seq_len, dl_config, **kw):
