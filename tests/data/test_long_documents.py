@@ -16,10 +16,33 @@ from attnlab.data.loader import PackedTextDataset, piece_end
 WORDS = "the quick brown fox jumps over a lazy dog; naïve café déjà vu, 42 times: x=y (z) it's".split()
 
 
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """A small byte-level BPE tokenizer folder, the kind of the embedded corpus (and GPT-2, Qwen, Llama 3)."""
+    """A small byte-level BPE tokenizer folder, the kind of the embedded corpus (GPT-2's pre-tokenizer)."""
     return str(train_bpe([" ".join(WORDS)] * 50, 300, tmp_path_factory.mktemp("bpe"), show_progress=False))
+
+
+@pytest.fixture(scope="module")
+def qwen_style(tmp_path_factory):
+    """A small tokenizer built as Qwen3's is: NFC, its split regex, byte-level BPE."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("qwen_style")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
+    return str(out)
 
 
 def _text(n_words: int, seed: int = 0) -> str:
@@ -58,9 +81,10 @@ def _rows(stream: list[int], seq_len: int) -> list[list[int]]:
     return [stream[i:i + n] for i in range(0, len(stream) - n + 1, n)]
 
 
-def test_a_long_document_is_tokenized_in_bounded_pieces_with_the_ids_of_the_whole(bpe):
+@pytest.mark.parametrize("kind", ["bpe", "qwen_style"])
+def test_a_long_document_is_tokenized_in_bounded_pieces_with_the_ids_of_the_whole(kind, request):
     docs = [_text(3000), "a short one", _text(400, seed=1)]
-    ds, tok = _dataset(bpe, docs)
+    ds, tok = _dataset(request.getfixturevalue(kind), docs)
     rows = [torch.cat([x["input"], y[-1:]]).tolist() for x, y in ds]
     assert max(tok.tokenizer.lengths) <= 500 < len(docs[0])  # every text handed to the tokenizer is one piece
     stream = [t for d in docs for t in tok.encode(d, add_bos=True, add_eos=True)]
