@@ -4,8 +4,9 @@ Documents are tokenized with BOS/EOS and packed into rows of ``seq_len + 1`` tok
 ``({"input": tokens, "positions": per-document positions}, labels)``. Positions restart at every document
 start (a BOS token, or the token after an EOS) and at every row start, which is also what the model's
 ``block_causal`` mask uses. Sharding is deterministic per data-parallel rank (interleaved),
-and the dataset state (documents consumed + leftover tokens) is saved in checkpoints through torchtitan's
-``ParallelAwareDataloader``.
+and the dataset state (documents consumed, the characters read of a long document, leftover tokens, and what data
+this is) is saved in checkpoints through torchtitan's ``ParallelAwareDataloader``. A long document is tokenized in
+pieces (:func:`piece_end`), so memory does not grow with a document's length.
 """
 
 from __future__ import annotations
