@@ -384,8 +384,9 @@ class ReshardableDataloader(ParallelAwareDataloader):
     below N = min_r(n_r·W + r) has been read; new rank r' of W' starts at the first document >= N in its own
     interleaved shard. Old ranks' leftover partial rows are dropped and at most W documents per old rank are
     read twice (a long document an old rank was inside is read again from its start). When every document fills
-    whole rows and ranks are in step, this is exactly the data order of an uninterrupted run. Streaming (iterable) datasets keep an opaque per-rank state and cannot be resharded: the
-    load fails with one message naming the checkpoint and both world sizes.
+    whole rows and ranks are in step, this is exactly the data order of an uninterrupted run. Streaming (iterable)
+    datasets keep an opaque per-rank state and cannot be resharded: the load fails with one message naming the
+    checkpoint and both world sizes.
     ``resume_world_size`` is set by the trainer from the checkpoint's metadata before DCP loads it.
     """
 
