@@ -78,7 +78,8 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(dir=work) as dump:
             cmd = [sys.executable, "-m", "attnlab.train", "--job.config_file", "debug_cpu", "--job.dump_folder", dump,
                    "--training.steps", str(a.steps), "--lr_scheduler.warmup_steps", "1", "--validation.no-enable",
-                   "--checkpoint.no-enable", "--metrics.no-enable-tensorboard", "--metrics.log_freq", "1", "--data.cache_dir", cache,
+                   "--checkpoint.no-enable", "--metrics.no-enable-tensorboard", "--metrics.log_freq", "1",
+                   "--data.cache_dir", cache,
                    *(["--training.dataset_path", files[row]] if files[row] else [])]
             rss, wall, code = peak_rss(cmd, env, work / f"{row}.log", a.repo or None)
         base = base or rss
