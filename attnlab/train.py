@@ -34,6 +34,7 @@ from attnlab import attention
 import attnlab.config as project_config
 from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
 from attnlab.config.parse import import_requested_module, resolve_config_file
+from attnlab.data.loader import check_data_source
 from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
 from attnlab.trainer.cpu import install_cpu_shim, single_process_env
 from attnlab.trainer.metrics import DocumentFlops
@@ -158,15 +159,16 @@ def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
     ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
-    lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
+    data files and held-out split (``data.loader.check_data``), the lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
     ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
-    from attnlab.data.loader import tokenizer_path
+    from attnlab.data.loader import check_data, tokenizer_path
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.models.model import Transformer
     from attnlab.checkpoint.layout import check_tokenizer_fits
     from attnlab.optim.schedules import build_schedule
 
     project_config.validate_config(job_config)
+    check_data(job_config)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
     args = model_args_from_config(job_config)
     with torch.device("meta"):
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         preflight(cfg)
+        if not check_only:  # the data source itself: one request to the Hub, which a configuration check leaves out
+            check_data_source(cfg)
     except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
         sys.exit(f"train.py: error: {e}")
     if check_only:

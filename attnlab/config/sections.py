@@ -78,7 +78,9 @@ class Data:
     streaming: bool | None = None
     """Stream the dataset (None = stream hub datasets, load local files as Arrow map-style datasets)."""
     val_every: int = 100
-    """When ``validation.dataset_path`` is empty, every ``val_every``-th document is held out for validation."""
+    """When ``validation.dataset_path`` is empty, every ``val_every``-th document is held out for validation.
+    0 holds out none: validation then needs ``validation.dataset_path`` (else the run is refused before it starts;
+    ``validation.enable = false`` trains on every document without validation)."""
     embedded_vocab_size: int = 4096
     """Vocabulary of the BPE tokenizer trained for the embedded corpus."""
     cache_dir: str = ".cache/attnlab"
