@@ -21,6 +21,7 @@ import dataclasses
 import io
 import json
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -176,14 +177,18 @@ def check_pickles(folder):
                 data = f.read(length)
         except OSError as e:
             raise CheckpointError(f"{where}: cannot be read ({e.strerror or e})") from None
+        if not zipfile.is_zipfile(io.BytesIO(data)):  # what torch.save writes (DCP stores each item that way)
+            raise CheckpointError(f"{where}: corrupt or truncated ({len(data)} bytes, not a torch.save record); the "
+                                  "checkpoint cannot be loaded")
         try:
             value = torch.load(io.BytesIO(data), weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeCheckpointError(f"{where}: refused by torch's restricted unpickler ({_first_line(e)}); "
                                         "unpickling it could run code. Nothing was loaded; use checkpoints only "
                                         "from sources you trust") from None
-        except Exception as e:  # noqa: BLE001  (truncated or corrupt)
-            raise CheckpointError(f"{where}: not readable ({type(e).__name__}: {_first_line(e)})") from None
+        except Exception as e:  # noqa: BLE001  (a damaged record)
+            raise CheckpointError(f"{where}: corrupt or truncated, cannot be read ({type(e).__name__}: "
+                                  f"{_first_line(e)}); the checkpoint cannot be loaded") from None
         if fqn.startswith("dataloader.") and isinstance(value, (bytes, bytearray)):
             _restricted_loads(bytes(value), set(), where)
     return meta
