@@ -169,6 +169,7 @@ def check_pickles(folder):
     byte_keys = {k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
     items = sorted(((info.relative_path, info.offset, info.length, index.fqn)
                     for index, info in (meta.storage_data or {}).items() if index.fqn in byte_keys))
+    checked: set[bytes] = set()  # many items are equal (each parameter's lr, betas, …): each is read once
     for relative_path, offset, length, fqn in items:
         where = f"{folder / relative_path} (item {fqn})"
         try:
@@ -177,6 +178,9 @@ def check_pickles(folder):
                 data = f.read(length)
         except OSError as e:
             raise CheckpointError(f"{where}: cannot be read ({e.strerror or e})") from None
+        if data in checked:
+            continue
+        checked.add(data)
         if not zipfile.is_zipfile(io.BytesIO(data)):  # what torch.save writes (DCP stores each item that way)
             raise CheckpointError(f"{where}: corrupt or truncated ({len(data)} bytes, not a torch.save record); the "
                                   "checkpoint cannot be loaded")
