@@ -159,21 +159,24 @@ def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
     ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
-    data files and held-out split (``data.loader.check_data``), the lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
-    ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
+    data files and held-out split (``data.loader.check_data``), the lr schedule, and the model built once on the meta
+    device (no memory, no files): a mechanism's options, its ``[attention] impl``, the sizes, and a tokenizer that
+    fits the embedding; the run folder and the checkpoint to load (``trainer.run_folder.check_run_folder``)."""
     from attnlab.data.loader import check_data, tokenizer_path
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.models.model import Transformer
     from attnlab.checkpoint.layout import check_tokenizer_fits
     from attnlab.optim.schedules import build_schedule
+    from attnlab.trainer.run_folder import check_run_folder
 
     project_config.validate_config(job_config)
     check_data(job_config)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
     args = model_args_from_config(job_config)
     with torch.device("meta"):
-        Transformer(args)
+        model = Transformer(args)
     tok = tokenizer_path(job_config)
+    check_run_folder(job_config, args, model.state_dict(), tok)  # the dump folder and the checkpoint to load
     if os.path.isfile(os.path.join(tok, "tokenizer.json")):
         check_tokenizer_fits(tok, args.vocab_size, "set model.vocab_size to at least that many, or point "
                              "model.hf_assets_path at a tokenizer that fits")

@@ -30,7 +30,7 @@ from attnlab.attention.registry import register_attention
 class FoxOptions:
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("forget_bias_init",)
     """Options that only set initial weights (the forget gate's bias): a resume loads them, so it may change them
-    (trainer.checkpoint.INIT_ONLY_FIELDS)."""
+    (checkpoint.dcp.INIT_ONLY_FIELDS)."""
 
     qk_norm: bool = False
     """RMSNorm on q and k per head (FoX Pro)."""
