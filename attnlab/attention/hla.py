@@ -27,7 +27,8 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, copy_full_
+from attnlab.attention.base import (AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, copy_full_,
+                                    mix_whole_rows)
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.hla import IMPLS, hla, init_state
 from attnlab.attention.ops.hla.recurrent import hla_step
@@ -78,6 +79,8 @@ class HigherOrderLinearAttention(QKVAttentionBase):
 
     impls = IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: q, k, v all-gathered, the whole rows mixed (:func:`attention.base.mix_whole_rows`)."""
 
     def __init__(self, args: AttentionArgs, opts: HLAOptions):
         if opts.order not in (2, 3):
@@ -163,6 +166,10 @@ class HigherOrderLinearAttention(QKVAttentionBase):
         kw = dict(order=self.opts.order, variant=self.opts.variant, normalize=self.opts.normalize, eps=self.opts.eps)
         if ctx.cache is not None:
             o = self._decode(q, k, v, g, ctx.cache, kw)
+        elif ctx.cp is not None:
+            o = mix_whole_rows(ctx, lambda q, k, v, cu_seqlens: hla(
+                q, k, v, None if lg is None else lg.view(1, 1, -1).expand(*q.shape[:2], -1), cu_seqlens=cu_seqlens,
+                chunk_size=self.opts.chunk_size, impl=self.args.impl, **kw), q, k, v)
         else:
             o = hla(q, k, v, g, cu_seqlens=ctx.cu_seqlens, chunk_size=self.opts.chunk_size, impl=self.args.impl, **kw)
         if self.o_norm is not None:

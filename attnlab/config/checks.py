@@ -135,8 +135,9 @@ def check_context_parallel(job_config) -> None:
     supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
     for name in sorted({m.attention, *m.layer_pattern}):
         if name not in supported:
-            raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism yet; "
-                             f"supported: {supported}")
+            raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism (its class "
+                             "does not set context_parallel = True; docs/context_parallel.md says what a mechanism "
+                             f"needs); supported: {supported}")
     for section in ("training", "validation"):
         seq_len = getattr(job_config, section).seq_len
         if seq_len % (2 * cp):
