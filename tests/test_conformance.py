@@ -67,12 +67,13 @@ def test_one_vs_two_processes_and_resumes_both_ways(pattern, optimizer, tmp_path
 CP_SAME_PATH = {
     "parallax": "softmax",  # the key/value all-gather and segments
     "deltanet": "gdn", "kda": "gdn",  # the delta rule's state passing
-    "linear": "gla", "gated_linear": "gla",  # linear_recurrence_cp through gated_linear_attention
-    "value_avg": "hla", "affine_linear": "hla", "mesa": "hla", "affine_mesa": "hla", "lla": "hla", "fox": "hla",
-    "path": "hla",  # mix_whole_rows
+    "linear": "hla", "gated_linear": "hla", "gla": "hla", "cala": "hla",  # linear_recurrence_cp
+    "value_avg": "lla", "affine_linear": "lla", "mesa": "lla", "affine_mesa": "lla", "fox": "lla",
+    "path": "lla",  # mix_whole_rows
 }
 """Mechanisms whose CP algorithm is the same code as the named one's default-suite row: their CP rows run with
--m slow (CI time). A mechanism not listed here runs in the default suite."""
+-m slow (CI time; tests/attention/test_context_parallel_modules.py checks every mechanism's CP path in the default
+suite). A mechanism not listed here runs in the default suite."""
 
 CP_ROWS = [pytest.param(m, id=m, marks=pytest.mark.slow if m in CP_SAME_PATH else ()) for m in sorted(attention.REGISTRY)]
 
