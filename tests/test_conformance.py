@@ -14,7 +14,8 @@ uninterrupted runs'), within its float32 tolerance.
 The context-parallel column, every registered mechanism: :func:`attnlab.testing.conformance.check_context_parallel`,
 CP = 2 on 2 gloo processes against one process on rows whose documents cross the chunks (training and validation
 losses within 1e-4). In the default suite for one mechanism per CP algorithm and for any mechanism not listed in
-``CP_SAME_PATH``; the others, and every row's resume of the CP checkpoint on one process, with ``-m slow``.
+``CP_SAME_PATH``; the others, and every row's resume of the CP checkpoint on one process and its compiled CP run
+(against the eager one), with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ CP_SAME_PATH = {
     "parallax": "softmax",  # the key/value all-gather and segments
     "deltanet": "gdn", "kda": "gdn",  # the delta rule's state passing
     "linear": "hla", "gated_linear": "hla", "gla": "hla", "cala": "hla",  # linear_recurrence_cp
-    "value_avg": "lla", "affine_linear": "lla", "mesa": "lla", "affine_mesa": "lla", "fox": "lla",
-    "path": "lla",  # mix_whole_rows
+    "value_avg": "path", "affine_linear": "path", "mesa": "path", "affine_mesa": "path", "fox": "path",
+    "lla": "path",  # mix_whole_rows
 }
 """Mechanisms whose CP algorithm is the same code as the named one's default-suite row: their CP rows run with
 -m slow (CI time; tests/attention/test_context_parallel_modules.py checks every mechanism's CP path in the default
@@ -95,5 +96,5 @@ def test_context_parallel_trains_and_validates_as_one_process(mechanism, cp_rows
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism", sorted(attention.REGISTRY))
-def test_context_parallel_checkpoint_resumes_on_one_process(mechanism, cp_rows_corpus, tmp_path):
-    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus)
+def test_context_parallel_checkpoint_resumes_on_one_process_and_compiles(mechanism, cp_rows_corpus, tmp_path):
+    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus, compiled=True)

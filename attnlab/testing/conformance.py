@@ -155,7 +155,7 @@ def cp_corpus(root: str | os.PathLike) -> dict[str, str]:
 def check_context_parallel(pattern: str | Sequence[str], workdir: str | os.PathLike, *, degree: int = 2,
                            train_flags: Sequence[str] = (), pythonpath: Sequence[str | os.PathLike] = (),
                            corpus: dict[str, str] | None = None, timeout: int = 600, resume: bool = True,
-                           tol: float = 1e-4) -> dict[str, float]:
+                           compiled: bool = False, tol: float = 1e-4) -> dict[str, float]:
     """The context-parallel column of the cell for ``pattern`` (a mechanism's name or a layer pattern,
     :func:`pattern_flags`): a seed checkpoint, 4 AdamW steps (validation at 1, 2 and 4, checkpoints at 2 and 4) on one
     process and with ``context_parallel_degree = degree`` on ``degree`` gloo processes from it, block-causal rows
@@ -163,7 +163,8 @@ def check_context_parallel(pattern: str | Sequence[str], workdir: str | os.PathL
     config's 3e-3 without warmup AdamW's first steps amplify float32 summation-order differences (HLA's chunked
     passes against its one-process kernel: 2e-3 by step 4, 1.8e-5 at 1e-3) past the tolerance; that the CP path is
     exact is checked in float64 by tests/attention/test_context_parallel_modules.py. With ``resume``, the CP run's step-2
-    checkpoint resumes on one process and steps 3-4 must match the CP run's. ``corpus``: :func:`cp_corpus`'s paths
+    checkpoint resumes on one process and steps 3-4 must match the CP run's. With ``compiled``, the CP run again with
+    ``compile.enable`` (every block one graph, the collectives in it) must match the eager CP run's losses. ``corpus``: :func:`cp_corpus`'s paths
     (made in ``workdir`` without it). Returns the largest difference of each comparison ("training", "validation",
 "resume"). Raises AssertionError."""
     import shutil
@@ -195,6 +196,13 @@ def check_context_parallel(pattern: str | Sequence[str], workdir: str | os.PathL
         assert diffs[what] <= tol, \
             f"{what} losses, one process {a} vs CP = {degree} {b}: differ by {diffs[what]:.2e} > {tol}"
     cp_losses = losses(cp)
+    if compiled:
+        a, b = (read_metrics(d) for d in (cp, train(f"cp{degree}_compiled", degree, *init, "--compile.enable")))
+        pick = lambda recs: {(k, r["step"]): r[k] for r in recs for k in ("loss", "val_loss") if k in r}  # noqa: E731
+        a, b = pick(a), pick(b)
+        assert sorted(a) == sorted(b), f"compiled CP logged {sorted(b)}, eager CP {sorted(a)}"
+        diffs["compiled"] = max(abs(a[s] - b[s]) for s in a)
+        assert diffs["compiled"] <= tol, f"compiled CP {b} vs eager CP {a}: differ by {diffs['compiled']:.2e} > {tol}"
     if resume:
         resumed = workdir / "resumed"
         shutil.copytree(cp / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
