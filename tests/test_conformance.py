@@ -14,8 +14,8 @@ uninterrupted runs'), within its float32 tolerance.
 The context-parallel column, every registered mechanism: :func:`attnlab.testing.conformance.check_context_parallel`,
 CP = 2 on 2 gloo processes against one process on rows whose documents cross the chunks (training and validation
 losses within 1e-4). In the default suite for one mechanism per CP algorithm and for any mechanism not listed in
-``CP_SAME_PATH``; the others, and every row's resume of the CP checkpoint on one process and its compiled CP run
-(against the eager one), with ``-m slow``.
+``CP_SAME_PATH``; the others, and every row's resume of the CP checkpoint on one process and, where the mechanism
+declares it compiles under CP, its compiled CP run against the eager one, with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -97,4 +97,7 @@ def test_context_parallel_trains_and_validates_as_one_process(mechanism, cp_rows
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism", sorted(attention.REGISTRY))
 def test_context_parallel_checkpoint_resumes_on_one_process_and_compiles(mechanism, cp_rows_corpus, tmp_path):
-    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus, compiled=True)
+    """The resume of the CP checkpoint on one process; compiled CP against eager CP where the mechanism declares that
+    its CP path compiles (``context_parallel_compiles``; the configuration refuses the others)."""
+    compiled = getattr(attention.REGISTRY[mechanism].cls, "context_parallel_compiles", False)
+    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus, compiled=compiled)

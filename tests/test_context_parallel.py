@@ -195,13 +195,21 @@ def test_every_registered_mechanism_declares_context_parallelism():
                                    "context_parallel = True; docs/context_parallel.md"),
     (["--model.layer_pattern", "softmax,hla"], "mechanism 'hla' does not run under context parallelism"),
     (["--training.seq_len", "30"], "training.seq_len=30: must be a multiple of 2 x parallelism.context_parallel_degree"),
-    (["--compile.enable"], "compile.enable with parallelism.context_parallel_degree=2"),
+    (["--model.attention", "hla", "--compile.enable"], "compile.enable with parallelism.context_parallel_degree=2: "
+                                                       "mechanism 'hla' is not known to compile under context "
+                                                       "parallelism (docs/context_parallel.md"),
 ])
 def test_what_context_parallelism_cannot_run_fails_naming_the_key(flags, message, monkeypatch):
-    """A mechanism without ``context_parallel = True`` (HLA's class made one) is refused, naming it and the docs."""
-    monkeypatch.setattr(REGISTRY["hla"].cls, "context_parallel", False)
+    """A mechanism without ``context_parallel = True`` (HLA's class made one) is refused, naming it and the docs;
+    so is compiling a mechanism without ``context_parallel_compiles = True``."""
+    if "--compile.enable" not in flags:
+        monkeypatch.setattr(REGISTRY["hla"].cls, "context_parallel", False)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate_config(_cfg(*flags))
+
+
+def test_compile_runs_with_context_parallelism_where_the_mechanisms_declare_it():
+    validate_config(_cfg("--model.layer_pattern", "gdn,parallax", "--compile.enable"))
 
 
 @pytest.fixture(scope="module")

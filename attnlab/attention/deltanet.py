@@ -63,6 +63,8 @@ class DeltaRuleAttention(nn.Module):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism (:meth:`_mix_cp`, :meth:`attention.linear_common.ShortConvolution.forward_cp`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
     gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
