@@ -68,6 +68,8 @@ class ForgettingAttention(QKVAttentionBase):
     context_parallel = True
     """Runs under context parallelism: q, k, v and the log forget gates all-gathered, the whole rows attended
     (:func:`attention.base.mix_whole_rows`): each query's gate sums run over the row's gates."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: FoxOptions):
         check_impl(args.impl, self.impls, "fox")

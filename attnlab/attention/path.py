@@ -69,6 +69,8 @@ class PathAttention(QKVAttentionBase):
     (:meth:`attention.linear_common.ShortConvolution.forward_cp`), then q, k, v, ν, β (and the forget gates)
     all-gathered and the whole rows attended (:func:`attention.base.mix_whole_rows`): the Householder products
     between a query and its keys run over the row."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: PathOptions):
         check_impl(args.impl, self.impls, "path")
