@@ -168,6 +168,20 @@ class AttentionContext:
                                 max_position=T)
 
 
+def mix_whole_rows(ctx: AttentionContext, mix, *xs: torch.Tensor | None) -> torch.Tensor:
+    """Under context parallelism: a one-process token mixer over the whole rows, this rank's tokens of its output.
+    ``xs``: token-wise inputs [B, 2c, ...] (this rank's two chunks; None passes through), each all-gathered into
+    the row's [B, T, ...] (:meth:`attention.cp.ContextParallel.gather`); ``mix(*rows, cu_seqlens=...)`` runs on
+    them with the rows' documents as segments over the B·T tokens
+    (:meth:`attention.cp.ContextParallel.row_segments`) and returns [B, T, ...]; the result is cut back to
+    [B, 2c, ...]. Exact for any causal mixer; each rank computes the mixing of the whole row (the projections,
+    MLPs and loss around it stay divided over the ranks)."""
+    cp = ctx.cp
+    cu = ctx.once("cp_row_segments", lambda: cp.row_segments(ctx.cp_docs))
+    rows = [None if x is None else cp.gather(x, 1) for x in xs]
+    return cp.shard(mix(*rows, cu_seqlens=cu), 1)
+
+
 def causal_pairs(seq_len: int, window: int = 0) -> int:
     """(query, key) pairs a causal mask keeps over one sequence of ``seq_len`` tokens: query i (1-based) sees keys
     1..i, or only the last ``window`` of them when ``window`` > 0, so Σ_i min(i, window); seq_len·(seq_len+1)/2
