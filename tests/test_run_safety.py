@@ -189,21 +189,28 @@ def test_the_branch_the_load_step_refusal_names_continues_the_run_exactly(corpus
 def test_a_run_replaces_or_appends_to_only_what_it_wrote(corpus, run4, tmp_path):
     """A user's config.toml in a fresh dump folder was replaced, an older metrics.jsonl appended to (steps 1..4,
     1..4); now a fresh run refuses both, naming the file; a run records what it wrote, and a resume refuses a
-    config.toml edited since."""
+    config.toml edited since. The same command again in a folder a run wrote without checkpoints starts fresh and
+    sets the earlier metrics aside."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.toml").write_text("# my notes\n")
     assert _refused(tiny_args(corpus, mine, 1, 16, 2, *NO_VAL)) == (
         f"train.py: error: job.dump_folder='{mine}' holds files this run would replace or append to but did not "
-        f"write: {mine / 'config.toml'} (not written by this run); this run starts fresh (no checkpoint of its own "
+        f"write: {mine / 'config.toml'} (not written by a run in this folder, or changed since); this run starts fresh "
+        "(no checkpoint of its own "
         "in checkpoint.folder to continue). Move them away, or choose another job.dump_folder.")
     assert (mine / "config.toml").read_text() == "# my notes\n"
     old = tmp_path / "old"
     old.mkdir()
     shutil.copy(run4 / "metrics.jsonl", old / "metrics.jsonl")
     line = _refused(tiny_args(corpus, old, 1, 16, 2, "--checkpoint.no-enable", *NO_VAL))
-    assert f"{old / 'metrics.jsonl'} (an earlier run's steps 1 to 4, which this run would append to)" in line
+    assert f"{old / 'metrics.jsonl'} (an earlier run: steps 1 to 4)" in line
     assert (old / "metrics.jsonl").read_bytes() == (run4 / "metrics.jsonl").read_bytes()
+    again = tmp_path / "again"
+    for _ in range(2):
+        run_train(tiny_args(corpus, again, 2, 16, 2, "--checkpoint.no-enable", *NO_VAL))
+    assert [r["step"] for r in read_metrics(again)] == [1, 2]
+    assert [json.loads(x)["step"] for x in (again / "metrics.prev-1.jsonl").read_text().splitlines()] == [1, 2]
     record = json.loads((run4 / ".attnlab-run.json").read_text())["files"]
     assert sorted(record) == ["config.toml", "metrics.jsonl", "tokenizer/tokenizer.json",
                               "tokenizer/tokenizer_config.json"] and record["metrics.jsonl"] is None

@@ -9,10 +9,12 @@ written, every message names the key or file). The rules (docs/failures.md):
 - a run continues only from its newest step: ``checkpoint.load_step`` of an older step, in a run that writes
   checkpoints, is refused (training on would overwrite the later steps); a run is branched from a step with
   ``checkpoint.initial_load_path`` and a new ``job.dump_folder``;
-- the run replaces only files it wrote: a fresh start (nothing of this run to resume) finds no ``config.toml``,
-  ``config.resolved.toml``, ``metrics.jsonl`` with records or other ``tokenizer/`` files in the dump folder; a
-  resume replaces ``config.toml``/``config.resolved.toml`` only while they are as the run last wrote them
-  (:func:`checkpoint.layout.run_record`; a folder of an older attnlab has no record and is the run's);
+- the run replaces only files a run wrote: a fresh start (nothing of this run to resume) replaces ``config.toml``,
+  ``config.resolved.toml`` and ``tokenizer/`` files only while they are as an earlier run in the folder wrote them
+  (the same command again after a run stopped before its first checkpoint), and moves that run's ``metrics.jsonl``
+  aside instead of appending to it (:func:`set_aside_metrics`); a resume replaces ``config.toml`` and
+  ``config.resolved.toml`` only while they are as the run last wrote them (:func:`checkpoint.layout.run_record`; a
+  folder of an older attnlab has no record and is the run's); a ``metrics.jsonl`` no run wrote is never touched;
 - no ``step-N`` folder the run may save to holds anything but the run's own DCP checkpoints (a Hugging Face export
   there would be written into, then rotated away).
 """
@@ -131,25 +133,26 @@ def check_run_files(job_config, resuming: bool, tokenizer_dir: str) -> None:
     if not dump.is_dir():
         return
     record, given = run_record(dump), job_config.job.config_file
+    # a fresh start may replace what an earlier run in this folder wrote and nobody changed since (the same command
+    # again after a run stopped before its first checkpoint); a folder of an older attnlab has no record
+    ours = lambda p: record is not None and record.get(str(p.relative_to(dump)), "") == file_digest(p)  # noqa: E731
     found = []
     for name in (CONFIG_FILE, RESOLVED_CONFIG_FILE):
         p = dump / name
         if not p.is_file() or (name == CONFIG_FILE and given and os.path.isfile(given) and os.path.samefile(given, p)):
             continue  # a config.toml that is this run's job.config_file is kept as written
-        if not resuming:
-            found.append(f"{p} (not written by this run)")
-        elif record is not None and record.get(name) != file_digest(p):
+        if not resuming and not ours(p):
+            found.append(f"{p} (not written by a run in this folder, or changed since)")
+        elif resuming and record is not None and record.get(name) != file_digest(p):
             found.append(f"{p} ({'changed since this run wrote it' if name in record else 'not written by this run'})")
     metrics = dump / METRICS_FILE
     steps = _metrics_steps(metrics)
-    if steps and not resuming:
-        found.append(f"{metrics} (an earlier run's {steps}, which this run would append to)")
-    elif steps and record is not None and METRICS_FILE not in record:
-        found.append(f"{metrics} (not written by this run)")
+    if steps and (record is None or METRICS_FILE not in record):
+        found.append(f"{metrics} ({'an earlier run' if not resuming else 'not written by this run'}: {steps})")
     if not resuming:
         for name in TOKENIZER_FILES:
             mine, src = dump / TOKENIZER_DIR / name, Path(tokenizer_dir) / name
-            if mine.is_file() and not (src.is_file() and filecmp.cmp(mine, src, shallow=False)):
+            if mine.is_file() and not ours(mine) and not (src.is_file() and filecmp.cmp(mine, src, shallow=False)):
                 found.append(f"{mine} (not this run's tokenizer)")
     if not found:
         return
@@ -168,3 +171,21 @@ def check_save_targets(folder: str, start: int, steps: int) -> None:
             raise ValueError(f"checkpoint.folder: {p} holds safetensors weights (a Hugging Face export?), not a "
                              f"checkpoint of this run, and this run (steps {start + 1} to {steps}) may save step {n} "
                              "there; move it out of the checkpoint folder or give it a name other than step-N")
+
+
+def set_aside_metrics(job_config) -> Path | None:
+    """On a fresh start (no checkpoint of this run to continue), an earlier run's ``metrics.jsonl`` in the dump folder
+    is renamed to ``metrics.prev-N.jsonl`` (N the first free number) so the new run's records start a file of their
+    own; returns the new name, or None when there was nothing to move. :func:`check_run_files` already refused a
+    metrics file no run in this folder wrote. Call on rank 0 before the metrics logger opens the file."""
+    dump, ck = Path(job_config.job.dump_folder), job_config.checkpoint
+    path, _ = planned_load(ck, str(dump / ck.folder), ck.load_step)
+    metrics = dump / METRICS_FILE
+    if (path is not None and (dump / ck.folder).is_dir()) or not _metrics_steps(metrics):
+        return None
+    n = 1
+    while (dump / f"metrics.prev-{n}.jsonl").exists():
+        n += 1
+    target = dump / f"metrics.prev-{n}.jsonl"
+    os.rename(metrics, target)
+    return target

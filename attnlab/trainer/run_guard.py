@@ -16,6 +16,7 @@ from attnlab.data.loader import tokenizer_path
 from attnlab.checkpoint.layout import (CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, TOKENIZER_FILES, record_run_files,
                                        step_folders, write_run_files)
 from attnlab.trainer.checkpoint import checkpoint_bytes
+from attnlab.trainer.run_folder import set_aside_metrics
 
 
 class RunLock:
@@ -156,6 +157,10 @@ class RunGuard:
                     self._locks.append(RunLock(self.ck_folder, "checkpoint.folder",
                                                checkpoint_lock_path(self.ck_folder)))
             check_run_tokenizer(dump, self.ck_folder, tokenizer_path(job_config))
+            moved = set_aside_metrics(job_config) if self.rank0 else None
+            if moved is not None:
+                logger.warning(f"{os.path.join(dump, METRICS_FILE)} holds an earlier run's records and this run starts "
+                               f"fresh: moved to {moved}")
         except BaseException:
             self.release()
             raise
