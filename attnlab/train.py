@@ -32,7 +32,7 @@ from torchtitan.train import Trainer
 
 from attnlab import attention
 import attnlab.config as project_config
-from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+from attnlab.config import DEFAULT_CONFIG, checks, names_config_file, parse_config
 from attnlab.config.parse import import_requested_module, resolve_config_file
 from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
 from attnlab.trainer.cpu import install_cpu_shim, single_process_env
@@ -155,7 +155,8 @@ def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
-    ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
+    ``comm_traces/``), each a ValueError naming the key: the keys' types and declared rules
+    (``config.validate_config``), the parallel degrees against the processes launched, float8 against the device, the
     lr schedule, and the model built once on the meta device (no memory, no files): a mechanism's options, its
     ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
     from attnlab.data.loader import tokenizer_path
@@ -165,8 +166,11 @@ def preflight(job_config) -> None:
     from attnlab.optim.schedules import build_schedule
 
     project_config.validate_config(job_config)
+    checks.check_world_size(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    checks.check_float8_device(job_config, torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
     args = model_args_from_config(job_config)
+    checks.check_layer_pattern(args.layer_pattern, args.n_layers)  # n_layers as resolved from the flavor
     with torch.device("meta"):
         Transformer(args)
     tok = tokenizer_path(job_config)
