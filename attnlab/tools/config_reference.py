@@ -10,7 +10,6 @@ from the code: ``tests/tools/test_config_reference.py`` fails when it is stale.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -112,10 +111,18 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, out_file
+
+    ap = ToolParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=out_file, default=OUT, help="file to write (default: docs/configuration.md)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=OUT, help="file to write (default: docs/configuration.md)")
-    out = ap.parse_args(argv).out
+    ap = build_parser()
+    out = Path(ap.parse_args(argv).out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render())
     print(f"wrote {out}")
