@@ -66,18 +66,30 @@ def _fits(value, tp) -> bool:
     return True
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    """``typing.get_type_hints`` of a config class, resolved once (every check of every key reads them)."""
+    return typing.get_type_hints(cls)
+
+
 def check_types(obj, prefix: str = "") -> None:
     """Every field of the dataclass ``obj`` (recursively) against its annotation; raises naming the key, the
     value and the expected type. TOML values reach the config unconverted (``rope_on_rho = "false"`` is a
     string, ``steps = 10.7`` a float), so this is where they are caught."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
         tp = hints.get(f.name, f.type)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_types(value, key + ".")
-        elif not _fits(value, tp):
-            raise ValueError(f"{key}={value!r} ({type(value).__name__}): expected {_describe(tp)}")
+        else:
+            check_type(key, value, tp)
+
+
+def check_type(key: str, value, tp) -> None:
+    """``value`` of ``key`` against its annotation ``tp``; raises naming the key, the value and the expected type."""
+    if not _fits(value, tp):
+        raise ValueError(f"{key}={value!r} ({type(value).__name__}): expected {_describe(tp)}")
 
 
 _AC = "unused: pipeline parallelism must stay off (parallelism.pipeline_parallel_degree = 1)"
@@ -97,7 +109,6 @@ TITAN_RULES: dict[str, str] = {
     "metrics.log_freq": "> 0",
     "metrics.save_tb_folder": "non-empty",
     "model.name": "one of qwen3_attn",
-    "model.flavor": "any: a flavor of attnlab/models/args.py, checked naming them when preflight builds the model",
     "model.hf_assets_path": "any: 'embedded' or a folder with tokenizer.json; preflight checks one there fits "
                             "the vocabulary, the data loader names a folder without one",
     "model.tokenizer_path": "empty or existing path",
@@ -170,13 +181,19 @@ their type is the whole rule."""
 def iter_keys(cls, prefix: str = ""):
     """(dotted key, annotation, dataclass field) of every leaf key of the config class ``cls``, nested tables
     walked."""
-    hints = typing.get_type_hints(cls)
+    return _leaf_keys(cls, prefix)
+
+
+@functools.cache
+def _leaf_keys(cls, prefix: str) -> tuple:
+    out = []
     for f in dataclasses.fields(cls):
-        tp = hints.get(f.name, f.type)
+        tp = _hints(cls).get(f.name, f.type)
         if dataclasses.is_dataclass(tp):
-            yield from iter_keys(tp, f"{prefix}{f.name}.")
+            out += _leaf_keys(tp, f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}", tp, f
+            out.append((f"{prefix}{f.name}", tp, f))
+    return tuple(out)
 
 
 def rule_for(key: str, f) -> str | None:
