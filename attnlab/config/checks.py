@@ -144,7 +144,8 @@ TITAN_RULES: dict[str, str] = {
     "parallelism.pipeline_parallel_microbatch_size": "any: " + _AC,
     "checkpoint.folder": "non-empty",
     "checkpoint.interval": "> 0", "checkpoint.keep_latest_k": "0 or >= 2", "checkpoint.load_step": ">= -1",
-    "checkpoint.initial_load_path": "empty or existing folder",
+    "checkpoint.initial_load_path": "any: a checkpoint folder, read only while the run has no checkpoint yet (a "
+                                    "shipped TOML names one a first run creates); the run guard checks it then",
     "checkpoint.exclude_from_loading": "one of model, optimizer, lr_scheduler, dataloader, train_state",
     "activation_checkpoint.selective_ac_option": "a positive integer as text or one of op",
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": "any: module names; a name no module "
