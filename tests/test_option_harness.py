@@ -76,14 +76,16 @@ def bad_values(tp) -> list:
     return BAD_VALUES.get(typing.get_origin(tp) or tp, BAD_TEXT)
 
 
-def validate(cfg) -> None:
-    """Everything preflight checks before it builds anything, on one process without a GPU."""
+def validate(cfg, launch_checks: bool = True) -> None:
+    """Everything a run checks before it builds anything (``--preflight`` without ``launch_checks``, which a
+    preflight only notes), on one process without a GPU."""
     checks.validate_config(cfg)
-    checks.check_world_size(cfg, 1)
-    checks.check_float8_device(cfg, None)
+    if launch_checks:
+        checks.check_world_size(cfg, 1)
+        checks.check_float8_device(cfg, None)
 
 
-def attempt(cfg, key: str, value, paths) -> str | None:
+def attempt(cfg, key: str, value, paths, launch_checks: bool = True) -> str | None:
     """Set ``key`` to ``value`` (restored after), validate; None if it passes, else the error message. Anything but
     a ValueError propagates (a traceback is a failure of the harness)."""
     value = paths.get(value, value) if isinstance(value, str) else value
@@ -94,7 +96,7 @@ def attempt(cfg, key: str, value, paths) -> str | None:
     old = getattr(section, name)
     setattr(section, name, value)
     try:
-        validate(cfg)
+        validate(cfg, launch_checks)
     except ValueError as e:
         return str(e)
     finally:
@@ -110,7 +112,7 @@ def test_every_key_declares_its_valid_values(cfg):
     """Each key has a rule next to its field (metadata "valid"), in checks.TITAN_RULES for torchtitan's, or its type
     is the rule (booleans, Literal); each rule is one this harness can check."""
     missing = [k for k, tp, f in config_keys(cfg) if checks.rule_for(k, f) is None and not type_is_the_rule(tp)]
-    assert not missing, f"keys without a declared rule (add metadata={{'valid': ...}} or a TITAN_RULES entry): {missing}"
+    assert not missing, f"keys without a declared rule (metadata={{'valid': ...}} or a TITAN_RULES entry): {missing}"
     for k, _, f in config_keys(cfg):
         if checks.rule_for(k, f):
             rules.parse_rule(checks.rule_for(k, f))
@@ -335,7 +337,6 @@ def assert_one_line(r: subprocess.CompletedProcess, name: str) -> None:
 
 
 @pytest.mark.parametrize("args, name", [
-    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
     pytest.param(["--model.layer_pattern", "softmax,softmax,softmax,softmax,parallax"], "model.layer_pattern",
                  marks=pytest.mark.slow),
     (["--training.steps", "abc"], "--training.steps"),
@@ -344,6 +345,15 @@ def test_preflight_command_line_is_the_in_process_check(tmp_path, args, name):
     """``python -m attnlab.train --preflight`` prints what the in-process check raises: one line naming the key."""
     assert_one_line(launch("attnlab.train", "--preflight", "--job.dump_folder", str(tmp_path / "run"), *args,
                            cwd=tmp_path), name)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_on_one_process_refuses_degrees_before_torchtitan_starts(tmp_path):
+    """A real launch (--preflight only notes what the launch cannot run, as a configuration may be checked away
+    from its machines): one line naming the key, before torchtitan (whose ParallelDims asserted) or the run folder."""
+    assert_one_line(launch("attnlab.train", "--job.dump_folder", str(tmp_path / "run"),
+                           "--parallelism.context_parallel_degree", "2", cwd=tmp_path),
+                    "parallelism.context_parallel_degree")
     assert not (tmp_path / "run").exists()
 
 
@@ -360,15 +370,31 @@ def cli_spelling(value, paths) -> str | None:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def _sections() -> list[str]:
+    from torchtitan.config import JobConfig
+
+    from attnlab.config.parse import merge_config_classes
+    from attnlab.config.sections import job_config_class
+
+    merged = merge_config_classes(JobConfig, job_config_class())
+    return sorted({k.split(".")[0] for k, _, _ in checks.iter_keys(merged)})
+
+
+SECTIONS = _sections()
+
+
 @pytest.mark.slow
-def test_every_key_on_the_command_line(cfg, paths, tmp_path):
-    """Every scalar key with the first of its bad values the in-process check refuses, through
-    ``python -m attnlab.train --preflight`` in a subprocess: non-zero, one line naming the key, no traceback."""
+@pytest.mark.parametrize("section", SECTIONS)
+def test_every_key_on_the_command_line(cfg, paths, tmp_path, section):
+    """Every scalar key of ``section`` with the first of its bad values the in-process check refuses, through
+    ``python -m attnlab.train`` in a subprocess: non-zero, one line naming the key, no traceback."""
     wrong = []
     for key, tp, f in config_keys(cfg):
+        if key.split(".")[0] != section:
+            continue
         for value in bad_values(tp):
             spelled = cli_spelling(value, paths)
-            if spelled is None or attempt(cfg, key, value, paths) is None:
+            if spelled is None or attempt(cfg, key, value, paths, launch_checks=False) is None:
                 continue
             r = launch("attnlab.train", "--preflight", "--job.dump_folder", str(tmp_path / "run"), f"--{key}",
                        spelled, cwd=tmp_path)

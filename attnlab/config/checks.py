@@ -1,6 +1,7 @@
-"""Every key checked once at start, before anything is built: types from the dataclass annotations, numeric
-ranges, and the rules across keys (mechanisms, optimizer, parallelism, context parallelism, the chunked loss), each
-failure one ValueError naming the key, the value and what is valid."""
+"""Every key checked once at start, before anything is built: types from the dataclass annotations, the valid values
+declared next to each key (:mod:`attnlab.config.rules`; torchtitan's keys in :data:`TITAN_RULES`), and the rules
+across keys (layer pattern against depth, parallel degrees against the processes, float8 against the device,
+context parallelism, the chunked loss), each failure one ValueError naming the key, the value and what is valid."""
 
 from __future__ import annotations
 
@@ -225,8 +226,6 @@ def check_context_parallel(job_config) -> None:
     sequences split into 2N equal chunks, no kernel or compile path that cannot take a shard of a row."""
     cp, m = job_config.parallelism.context_parallel_degree, job_config.model
     key = "parallelism.context_parallel_degree"
-    if cp < 1:
-        raise ValueError(f"{key}={cp}: must be >= 1")
     supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
     for name in sorted({m.attention, *m.layer_pattern}):
         if name not in supported:
