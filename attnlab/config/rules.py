@@ -38,7 +38,7 @@ _NUM = r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|\.\d+)"
 _INTERVAL = re.compile(rf"in ([\[(])\s*({_NUM}),\s*({_NUM})\s*([\])])$")
 
 
-def _regex(value) -> bool:
+def _regex(value, key) -> bool:
     try:
         re.compile(value)
     except (re.error, TypeError):
@@ -46,23 +46,21 @@ def _regex(value) -> bool:
     return True
 
 
-def _mechanism(value) -> bool:
-    from attnlab.attention.registry import REGISTRY
+def _mechanism(value, key) -> bool:
+    from attnlab.attention.registry import get_mechanism
 
-    return value in REGISTRY
-
-
-def _optimizer(value) -> bool:
-    from attnlab.optim.registry import get_optimizer
-
-    try:
-        get_optimizer(value)
-    except (ValueError, KeyError):
-        return False
+    get_mechanism(value, key)  # its error names the registered ones
     return True
 
 
-def _lr_mult(value) -> bool:
+def _optimizer(value, key) -> bool:
+    from attnlab.optim.registry import get_optimizer
+
+    get_optimizer(value, key)  # its error names the key and the registered ones
+    return True
+
+
+def _lr_mult(value, key) -> bool:
     from attnlab.optim.groups import parse_lr_mults
 
     try:
@@ -72,7 +70,7 @@ def _lr_mult(value) -> bool:
     return True
 
 
-def _ns_coefficients(value) -> bool:
+def _ns_coefficients(value, key) -> bool:
     from attnlab.optim.muon import resolve_ns_coefficients
 
     try:
@@ -82,20 +80,21 @@ def _ns_coefficients(value) -> bool:
     return True
 
 
-def _positive_int_text(value) -> bool:
+def _positive_int_text(value, key) -> bool:
     return isinstance(value, str) and value.isdigit() and int(value) > 0
 
 
-NAMED: dict[str, Callable[[object], bool]] = {
+NAMED: dict[str, Callable[[object, str], bool]] = {
     "a registered mechanism": _mechanism,
     "a registered optimizer": _optimizer,
     "a regex": _regex,
     "'REGEX=MULT' (a regex, a finite MULT >= 0)": _lr_mult,
     "quintic, polar_express or triples 'a,b,c;a,b,c'": _ns_coefficients,
     "a positive integer as text": _positive_int_text,
-    "a power of 2": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0,
+    "a power of 2": lambda v, key: isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0,
 }
-"""Checks with a name, for sets known only at run time (the registries) and formats a parser defines."""
+"""Checks with a name, for sets known only at run time (the registries) and formats a parser defines: (value,
+key) -> valid; a registry's check raises its own ValueError, which names the key and the registered names."""
 
 
 def _lookup(cfg, key: str):
@@ -105,9 +104,9 @@ def _lookup(cfg, key: str):
     return obj
 
 
-def _atom(atom: str, value, cfg) -> bool:
+def _atom(atom: str, value, cfg, key: str) -> bool:
     if atom in NAMED:
-        return NAMED[atom](value)
+        return NAMED[atom](value, key)
     if atom.startswith("one of "):
         return str(value) in [v.strip() for v in atom[len("one of "):].split(",")]
     if atom in ("empty", "non-empty"):
@@ -175,7 +174,7 @@ def check_value(key: str, value, rule: str, cfg=None) -> None:
         for i, item in enumerate(value):
             check_value(f"{key}[{i}]", item, rule, cfg)
         return
-    if not any(all(_atom(a, value, cfg) for a in atoms) for atoms in alts):
+    if not any(all(_atom(a, value, cfg, key) for a in atoms) for atoms in alts):
         others = {a.split(" ")[-1] for atoms in alts for a in atoms if a.startswith(("multiple of ", "divides "))}
         ctx = "".join(f" ({k}={_lookup(cfg, k)!r})" for k in sorted(others)) if cfg is not None else ""
         raise ValueError(f"{key}={value!r}: must be {rule}{ctx}")

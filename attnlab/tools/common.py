@@ -133,23 +133,30 @@ def existing_file(text: str) -> str:
     return _path(text, os.path.isfile, "not a file" if os.path.exists(text) else "no such file")
 
 
-@_valid("a path where nothing exists yet, in an existing folder")
+def _under_a_folder(path: str) -> bool:
+    """Whether the nearest existing ancestor of ``path`` is a folder (so the missing ones can be made)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)
+
+
+@_valid("a path where nothing exists yet (its missing parent folders are made)")
 def new_path(text: str) -> str:
-    _path(text, lambda p: not os.path.lexists(p), "exists already; name a new path")
-    return _path(text, lambda p: os.path.isdir(os.path.dirname(os.path.abspath(p))),
-                 "its parent folder does not exist")
+    _path(text, lambda p: not os.path.lexists(p), "already exists; name a new path")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
 
 
 @_valid("a folder, or a path where nothing exists yet")
 def dir_path(text: str) -> str:
-    return _path(text, lambda p: not os.path.exists(p) or os.path.isdir(p), "is a file, not a folder")
+    _path(text, lambda p: not os.path.exists(p) or os.path.isdir(p), "is a file, not a folder")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
 
 
-@_valid("a file to write: not a folder, in an existing folder")
+@_valid("a file to write: not a folder")
 def out_file(text: str) -> str:
     _path(text, lambda p: not os.path.isdir(p), "is a folder; name a file")
-    return _path(text, lambda p: os.path.isdir(os.path.dirname(os.path.abspath(p))),
-                 "its parent folder does not exist")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
 
 
 def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
