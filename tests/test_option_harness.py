@@ -7,9 +7,9 @@ traceback, before any work. A key or flag without a declared rule, and not liste
 fails :func:`test_every_key_declares_its_valid_values` / :func:`test_every_tool_option_declares_its_valid_values`:
 a new option is covered the day it is added.
 
-The default suite runs the checks in process (the validation ``python -m attnlab.train --preflight`` runs, and each
-tool's ``parse_args``) plus a few real launches that show the command line does the same; every key through the
-command line is ``-m slow``.
+The default suite runs the checks in process (the validation ``python -m attnlab.train`` runs before anything
+starts, and each tool's ``parse_args``) plus two real launches, a run and a tool, that show the command line prints
+what the in-process check raises; more launches, and every key through the command line, are ``-m slow``.
 """
 
 from __future__ import annotations
@@ -336,9 +336,9 @@ def assert_one_line(r: subprocess.CompletedProcess, name: str) -> None:
     assert len(lines) == 1 and name in lines[0], r.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, name", [
-    pytest.param(["--model.layer_pattern", "softmax,softmax,softmax,softmax,parallax"], "model.layer_pattern",
-                 marks=pytest.mark.slow),
+    (["--model.layer_pattern", "softmax,softmax,softmax,softmax,parallax"], "model.layer_pattern"),
     (["--training.steps", "abc"], "--training.steps"),
 ])
 def test_preflight_command_line_is_the_in_process_check(tmp_path, args, name):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from attnlab.attention.ops.common import IMPLS
-from attnlab.attention.registry import REGISTRY
+from attnlab.attention.registry import IMPLS, REGISTRY  # IMPLS: attention.ops.common's, every impl name
 from attnlab.optim import config as optim_config
 
 
