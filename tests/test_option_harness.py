@@ -362,11 +362,16 @@ def test_tool_command_line_is_its_parser(tmp_path):
                     "--batch-size")
 
 
-def cli_spelling(value, paths) -> str | None:
-    if isinstance(value, bool) or isinstance(value, (list, tuple)):
+def cli_spelling(value, tp, paths) -> str | None:
+    """``value`` as a command-line word, for values of the key's own type only (a wrong type is a TOML case: on the
+    command line every word is text that tyro converts); None for the others and for lists."""
+    base = _base(tp)
+    if isinstance(value, bool) or isinstance(value, (list, tuple)) or base not in (int, float, str):
         return None
     if isinstance(value, str):
-        return paths.get(value, value)
+        return paths.get(value, value) if base is str else None
+    if base is str or isinstance(value, float) and base is int:
+        return None
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -393,7 +398,7 @@ def test_every_key_on_the_command_line(cfg, paths, tmp_path, section):
         if key.split(".")[0] != section:
             continue
         for value in bad_values(tp):
-            spelled = cli_spelling(value, paths)
+            spelled = cli_spelling(value, tp, paths)
             if spelled is None or attempt(cfg, key, value, paths, launch_checks=False) is None:
                 continue
             r = launch("attnlab.train", "--preflight", "--job.dump_folder", str(tmp_path / "run"), f"--{key}",

@@ -109,7 +109,7 @@ TITAN_RULES: dict[str, str] = {
     "profiling.save_memory_snapshot_folder": "non-empty",
     "metrics.log_freq": "> 0",
     "metrics.save_tb_folder": "non-empty",
-    "model.name": "one of qwen3_attn",
+    "model.name": "empty or one of qwen3_attn; empty = qwen3_attn, the train spec this project registers",
     "model.hf_assets_path": "any: 'embedded' or a folder with tokenizer.json; preflight checks one there fits "
                             "the vocabulary, the data loader names a folder without one",
     "model.tokenizer_path": "empty or existing path",
