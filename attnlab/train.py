@@ -34,12 +34,14 @@ from attnlab import attention
 import attnlab.config as project_config
 from attnlab.config import DEFAULT_CONFIG, checks, names_config_file, parse_config
 from attnlab.config.parse import import_requested_module, resolve_config_file
+from attnlab.data.loader import check_data_source
 from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
 from attnlab.trainer.cpu import install_cpu_shim, single_process_env
 from attnlab.trainer.metrics import DocumentFlops
 from attnlab.trainer.nonfinite import NonFiniteGuard
 from attnlab.trainer.preemption import StopSignals
 from attnlab.trainer.run_guard import RunGuard
+from attnlab.trainer.step import run_step
 from attnlab.trainer.spec import register_train_spec
 from attnlab.trainer.teardown import destroy_process_groups
 
@@ -115,7 +117,8 @@ class AttnTrainer(Trainer):
     def train_step(self, data_iterator):
         # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
         self.metrics_processor.lr_wd = self.optimizers.lr_wd()
-        super().train_step(self.metrics_processor.counted(data_iterator))
+        documents = self.job_config.model.attn_mask_type == "block_causal" and self.model_parts[0].cp is None
+        run_step(self, self.metrics_processor.counted(data_iterator), documents)
         if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
             logged = self.metrics_processor.logged
             self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])
@@ -156,22 +159,26 @@ def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
     ``comm_traces/``), each a ValueError naming the key: the keys' types and declared rules
-    (``config.validate_config``), the lr schedule, and the model built once on the meta device (no memory, no
-    files): ``model.layer_pattern`` against the resolved depth, a mechanism's options, its
-    ``[attention] impl``, the sizes, and a tokenizer that fits the embedding."""
-    from attnlab.data.loader import tokenizer_path
+    (``config.validate_config``), the data files and held-out split (``data.loader.check_data``), the lr schedule,
+    and the model built once on the meta device (no memory, no files): ``model.layer_pattern`` against the resolved
+    depth, a mechanism's options, its ``[attention] impl``, the sizes, and a tokenizer that fits the embedding; the
+    run folder and the checkpoint to load (``trainer.run_folder.check_run_folder``)."""
+    from attnlab.data.loader import check_data, tokenizer_path
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.models.model import Transformer
     from attnlab.checkpoint.layout import check_tokenizer_fits
     from attnlab.optim.schedules import build_schedule
+    from attnlab.trainer.run_folder import check_run_folder
 
     project_config.validate_config(job_config)
+    check_data(job_config)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
     args = model_args_from_config(job_config)
     checks.check_layer_pattern(args.layer_pattern, args.n_layers)  # n_layers as resolved from the flavor
     with torch.device("meta"):
-        Transformer(args)
+        model = Transformer(args)
     tok = tokenizer_path(job_config)
+    check_run_folder(job_config, args, model.state_dict(), tok)  # the dump folder and the checkpoint to load
     if os.path.isfile(os.path.join(tok, "tokenizer.json")):
         check_tokenizer_fits(tok, args.vocab_size, "set model.vocab_size to at least that many, or point "
                              "model.hf_assets_path at a tokenizer that fits")
@@ -227,8 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         preflight(cfg)
-        if not check_only:
+        if not check_only:  # check_data_source: one request to the Hub, which a configuration check leaves out
             check_launch(cfg)
+            check_data_source(cfg)
     except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
         sys.exit(f"train.py: error: {e}")
     if check_only:  # a configuration checked away from the machines it runs on: the launch's problems are a note

@@ -10,6 +10,12 @@ the slow test below.
 Slow (``-m slow``), per row and optimizer (Muon, AdamW): ``attnlab.tools.multigpu_check`` on 1 and 2 processes from one
 seed checkpoint (loss parity at the same global batch) and the resumes 2 -> 1 and 1 -> 2 (losses continue as the
 uninterrupted runs'), within its float32 tolerance.
+
+The context-parallel column, every registered mechanism: :func:`attnlab.testing.conformance.check_context_parallel`,
+CP = 2 on 2 gloo processes against one process on rows whose documents cross the chunks (training and validation
+losses within 1e-4). In the default suite for one mechanism per CP algorithm and for any mechanism not listed in
+``CP_SAME_PATH``; the others, and every row's resume of the CP checkpoint on one process and, where the mechanism
+declares it compiles under CP, its compiled CP run against the eager one, with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pytest
 import tomli
 
 from attnlab import attention
-from attnlab.testing.conformance import check_lifecycle, pattern_flags
+from attnlab.testing.conformance import check_context_parallel, check_lifecycle, cp_corpus, pattern_flags
 from attnlab.tools import multigpu_check
 from tests.utils import REPO
 
@@ -57,3 +63,41 @@ def test_one_vs_two_processes_and_resumes_both_ways(pattern, optimizer, tmp_path
                               "--", *pattern_flags(pattern)])
     out = capsys.readouterr().out
     assert rc == 0 and "5/5 passed" in out, out
+
+
+CP_SAME_PATH = {
+    "parallax": "softmax",  # the key/value all-gather and segments
+    "deltanet": "gdn", "kda": "gdn",  # the delta rule's state passing
+    "linear": "hla", "gated_linear": "hla", "gla": "hla", "cala": "hla",  # linear_recurrence_cp
+    "value_avg": "path", "affine_linear": "path", "mesa": "path", "affine_mesa": "path", "fox": "path",
+    "lla": "path",  # mix_whole_rows
+}
+"""Mechanisms whose CP algorithm is the same code as the named one's default-suite row: their CP rows run with
+-m slow (CI time; tests/attention/test_context_parallel_modules.py checks every mechanism's CP path in the default
+suite). A mechanism not listed here runs in the default suite."""
+
+CP_ROWS = [pytest.param(m, id=m, marks=pytest.mark.slow if m in CP_SAME_PATH else ()) for m in sorted(attention.REGISTRY)]
+
+
+@pytest.fixture(scope="module")
+def cp_rows_corpus(tmp_path_factory):
+    return cp_corpus(tmp_path_factory.mktemp("cp_corpus"))
+
+
+def test_cp_same_path_names_registered_mechanisms_with_a_default_row():
+    assert set(CP_SAME_PATH) <= set(attention.REGISTRY)
+    assert set(CP_SAME_PATH.values()) <= set(attention.REGISTRY) - set(CP_SAME_PATH)
+
+
+@pytest.mark.parametrize("mechanism", CP_ROWS)
+def test_context_parallel_trains_and_validates_as_one_process(mechanism, cp_rows_corpus, tmp_path):
+    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus, resume=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", sorted(attention.REGISTRY))
+def test_context_parallel_checkpoint_resumes_on_one_process_and_compiles(mechanism, cp_rows_corpus, tmp_path):
+    """The resume of the CP checkpoint on one process; compiled CP against eager CP where the mechanism declares that
+    its CP path compiles (``context_parallel_compiles``; the configuration refuses the others)."""
+    compiled = getattr(attention.REGISTRY[mechanism].cls, "context_parallel_compiles", False)
+    check_context_parallel(mechanism, tmp_path, corpus=cp_rows_corpus, compiled=compiled)

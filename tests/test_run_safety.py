@@ -4,6 +4,8 @@ a run's tokenizer are never replaced; a missing ``load_step`` is named; SIGTERM/
 
 import json
 import os
+import pickle
+import re
 import shutil
 import signal
 import socket
@@ -128,13 +130,170 @@ def test_resume_with_another_tokenizer_is_refused(corpus, run4, tmp_path):
     assert _listing(dump) == before and not _trained(dump)
 
 
+def _refused(args) -> str:
+    """The one line a run refused before the trainer started exits with (``train.main`` in this process: the refusals
+    come from ``train.preflight``, which starts nothing), checked to be one line."""
+    from attnlab.train import main
+
+    env = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+    finally:  # main sets up a world of one process in the environment
+        os.environ.clear()
+        os.environ.update(env)
+    line = str(e.value.code)
+    assert line.startswith("train.py: error: ") and "\n" not in line, line
+    return line
+
+
 def test_missing_load_step_is_named_with_the_steps_that_exist(corpus, run4, tmp_path):
     dump = _copy_run(run4, tmp_path / "run")
     before = _listing(dump)
-    with pytest.raises(AssertionError, match=r"checkpoint.load_step=7: .*step-7 does not exist; the checkpoints in "
-                                             r"'.*checkpoint' are of steps \[2, 4\]\. Pick one of them"):
-        run_train(tiny_args(corpus, dump, 8, 16, 2, "--checkpoint.load_step", "7", *NO_VAL))
+    line = _refused(tiny_args(corpus, dump, 8, 16, 2, "--checkpoint.load_step", "7", *NO_VAL))
+    assert re.fullmatch(r"train.py: error: checkpoint.load_step=7: .*step-7 does not exist; the checkpoints in "
+                        r"'.*checkpoint' are of steps \[2, 4\]\. Pick one of them, or -1 for the latest\.", line)
     assert _listing(dump) == before
+
+
+def test_loading_an_older_step_is_refused_naming_the_later_steps_and_the_branch(corpus, run4, tmp_path):
+    """``--checkpoint.load_step 2`` on a run with steps 2 and 4 trained on and overwrote step-4; now it is refused
+    naming the later steps and how to branch the run."""
+    dump = _copy_run(run4, tmp_path / "run")
+    before = _listing(dump)
+    line = _refused(tiny_args(corpus, dump, 4, 16, 2, "--checkpoint.load_step", "2", "--optimizer.lr", "1e-2", *NO_VAL))
+    step2 = dump / "checkpoint" / "step-2"
+    assert line == (f"train.py: error: checkpoint.load_step=2: '{dump / 'checkpoint'}' has later steps [4], which "
+                    "training on from step 2 would overwrite; a run continues only from its newest step. To branch it "
+                    f"from step 2, start a new run: --checkpoint.initial_load_path {step2} "
+                    "--checkpoint.no-initial_load_model_only --job.dump_folder NEW_FOLDER (or add "
+                    "--checkpoint.load_only to train without saving)")
+    assert _listing(dump) == before
+
+
+@pytest.mark.slow
+def test_the_branch_the_load_step_refusal_names_continues_the_run_exactly(corpus, run4, tmp_path):
+    """The branch of an older step (``checkpoint.initial_load_path`` of the full state in a new folder) trains the
+    steps after it as the run did, and leaves the run's folder as it was."""
+    dump = _copy_run(run4, tmp_path / "run")
+    before = _listing(dump)
+    step2 = dump / "checkpoint" / "step-2"
+    branch = tmp_path / "branch"
+    out = run_train(tiny_args(corpus, branch, 4, 16, 2, "--checkpoint.interval", "2", "--checkpoint.initial_load_path",
+                              str(step2), "--checkpoint.no-initial_load_model_only", *NO_VAL))
+    assert "Training starts at step 3" in out.stdout + out.stderr
+    assert losses(branch) == {n: v for n, v in losses(run4).items() if n > 2}
+    assert _listing(dump) == before
+
+
+def test_a_run_replaces_or_appends_to_only_what_it_wrote(corpus, run4, tmp_path):
+    """A user's config.toml in a fresh dump folder was replaced, an older metrics.jsonl appended to (steps 1..4,
+    1..4); now a fresh run refuses both, naming the file; a run records what it wrote, and a resume refuses a
+    config.toml edited since."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.toml").write_text("# my notes\n")
+    assert _refused(tiny_args(corpus, mine, 1, 16, 2, *NO_VAL)) == (
+        f"train.py: error: job.dump_folder='{mine}' holds files this run would replace or append to but did not "
+        f"write: {mine / 'config.toml'} (not written by this run); this run starts fresh (no checkpoint of its own "
+        "in checkpoint.folder to continue). Move them away, or choose another job.dump_folder.")
+    assert (mine / "config.toml").read_text() == "# my notes\n"
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(run4 / "metrics.jsonl", old / "metrics.jsonl")
+    line = _refused(tiny_args(corpus, old, 1, 16, 2, "--checkpoint.no-enable", *NO_VAL))
+    assert f"{old / 'metrics.jsonl'} (an earlier run's steps 1 to 4, which this run would append to)" in line
+    assert (old / "metrics.jsonl").read_bytes() == (run4 / "metrics.jsonl").read_bytes()
+    record = json.loads((run4 / ".attnlab-run.json").read_text())["files"]
+    assert sorted(record) == ["config.toml", "metrics.jsonl", "tokenizer/tokenizer.json",
+                              "tokenizer/tokenizer_config.json"] and record["metrics.jsonl"] is None
+    dump = tmp_path / "run"
+    shutil.copytree(run4, dump)
+    edited = (dump / "config.toml").read_text().replace("rope_theta = ", "rope_theta = 5")
+    (dump / "config.toml").write_text(edited)
+    line = _refused(tiny_args(corpus, dump, 6, 16, 2, *NO_VAL))
+    assert f"{dump / 'config.toml'} (changed since this run wrote it); this run resumes from its checkpoints" in line
+    assert (dump / "config.toml").read_text() == edited
+
+
+@pytest.mark.parametrize("case", ["dump folder is a file", "initial_load_path is a run folder",
+                                  "initial_load_path is missing", "architecture changed on resume",
+                                  "an HF export where the run may save"])
+def test_run_folder_mistakes_are_one_line_before_the_trainer_starts(corpus, run4, tmp_path, case):
+    """A FileExistsError traceback, 159 lines calling a good run corrupt, an error blaming the new checkpoint
+    folder, a traceback after the trainer started: now one line naming the key or file, nothing written."""
+    dump = tmp_path / "run"
+    newest = run4 / "checkpoint" / "step-4"
+    extra, message = {
+        "dump folder is a file": ((), f"job.dump_folder='{dump}': a file, not a folder"),
+        "initial_load_path is a run folder": (
+            ("--checkpoint.initial_load_path", str(run4)),
+            f"checkpoint.initial_load_path='{run4}': a run folder, not a checkpoint; pass one of its step folders, "
+            f"e.g. its newest: --checkpoint.initial_load_path {newest}"),
+        "initial_load_path is missing": (
+            ("--checkpoint.initial_load_path", str(tmp_path / "nope")),
+            f"checkpoint.initial_load_path='{tmp_path / 'nope'}': no such folder"),
+        "architecture changed on resume": (
+            ("--model.attn_mask_type", "causal"),
+            f"checkpoint '{dump / 'checkpoint' / 'step-4'}' does not match the model built from this config: "
+            "architecture fields changed (checkpoint's, this run's): {'attn_mask_type': ('block_causal', 'causal')}"),
+        "an HF export where the run may save": (
+            (), f"checkpoint.folder: {dump / 'checkpoint' / 'step-5'} holds safetensors weights (a Hugging Face "
+                "export?), not a checkpoint of this run, and this run (steps 5 to 6) may save step 5 there"),
+    }[case]
+    if case == "dump folder is a file":
+        dump.write_text("")
+    elif case == "architecture changed on resume":
+        _copy_run(run4, dump)
+    elif case == "an HF export where the run may save":
+        _copy_run(run4, dump)
+        (dump / "checkpoint" / "step-5").mkdir()
+        (dump / "checkpoint" / "step-5" / "model.safetensors").write_bytes(b"weights")
+    before = sorted(tmp_path.rglob("*"))
+    assert message in _refused(tiny_args(corpus, dump, 6, 16, 2, *extra, *NO_VAL))
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def _crafted(step_dir, marker):
+    class Marker:
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    (step_dir / ".metadata").write_bytes(pickle.dumps(Marker()))
+
+
+def test_a_crafted_checkpoint_runs_nothing_on_resume_or_initial_load(corpus, run4, tmp_path):
+    """A ``.metadata`` whose unpickling creates a file: refused naming it before anything is unpickled, for the
+    resume of its run and as another run's ``checkpoint.initial_load_path``."""
+    dump = _copy_run(run4, tmp_path / "run")
+    marker = tmp_path / "marker"
+    step4 = dump / "checkpoint" / "step-4"
+    _crafted(step4, marker)
+    refusal = f"{step4 / '.metadata'}: refused, it names io.open, which a checkpoint never holds"
+    assert refusal in _refused(tiny_args(corpus, dump, 6, 16, 2, *NO_VAL))
+    assert refusal in _refused(tiny_args(corpus, tmp_path / "new", 6, 16, 2, "--checkpoint.initial_load_path",
+                                         str(step4), *NO_VAL))
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_an_hf_export_in_the_checkpoint_folder_survives_rotation_and_resume(corpus, run4, tmp_path):
+    """``export_hf RUN RUN/checkpoint/step-9`` then a resume: rotation counted the export as a checkpoint and deleted
+    the real step-8. The export is neither resumed from nor rotated, and a run that may save step 9 refuses to
+    write into it."""
+    dump = _copy_run(run4, tmp_path / "run")
+    export = dump / "checkpoint" / "step-9"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"weights")
+    rotate = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", *NO_VAL)
+    out = run_train(tiny_args(corpus, dump, 8, 16, 2, *rotate))
+    assert "Training starts at step 5" in out.stdout + out.stderr
+    assert sorted(p.name for p in export.parent.iterdir()) == ["step-6", "step-8", "step-9"]
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]
+    line = _refused(tiny_args(corpus, dump, 10, 16, 2, *rotate))
+    assert f"checkpoint.folder: {export} holds safetensors weights" in line and "may save step 9" in line
+    assert (export / "model.safetensors").read_bytes() == b"weights"
 
 
 # ------------------------------------------------------------------------------------------------ preemption

@@ -170,7 +170,8 @@ def test_corrupt_checkpoint_fails_clearly(corpus, straight, tmp_path):
     for f in (dump / "checkpoint" / "step-6").iterdir():
         if f.suffix == ".distcp":
             f.write_bytes(b"garbage")
-    with pytest.raises(AssertionError, match=r"checkpoint .* cannot be loaded into this run"):
+    with pytest.raises(AssertionError, match=r"train.py: error: .*step-6/__0_0\.distcp \(item .*\): corrupt or "
+                                             r"truncated"):
         run_train(tiny_args(corpus, dump, 8))
 
 
@@ -417,7 +418,7 @@ def test_architecture_changes_ignore_init_only_options():
     from attnlab.attention.parallax import ParallaxOptions
     from attnlab.models.args import ModelArgs
     from attnlab.checkpoint.dcp import args_to_dict
-    from attnlab.trainer.checkpoint import INIT_ONLY_FIELDS, architecture_changes
+    from attnlab.checkpoint.dcp import INIT_ONLY_FIELDS, architecture_changes
 
     def record(mask="block_causal", **opts):
         args = ModelArgs(attention="parallax", attn_mask_type=mask,

@@ -22,7 +22,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attnlab.attention.base import AttentionArgs, AttentionContext
+from attnlab.attention.base import AttentionArgs, AttentionContext, mix_whole_rows
 from attnlab.attention.base import QKVAttentionBase
 from attnlab.attention.lla import RidgeLambda
 from attnlab.attention.ops.affine import IMPLS as AFFINE_IMPLS
@@ -87,6 +87,9 @@ class _AffineBase(QKVAttentionBase):
 
     impls = AFFINE_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: q, k, v (and a per-token λ) all-gathered, the whole rows mixed
+    (:func:`attention.base.mix_whole_rows`)."""
 
     name = ""
 
@@ -114,6 +117,11 @@ class _AffineBase(QKVAttentionBase):
         lam = self.ridge(x) if self.ridge is not None else None
         if ctx.cache is not None:
             o = self._decode(q, k, v, lam, ctx.cache)
+        elif ctx.cp is not None:
+            per_token = lam if lam is not None and lam.dim() == 3 else None
+            o = mix_whole_rows(ctx, lambda q, k, v, lt, cu_seqlens: affine_attention(
+                self.name, q, k, v, lam if lt is None else lt, cu_seqlens=cu_seqlens, chunk=self.opts.chunk_size,
+                impl=self.args.impl, **self._kw()), q, k, v, per_token)
         else:
             o = affine_attention(self.name, q, k, v, lam, cu_seqlens=ctx.cu_seqlens, chunk=self.opts.chunk_size,
                                  impl=self.args.impl, **self._kw())
@@ -147,6 +155,8 @@ class ValueAveraging(nn.Module):
 
     impls = AFFINE_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: v all-gathered, the whole rows averaged (:func:`attention.base.mix_whole_rows`)."""
 
     name = "value_avg"
 
@@ -172,6 +182,10 @@ class ValueAveraging(nn.Module):
             csum = st.sum_v[:, None] + torch.cumsum(v.float(), 1)  # [B, T, HKV, D]
             st.extend(torch.zeros_like(v), v)
             o = (csum / n[None, :, None, None]).repeat_interleave(self.n_heads // self.n_kv_heads, 2).to(v.dtype)
+        elif ctx.cp is not None:
+            o = mix_whole_rows(ctx, lambda v, cu_seqlens: affine_attention(
+                self.name, v.new_zeros(*v.shape[:2], self.n_heads, self.head_dim), v, v, cu_seqlens=cu_seqlens,
+                impl=self.args.impl), v)
         else:
             o = affine_attention(self.name, q, v, v, cu_seqlens=ctx.cu_seqlens, impl=self.args.impl)
         return self.wo(o.reshape(B, T, -1))

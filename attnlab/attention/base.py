@@ -140,24 +140,46 @@ class AttentionContext:
         self._rope[head_dim] = (t[..., None, :head_dim], t[..., None, head_dim:])
 
     @staticmethod
-    def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float) -> "AttentionContext":
-        """Build the context for a training batch. With ``block_causal`` a new document starts wherever
-        ``positions == 0`` (and at every row start).
-
-        Host syncs: none for causal rows (positions restart in every row, so they are < T); with ``block_causal``
-        one read of two integers, the document count (the size of ``cu_seqlens``) and the longest document."""
+    def document_offsets(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The packed documents of ``positions`` [B, T] (a new document wherever ``positions == 0`` and at every row
+        start) as (cu_seqlens [n_docs + 1] int32 offsets into the B·T flattened tokens, the longest document's
+        length), on ``positions``' device: O(B·T) host work and no sync on the host, where the trainer computes
+        them before the batch's copy (:mod:`attnlab.trainer.step`); two reads back from a GPU."""
         B, T = positions.shape
-        if not block_causal:
-            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
         starts = positions.reshape(-1) == 0
         starts[::T] = True  # every row starts a document
-        idx = torch.arange(B * T, device=positions.device)
-        begin = torch.cummax(torch.where(starts, idx, 0), dim=0).values  # first token of each token's document
-        n_docs, max_seqlen = torch.stack([starts.sum(), (idx - begin).max() + 1]).tolist()  # the one host read
-        first = torch.sort(torch.where(starts, idx, B * T)).values[:n_docs]  # document starts, ascending
+        first = starts.nonzero().flatten()  # document starts, ascending
         cu = torch.cat([first, torch.full((1,), B * T, device=positions.device)]).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())
+
+    @staticmethod
+    def from_positions(positions: torch.Tensor, block_causal: bool, rope_theta: float,
+                       documents: tuple[torch.Tensor, int] | None = None) -> "AttentionContext":
+        """Build the context for a training batch. With ``block_causal`` the documents are
+        :meth:`document_offsets` of ``positions``, or ``documents`` when the caller computed them already.
+
+        Host syncs: none for causal rows (positions restart in every row, so they are < T) or given ``documents``;
+        otherwise :meth:`document_offsets`' two reads on a GPU."""
+        T = positions.shape[1]
+        if not block_causal:
+            return AttentionContext(positions=positions, rope_theta=rope_theta, max_position=T)
+        cu, max_seqlen = documents if documents is not None else AttentionContext.document_offsets(positions)
         return AttentionContext(positions=positions, cu_seqlens=cu, max_seqlen=max_seqlen, rope_theta=rope_theta,
                                 max_position=T)
+
+
+def mix_whole_rows(ctx: AttentionContext, mix, *xs: torch.Tensor | None) -> torch.Tensor:
+    """Under context parallelism: a one-process token mixer over the whole rows, this rank's tokens of its output.
+    ``xs``: token-wise inputs [B, 2c, ...] (this rank's two chunks; None passes through), each all-gathered into
+    the row's [B, T, ...] (:meth:`attention.cp.ContextParallel.gather`); ``mix(*rows, cu_seqlens=...)`` runs on
+    them with the rows' documents as segments over the B·T tokens
+    (:meth:`attention.cp.ContextParallel.row_segments`) and returns [B, T, ...]; the result is cut back to
+    [B, 2c, ...]. Exact for any causal mixer; each rank computes the mixing of the whole row (the projections,
+    MLPs and loss around it stay divided over the ranks)."""
+    cp = ctx.cp
+    cu = ctx.once("cp_row_segments", lambda: cp.row_segments(ctx.cp_docs))
+    rows = [None if x is None else cp.gather(x, 1) for x in xs]
+    return cp.shard(mix(*rows, cu_seqlens=cu), 1)
 
 
 def causal_pairs(seq_len: int, window: int = 0) -> int:

@@ -25,8 +25,10 @@ from torch import nn
 
 
 from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
-from attnlab.attention.ops.cala import local_context, normalized_linear_attention
+from attnlab.attention.linear_common import linear_recurrence_cp
+from attnlab.attention.ops.cala import divide_by_normaliser, local_context, normalized_linear_attention
 from attnlab.attention.ops.common import check_impl
+from attnlab.attention.ops.linear_attn import gated_linear_attention
 from attnlab.attention.registry import register_attention
 
 FEATURE_MAPS = ("elu", "relu", "favor")
@@ -64,6 +66,8 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
 
     impls = CALA_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism (:meth:`_mix_cp`)."""
 
     def __init__(self, args: AttentionArgs, opts: CALAOptions):
         if opts.feature_map not in FEATURE_MAPS:
@@ -122,11 +126,38 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
         s_impl, l_impl = self._impls()
         if ctx.cache is not None:
             return self.wo(self._decode(q, k, v, ctx.cache, s_impl).reshape(B, T, -1))
+        if ctx.cp is not None:
+            return self.wo(self._mix_cp(q, k, v, ctx, s_impl).reshape(B, T, -1))
         cq, ck = local_context(q, k, self.opts.window_size, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                                local_map=self.opts.local_feature_map, impl=s_impl)
         qf, kf = self.phi(self.q_ln(q + cq)), self.phi(self.k_ln(k + ck))
         o = normalized_linear_attention(qf, kf, v, eps=self.opts.eps, cu_seqlens=ctx.cu_seqlens, impl=l_impl)
         return self.wo(o.reshape(B, T, -1))
+
+    def _mix_cp(self, q, k, v, ctx: AttentionContext, s_impl: str) -> torch.Tensor:
+        """Under context parallelism (:mod:`attention.cp`): q, k, v [B, 2c, H, D], this rank's two chunks -> o
+        [B, 2c, H, D]. The local step sees each chunk extended by the w tokens before it
+        (:meth:`attention.cp.ContextParallel.halo`, documents from ``halo_segments``); the normalised linear
+        attention's state [F, D + 1] (numerator and denominator, no decay) is passed between the chunks by
+        :func:`attention.linear_common.linear_recurrence_cp`."""
+        cp, w = ctx.cp, self.opts.window_size
+        B, L, H, D = q.shape
+        c = L // 2
+        cu = ctx.once(("cp_halo_segments", w), lambda: cp.halo_segments(ctx.cp_docs, w))
+        ext = lambda t: cp.halo(t, w).reshape(1, 2 * B * (w + c), H, D)  # noqa: E731
+        cq, ck = local_context(ext(q), ext(k), w, cu_seqlens=cu, max_seqlen=w + c,
+                               local_map=self.opts.local_feature_map, impl=s_impl)
+        cut = lambda t: t.view(B, 2, w + c, H, D)[:, :, w:].reshape(B, L, H, D).to(q.dtype)  # noqa: E731
+        qf, kf = self.phi(self.q_ln(q + cut(cq))), self.phi(self.k_ln(k + cut(ck)))
+        qf, kf = qf.to(v.dtype), kf.to(v.dtype)
+        va = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+        flat = lambda t: t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
+
+        def run(vv, h, final, cu_seqlens):
+            return gated_linear_attention(flat(qf), flat(kf), vv, scale=1.0, initial_state=h,
+                                          output_final_state=final, cu_seqlens=cu_seqlens, impl="chunk")
+
+        return divide_by_normaliser(linear_recurrence_cp(run, va, self.feature_dim, ctx), self.opts.eps, v.dtype)
 
     def _decode(self, q, k, v, cache: CALACache, s_impl: str) -> torch.Tensor:
         T, n, w = q.shape[1], cache.n, self.opts.window_size

@@ -121,14 +121,14 @@ class ContextParallel:
 
     def halo(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """x [B, 2c, ...], this rank's two chunks -> [B, 2, width + c, ...]: each chunk preceded by the ``width``
-        tokens before it in the row (zeros before the row's start), taken from every rank's chunk tails
-        (all-gathered, [B, 2N, width, ...]). Which of them belong to the chunk's documents:
-        :meth:`halo_segments`."""
+        tokens before it in the row (zeros before the row's start). Up to a chunk of history comes from every
+        rank's chunk tails (all-gathered, [B, 2N, width, ...]); more (a window wider than a chunk) from the whole
+        row (:meth:`gather`). Which of them belong to the chunk's documents: :meth:`halo_segments`."""
         B, L = x.shape[:2]
         c = L // 2
         if c < width:
-            raise ValueError(f"context parallelism over {self.size} ranks cuts sequences into chunks of {c} tokens, "
-                             f"fewer than the {width} tokens of history each chunk needs; use longer sequences")
+            row = torch.cat([x.new_zeros(B, width, *x.shape[2:]), self.gather(x, dim=1)], 1)  # [B, width + T, ...]
+            return torch.stack([row[:, i * c:i * c + width + c] for i in self.chunks()], 1)
         chunks = x.view(B, 2, c, *x.shape[2:])
         tails = self.gather(chunks[:, :, c - width:], dim=1)  # [B, 2N, width, ...]: the last tokens of every chunk
         before = torch.cat([tails.new_zeros(B, 1, *tails.shape[2:]), tails[:, :-1]], 1)  # the tokens before each
@@ -157,6 +157,14 @@ class ContextParallel:
         begins = torch.arange(1, 2 * self.size, device=docs.device) * c  # first token of chunks 1..2N-1
         continues = docs[:, begins] == docs[:, begins - 1]
         return ChunkSegments(cu, seg[:, [0, c]].reshape(-1), seg[:, [c - 1, 2 * c - 1]].reshape(-1), continues)
+
+    def row_segments(self, docs: torch.Tensor) -> torch.Tensor:
+        """cu_seqlens [S + 1] int32 over the B·T tokens of the whole rows (:meth:`gather` of every token, flattened):
+        one segment per document piece of each row, a row's start being a document start. ``docs``: [B, T]
+        document index of every token of the row."""
+        starts = torch.ones_like(docs, dtype=torch.bool)
+        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        return _segments(starts)[0]
 
     def states_entering(self, transitions: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
         """The state entering each of this rank's chunks of a recurrence whose chunks act on a [K, V] state as an

@@ -27,7 +27,8 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attnlab.attention.base import AttentionArgs, AttentionContext
-from attnlab.attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm
+from attnlab.attention.linear_common import (GatedRMSNorm, RecurrentCache, ShortConvolution, acc_dtype, l2norm,
+                                             linear_recurrence_cp)
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.delta_rule import DELTA_RULE_IMPLS, delta_rule
 from attnlab.attention.registry import register_attention
@@ -62,6 +63,8 @@ class DeltaRuleAttention(nn.Module):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism (:meth:`_mix_cp`, :meth:`attention.linear_common.ShortConvolution.forward_cp`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     gate_activation = "swish"  # output-gate nonlinearity (KDA: sigmoid)
     gate_lower_bound: float | None = None  # KDA's bounded gate: every log decay >= it (fla's safe_gate kernels)
@@ -192,24 +195,17 @@ class DeltaRuleAttention(nn.Module):
         column by column, so a chunk maps the state entering it to M h + B (M = its A_t multiplied out, K × K).
         Started from [0 | I] with values [v | 0], the chunk's final state is [B | M]: one run of the same kernel over
         V + K columns gives the chunk's transition, from which :meth:`attention.cp.ContextParallel.states_entering`
-        composes the states entering this rank's chunks; the chunks then run from them. Documents inside a chunk
-        are separate segments (the kernel's varlen form); a chunk whose last document starts inside it has M = 0."""
-        cp = ctx.cp
-        B, L, H, K = q.shape
-        V = v.shape[-1]
-        seg = ctx.once("cp_chunk_segments", lambda: cp.chunk_segments(ctx.positions, ctx.cp_docs))
+        composes the states entering this rank's chunks; the chunks then run from them
+        (:func:`attention.linear_common.linear_recurrence_cp`). Documents inside a chunk are separate segments (the
+        kernel's varlen form); a chunk whose last document starts inside it has M = 0."""
+        B, L = q.shape[:2]
         flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
-        segments = seg.cu_seqlens.numel() - 1
-        h0 = torch.zeros(segments, H, K, V + K, device=q.device)
-        h0[seg.first, :, :, V:] = torch.eye(K, device=q.device)
-        v_ext = torch.cat([v, v.new_zeros(B, L, H, K)], -1)
-        _, final = delta_rule(flat(q), flat(k), flat(v_ext), flat(beta), flat(g), initial_state=h0,
-                              output_final_state=True, cu_seqlens=seg.cu_seqlens, **kw)
-        entering = cp.states_entering(final[seg.last].view(B, 2, H, K, V + K), seg.continues)  # [B, 2, H, K, V]
-        h_in = torch.zeros(segments, H, K, V, device=q.device).index_put((seg.first,), entering.reshape(B * 2, H, K, V))
-        o, _ = delta_rule(flat(q), flat(k), flat(v), flat(beta), flat(g), initial_state=h_in,
-                          cu_seqlens=seg.cu_seqlens, **kw)
-        return o.view(B, L, H, V)
+
+        def run(vv, h, final, cu):
+            return delta_rule(flat(q), flat(k), vv, flat(beta), flat(g), initial_state=h, output_final_state=final,
+                              cu_seqlens=cu, **kw)
+
+        return linear_recurrence_cp(run, v, q.shape[-1], ctx)
 
 
 @register_attention("deltanet", options=DeltaNetOptions,

@@ -19,7 +19,8 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, causal_pairs
+from attnlab.attention.base import (AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, causal_pairs,
+                                    mix_whole_rows)
 from attnlab.attention.linear_common import GatedRMSNorm
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.fox import IMPLS, forgetting_attention, fox_decode
@@ -30,7 +31,7 @@ from attnlab.attention.registry import register_attention
 class FoxOptions:
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("forget_bias_init",)
     """Options that only set initial weights (the forget gate's bias): a resume loads them, so it may change them
-    (trainer.checkpoint.INIT_ONLY_FIELDS)."""
+    (checkpoint.dcp.INIT_ONLY_FIELDS)."""
 
     qk_norm: bool = False
     """RMSNorm on q and k per head (FoX Pro)."""
@@ -64,6 +65,11 @@ class ForgettingAttention(QKVAttentionBase):
 
     impls = IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: q, k, v and the log forget gates all-gathered, the whole rows attended
+    (:func:`attention.base.mix_whole_rows`): each query's gate sums run over the row's gates."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: FoxOptions):
         check_impl(args.impl, self.impls, "fox")
@@ -113,6 +119,9 @@ class ForgettingAttention(QKVAttentionBase):
             cache.c[:, n:n + T] = c0 + g.to(cache.c.dtype).cumsum(1)
             o = fox_decode(q, cache.k, cache.v, cache.c, n)
             cache.n = n + T
+        elif ctx.cp is not None:
+            o = mix_whole_rows(ctx, lambda q, k, v, g, cu_seqlens: forgetting_attention(
+                q, k, v, g, cu_seqlens=cu_seqlens, block_size=self.opts.block_size, impl=self.args.impl), q, k, v, g)
         else:
             o = forgetting_attention(q, k, v, g, cu_seqlens=ctx.cu_seqlens, block_size=self.opts.block_size, impl=self.args.impl)
         gate = self.out_gate(x).view(B, T, H, D) if self.out_gate is not None else None

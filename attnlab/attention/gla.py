@@ -24,7 +24,7 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attnlab.attention.base import AttentionArgs, AttentionContext
-from attnlab.attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution
+from attnlab.attention.linear_common import GatedRMSNorm, RecurrentCache, ShortConvolution, linear_recurrence_cp
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.linear_attn import IMPLS, TRITON_CHUNK_SIZES, gated_linear_attention
 from attnlab.attention.registry import register_attention
@@ -39,6 +39,8 @@ class LinearFamilyAttention(nn.Module):
 
     impls = IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism (:meth:`_mix_cp`, :meth:`attention.linear_common.ShortConvolution.forward_cp`)."""
 
     normalize: bool = False
 
@@ -107,7 +109,9 @@ class LinearFamilyAttention(nn.Module):
         if self.convs is not None:
             outs = []
             for name, t in (("q", q), ("k", k), ("v", v)):
-                if cache is not None:
+                if ctx.cp is not None:
+                    t = self.convs[name].forward_cp(t, ctx)
+                elif cache is not None:
                     t, cache.conv[name] = self.convs[name](t, state=cache.conv[name])
                 else:
                     t, _ = self.convs[name](t, cu_seqlens=ctx.cu_seqlens)
@@ -141,6 +145,8 @@ class LinearFamilyAttention(nn.Module):
         T = q.shape[1]
         impl, C = self.args.impl, self.opts.chunk_size
         cache: RecurrentCache | None = ctx.cache
+        if ctx.cp is not None:
+            return self._mix_cp(q, k, v, g, gk, ctx)
         if cache is not None:
             o, cache.state = gated_linear_attention(
                 q, k, v, g, gk, initial_state=cache.state, output_final_state=True, chunk_size=C,
@@ -149,6 +155,19 @@ class LinearFamilyAttention(nn.Module):
             return o
         o, _ = gated_linear_attention(q, k, v, g, gk, cu_seqlens=ctx.cu_seqlens, chunk_size=C, impl=impl)
         return o
+
+    def _mix_cp(self, q, k, v, g, gk, ctx: AttentionContext) -> torch.Tensor:
+        """Under context parallelism (:mod:`attention.cp`): the state h ← diag(α_t) h + k_t v_tᵀ passed between the
+        chunks by :func:`attention.linear_common.linear_recurrence_cp`. Shapes as :meth:`_mix`, T = 2c."""
+        B, L = q.shape[:2]
+        flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
+
+        def run(vv, h, final, cu):
+            return gated_linear_attention(flat(q), flat(k), vv, flat(g), flat(gk), initial_state=h,
+                                          output_final_state=final, cu_seqlens=cu, chunk_size=self.opts.chunk_size,
+                                          impl=self.args.impl)
+
+        return linear_recurrence_cp(run, v, self.key_dim, ctx)
 
 
 @dataclass

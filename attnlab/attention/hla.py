@@ -28,8 +28,11 @@ from torch import nn
 from torchtitan.models.utils import trunc_normal_
 
 from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, apply_rope, copy_full_
+from attnlab.attention.linear_common import linear_recurrence_cp
 from attnlab.attention.ops.common import check_impl
-from attnlab.attention.ops.hla import IMPLS, hla, init_state
+from attnlab.attention.ops.linear_attn import gated_linear_attention
+from attnlab.attention.ops.hla import IMPLS, hla, init_state, resolve_impl
+from attnlab.attention.ops.hla.chunk import compose_hla
 from attnlab.attention.ops.hla.recurrent import hla_step
 from attnlab.attention.registry import register_attention
 
@@ -78,6 +81,8 @@ class HigherOrderLinearAttention(QKVAttentionBase):
 
     impls = IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism (:meth:`_mix_cp`)."""
 
     def __init__(self, args: AttentionArgs, opts: HLAOptions):
         if opts.order not in (2, 3):
@@ -163,6 +168,8 @@ class HigherOrderLinearAttention(QKVAttentionBase):
         kw = dict(order=self.opts.order, variant=self.opts.variant, normalize=self.opts.normalize, eps=self.opts.eps)
         if ctx.cache is not None:
             o = self._decode(q, k, v, g, ctx.cache, kw)
+        elif ctx.cp is not None:
+            o = self._mix_cp(q, k, v, g, ctx, kw)
         else:
             o = hla(q, k, v, g, cu_seqlens=ctx.cu_seqlens, chunk_size=self.opts.chunk_size, impl=self.args.impl, **kw)
         if self.o_norm is not None:
@@ -170,6 +177,26 @@ class HigherOrderLinearAttention(QKVAttentionBase):
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x).view(B, T, -1, self.head_dim))
         return self.wo(o.reshape(B, T, -1))
+
+    def _mix_cp(self, q, k, v, g, ctx: AttentionContext, kw) -> torch.Tensor:
+        """Under context parallelism (:mod:`attention.cp`): q, k, v [B, 2c, H, D], g [B, 2c, H] or None -> o
+        [B, 2c, H, D]. HLA is a chain of gated linear attentions (:func:`attention.ops.hla.chunk.compose_hla`;
+        second order: R = GLA(q, k, k; γ) with state S = Σ k kᵀ, then O = GLA(q, R, v; γ²) with state U), each a
+        recurrence linear in its state: each pass's state is passed between the chunks by
+        :func:`attention.linear_common.linear_recurrence_cp`, so the next pass reads exact inputs."""
+        B, L = q.shape[:2]
+        impl = resolve_impl(self.args.impl, q.device, stateful=True)
+        flat = lambda t: None if t is None else t.reshape(1, B * L, *t.shape[2:])  # noqa: E731
+
+        def gla_cp(a, b, c, gg, initial_state=None, output_final_state=False):
+            def run(vv, h, final, cu):
+                return gated_linear_attention(flat(a), flat(b), vv, flat(gg), scale=1.0, initial_state=h,
+                                              output_final_state=final, cu_seqlens=cu,
+                                              chunk_size=self.opts.chunk_size, impl=impl)
+
+            return linear_recurrence_cp(run, c, b.shape[-1], ctx), None
+
+        return compose_hla(gla_cp, q, k, v, g, **kw)
 
     def _decode(self, q, k, v, g, cache: HLACache, kw) -> torch.Tensor:
         """New tokens with the cached state: a recurrence step for T == 1, else the chunk path (prefill)."""

@@ -74,6 +74,37 @@ def reset_dt_bias_(p: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, d
     copy_full_(p, dt + torch.log(-torch.expm1(-dt)))
 
 
+def linear_recurrence_cp(run, v: torch.Tensor, key_dim: int, ctx) -> torch.Tensor:
+    """A recurrence over a [K, V] state per head that is linear in the state column by column (h ← A_t h + k_t v_tᵀ,
+    A_t any decay: none, per head, per key channel) over this rank's two chunks under context parallelism
+    (``ctx.cp``, :mod:`attention.cp`; the delta rule's :meth:`attention.deltanet.DeltaRuleAttention._mix_cp` is
+    the same algorithm with A_t = (I − β_t k_t k_tᵀ) D_t).
+
+    ``run(v, initial_state, output_final_state, cu_seqlens)``: the mechanism's kernel over the local chunks
+    flattened into one row (its other token-wise inputs flattened to [1, B·2c, ...] likewise), v [1, B·2c, H, V'],
+    initial_state [S, H, K, V'] (one per segment), returning (o [1, B·2c, H, V'], final state [S, H, K, V'] or None).
+    ``v``: [B, 2c, H, V]; ``key_dim``: K. Returns o [B, 2c, H, V].
+
+    A chunk maps the state entering it to M h + B; the kernel started from [0 | I] with values [v | 0] ends at
+    [B | M]. :meth:`attention.cp.ContextParallel.states_entering` all-gathers every chunk's map and composes the
+    states entering this rank's chunks, from which the chunks run (documents inside a chunk are the kernel's
+    segments, :meth:`attention.cp.ContextParallel.chunk_segments`)."""
+    cp = ctx.cp
+    B, L, H, V = v.shape
+    K = key_dim
+    seg = ctx.once("cp_chunk_segments", lambda: cp.chunk_segments(ctx.positions, ctx.cp_docs))
+    segments, acc = seg.cu_seqlens.numel() - 1, acc_dtype(v)
+    h0 = torch.zeros(segments, H, K, V + K, device=v.device, dtype=acc)
+    h0[seg.first, :, :, V:] = torch.eye(K, device=v.device, dtype=acc)
+    v_ext = torch.cat([v, v.new_zeros(B, L, H, K)], -1).reshape(1, B * L, H, V + K)
+    _, final = run(v_ext, h0, True, seg.cu_seqlens)
+    entering = cp.states_entering(final[seg.last].view(B, 2, H, K, V + K), seg.continues)  # [B, 2, H, K, V]
+    h_in = torch.zeros(segments, H, K, V, device=v.device, dtype=entering.dtype).index_put(
+        (seg.first,), entering.reshape(B * 2, H, K, V))
+    o, _ = run(v.reshape(1, B * L, H, V), h_in, False, seg.cu_seqlens)
+    return o.view(B, L, H, V)
+
+
 # ----------------------------------------------------------------------------------------------- cache
 @dataclass
 class RecurrentCache:

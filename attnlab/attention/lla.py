@@ -25,7 +25,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
+from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs, mix_whole_rows
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.lla import IMPLS as LLA_IMPLS
 from attnlab.attention.ops.lla import lla_attention, lla_decode
@@ -105,6 +105,9 @@ class LocalLinearAttention(QKVAttentionBase):
 
     impls = LLA_IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: q, k, v (and a per-token λ) all-gathered, the whole rows attended
+    (:func:`attention.base.mix_whole_rows`)."""
 
     def __init__(self, args: AttentionArgs, opts: LLAOptions):
         super().__init__(args, opts.qk_norm)
@@ -131,6 +134,11 @@ class LocalLinearAttention(QKVAttentionBase):
         kw = dict(cg_iters=self.opts.cg_iters, jacobi=self.opts.jacobi, rtol=self.opts.cg_rtol)
         if ctx.cache is not None:
             o = self._decode(q, k, v, lam, ctx.cache, kw)
+        elif ctx.cp is not None:
+            per_token = lam if lam.dim() == 3 else None
+            o = mix_whole_rows(ctx, lambda q, k, v, lt, cu_seqlens: lla_attention(
+                q, k, v, lam if lt is None else lt, cu_seqlens=cu_seqlens, impl=self.args.impl, **kw),
+                q, k, v, per_token)
         else:
             o = lla_attention(q, k, v, lam, cu_seqlens=ctx.cu_seqlens, impl=self.args.impl, **kw)
         return self.wo(o.reshape(B, T, -1))

@@ -28,7 +28,7 @@ from attnlab.attention.softmax import SoftmaxAttention, SoftmaxOptions
 class ParallaxOptions(SoftmaxOptions):
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("wr_init", "rho_norm_init", "rho_gate_bias")
     """Options that only set initial weights (W_R, ρ's RMSNorm gain, the gate's bias): a resume loads those
-    weights, so it may change them (trainer.checkpoint.INIT_ONLY_FIELDS)."""
+    weights, so it may change them (checkpoint.dcp.INIT_ONLY_FIELDS)."""
 
     rope_on_rho: bool = True
     """Apply RoPE to ρ (the paper's best 0.6B/1.7B setting)."""

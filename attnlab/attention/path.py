@@ -19,7 +19,7 @@ from torch import nn
 
 from torchtitan.models.utils import trunc_normal_
 
-from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs
+from attnlab.attention.base import AttentionArgs, AttentionContext, QKVAttentionBase, causal_pairs, mix_whole_rows
 from attnlab.attention.linear_common import ShortConvolution, l2norm
 from attnlab.attention.ops.common import check_impl
 from attnlab.attention.ops.fox import fox_decode
@@ -64,6 +64,13 @@ class PathAttention(QKVAttentionBase):
 
     impls = IMPLS
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
+    context_parallel = True
+    """Runs under context parallelism: ν's short convolution with the history before each chunk
+    (:meth:`attention.linear_common.ShortConvolution.forward_cp`), then q, k, v, ν, β (and the forget gates)
+    all-gathered and the whole rows attended (:func:`attention.base.mix_whole_rows`): the Householder products
+    between a query and its keys run over the row."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: PathOptions):
         check_impl(args.impl, self.impls, "path")
@@ -118,7 +125,9 @@ class PathAttention(QKVAttentionBase):
             q, k = self.q_norm(q), self.k_norm(k)
         w = self.w_proj(x)
         if self.w_conv is not None:
-            if cache is not None:
+            if ctx.cp is not None:
+                w = self.w_conv.forward_cp(w, ctx)
+            elif cache is not None:
                 w, cache.conv = self.w_conv(w, state=cache.conv)
             else:
                 w, _ = self.w_conv(w, cu_seqlens=ctx.cu_seqlens)
@@ -128,6 +137,10 @@ class PathAttention(QKVAttentionBase):
         g = F.logsigmoid(self.f_proj(x).to(fdt)) if self.f_proj is not None else None
         if cache is not None:
             o = self._decode(q, k, v, w, beta, g, cache)
+        elif ctx.cp is not None:
+            o = mix_whole_rows(ctx, lambda q, k, v, w, beta, g, cu_seqlens: path_attention(
+                q, k, v, w, beta, g, cu_seqlens=cu_seqlens, block_size=self.opts.block_size, impl=self.args.impl),
+                q, k, v, w, beta, g)
         else:
             o = path_attention(q, k, v, w, beta, g, cu_seqlens=ctx.cu_seqlens, block_size=self.opts.block_size,
                                impl=self.args.impl)

@@ -128,6 +128,8 @@ class SoftmaxAttention(QKVAttentionBase):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism (:meth:`mix_cp`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: SoftmaxOptions):
         check_impl(args.impl, self.impls, self.mechanism)

@@ -9,12 +9,19 @@ run that none of them describes is an error naming the folder, never the default
 Only the model's keys are read from the checkpoint (optimizer and trainer states are skipped), so full training
 checkpoints and model-only ones both work. Shape mismatches name the keys. Hugging Face folders are
 :mod:`checkpoint.hf`'s, which builds on this module (never the other way round).
+
+A DCP folder is partly pickled, and unpickling can run code: nothing in a step folder is unpickled before
+:func:`check_pickles` has read every pickle in it with an allow-list of the classes a checkpoint holds
+(:func:`read_metadata`); the trainer and every tool go through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +36,170 @@ from attnlab.checkpoint.layout import CONFIG_FILE, TRAIN_ARGS_FILE, new_folder, 
 SIDECAR = "attnlab.json"
 NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
 
+RUNTIME_FIELDS = ("max_seq_len", "attn_impl", "custom_import")
+"""Architecture-record fields (dotted paths into :func:`args_to_dict`) a resume may change: they choose kernels,
+table sizes and where a mechanism's code is imported from, not the weights' meaning."""
+
+INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
+                                               for name, mech in attention.REGISTRY.items()
+                                               for option in getattr(mech.options, "INIT_ONLY", ()))
+"""Architecture-record fields a resume may change because they only set initial weights: ``ModelArgs.INIT_ONLY``
+(the depth-scaled init std) and each registered mechanism's options dataclass's ``INIT_ONLY`` (Parallax: W_R, ρ's
+RMSNorm gain, the ρ gate's bias; FoX: the forget gate's bias).
+A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
+one default of these options resumes under another."""
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the requested operation (message says why)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle in a step folder that names a class a checkpoint never holds: unpickling it could run code."""
+
+
+def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """{dotted field: (old, new)} where the architecture records ``old`` (a step folder's ``attnlab.json``) and
+    ``new`` (:func:`args_to_dict` of the model built) differ, nested dicts compared key by key. Only keys present in
+    both count: a checkpoint recorded before an option existed resumes with that option's default.
+    :data:`RUNTIME_FIELDS` and :data:`INIT_ONLY_FIELDS` never count."""
+    out = {}
+    for k, v in old.items():
+        path = prefix + k
+        if path in RUNTIME_FIELDS or path in INIT_ONLY_FIELDS or k not in new:
+            continue
+        if isinstance(v, dict) and isinstance(new[k], dict):
+            out.update(architecture_changes(v, new[k], path + "."))
+        elif v != new[k]:
+            out[path] = (v, new[k])
+    return out
+
+
+def record_changes(step_dir, args: ModelArgs) -> dict[str, tuple]:
+    """{field: (the step's record, ``args``)} where the ``attnlab.json`` of ``step_dir`` and the architecture
+    ``args`` differ (:func:`architecture_changes`); {} when the step folder has no record."""
+    rec = Path(step_dir) / SIDECAR
+    if not rec.is_file():
+        return {}
+    new = json.loads(json.dumps(args_to_dict(args)))  # tuples as JSON lists, like the record
+    return architecture_changes(json.loads(rec.read_text()), new)
+
+
+# ------------------------------------------------------------------------------------ pickles in a step folder
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+"""The classes (module, name) DCP's ``.metadata`` pickle holds, besides the torch dtypes (``torch.float32``, …):
+the metadata dataclasses, the shard locations, tensor sizes, the layout and memory-format encodings, and the
+checkpoint's path (``StorageMeta.checkpoint_id``). Read from the checkpoints torch 2.13 writes."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only the (module, name) pairs of ``allowed`` and torch's dtypes; any other
+    global (a function to call, a class to build) raises :class:`UnsafeCheckpointError` before it is looked up."""
+
+    def __init__(self, file, allowed: set[tuple[str, str]], where: str):
+        super().__init__(file)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.allowed or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where}: refused, it names {module}.{name}, which a checkpoint never holds; unpickling it could "
+            "run code. Nothing was loaded; use checkpoints only from sources you trust (a Hugging Face export, "
+            "safetensors, holds no code)")
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError(f"{self.where}: refused, it refers to external storage ({pid!r}), which a "
+                                    "checkpoint's pickles never do")
+
+
+def _restricted_loads(data: bytes, allowed: set[tuple[str, str]], where: str):
+    try:
+        return _AllowListUnpickler(io.BytesIO(data), allowed, where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001  (truncated or not a pickle: any unpickling error)
+        raise CheckpointError(f"{where}: not a readable pickle ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(folder):
+    """The DCP ``Metadata`` of step folder ``folder``, unpickled with the allow-list of :data:`_METADATA_CLASSES`
+    (torch's ``FileSystemReader.read_metadata`` unpickles it with no restriction). Raises CheckpointError naming
+    the file when it is missing or unreadable, UnsafeCheckpointError when it names any other class."""
+    path = Path(folder) / ".metadata"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    meta = _restricted_loads(data, _METADATA_CLASSES, str(path))
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(meta).__name__}, not DCP metadata")
+    return meta
+
+
+def check_pickles(folder):
+    """Read every pickle of DCP step folder ``folder`` as the load would, but restricted, and return its metadata:
+
+    - ``.metadata`` (and per-rank ``__<r>.metadata`` files), which DCP reads with ``pickle.load``: the
+      :data:`_METADATA_CLASSES` allow-list (:func:`read_metadata`);
+    - every non-tensor item in the ``.distcp`` shards (step counters, optimizer hyper-parameters, the
+      schedule's and the data loader's states), which DCP reads with ``torch.load(weights_only=False)``: torch's
+      own restricted unpickler (``weights_only=True``: tensors, numbers, strings, containers);
+    - the data loader's per-rank state inside them (``dataloader.dp_rank_<r>``, bytes that torchtitan and
+      ``data.loader`` read with ``pickle.loads``): plain numbers, strings and containers, no class at all.
+
+    Raises UnsafeCheckpointError naming the file (and item) for anything else, before anything was unpickled
+    unrestricted; CheckpointError for unreadable files. Tensor items are read by DCP with ``weights_only=True``
+    already."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder = Path(folder)
+    for extra in sorted(folder.glob("__*.metadata")):
+        _restricted_loads(extra.read_bytes(), _METADATA_CLASSES, str(extra))
+    meta = read_metadata(folder)
+    byte_keys = {k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
+    items = sorted(((info.relative_path, info.offset, info.length, index.fqn)
+                    for index, info in (meta.storage_data or {}).items() if index.fqn in byte_keys))
+    checked: set[bytes] = set()  # many items are equal (each parameter's lr, betas, …): each is read once
+    for relative_path, offset, length, fqn in items:
+        where = f"{folder / relative_path} (item {fqn})"
+        try:
+            with open(folder / relative_path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot be read ({e.strerror or e})") from None
+        if data in checked:
+            continue
+        checked.add(data)
+        if not zipfile.is_zipfile(io.BytesIO(data)):  # what torch.save writes (DCP stores each item that way)
+            raise CheckpointError(f"{where}: corrupt or truncated ({len(data)} bytes, not a torch.save record); the "
+                                  "checkpoint cannot be loaded")
+        try:
+            value = torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(f"{where}: refused by torch's restricted unpickler ({_first_line(e)}); "
+                                        "unpickling it could run code. Nothing was loaded; use checkpoints only "
+                                        "from sources you trust") from None
+        except Exception as e:  # noqa: BLE001  (a damaged record)
+            raise CheckpointError(f"{where}: corrupt or truncated, cannot be read ({type(e).__name__}: "
+                                  f"{_first_line(e)}); the checkpoint cannot be loaded") from None
+        if fqn.startswith("dataloader.") and isinstance(value, (bytes, bytearray)):
+            _restricted_loads(bytes(value), set(), where)
+    return meta
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def args_to_dict(args: ModelArgs) -> dict[str, Any]:
@@ -78,13 +246,9 @@ def args_from_dict(d: dict[str, Any]) -> ModelArgs:
 
 def load_dcp_state(folder, progress: bool = False) -> dict[str, torch.Tensor]:
     """Model tensors of a DCP folder (optimizer and other trainer states skipped), keys as the model's."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        meta = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{folder}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from e
+    meta = check_pickles(folder)
     sd = {}
     for key, m in meta.state_dict_metadata.items():
         if key.startswith(NON_MODEL_PREFIXES) or not isinstance(m, TensorStorageMetadata):
@@ -118,10 +282,8 @@ def read_dcp(state: dict[str, torch.Tensor], folder) -> None:
 
 def _short_shards(folder) -> list[str]:
     """'<shard> has N of M bytes' for every shard of a DCP folder shorter than the extent its metadata records."""
-    import torch.distributed.checkpoint as dcp
-
     need: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values():
+    for info in read_metadata(folder).storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     size = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in need}
     return [f"{name} has {size[name]} of {n} bytes" for name, n in sorted(need.items()) if size[name] < n]
@@ -197,11 +359,11 @@ def run_argv(argv: list[str] | None, step_dir: Path) -> list[str] | None:
 
 
 def config_and_architecture(argv: list[str] | None, step_dir: Path):
-    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`run_argv`, or, for a run with none of its
+    """(JobConfig, ModelArgs) of the run of ``step_dir``: from :func:`run_argv` (:func:`parse_run_config`), or, for a run with none of its
     descriptions but an ``attnlab.json`` in the step folder, that record (the default config set to it by
     :func:`_with_architecture`; fields no key sets, such as the flavor's RMSNorm eps, come from the record).
     Raises CheckpointError naming the folders when nothing describes the run."""
-    from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+    from attnlab.config import DEFAULT_CONFIG, names_config_file
 
     described = run_argv(argv, step_dir)
     if described is None:
@@ -211,8 +373,35 @@ def config_and_architecture(argv: list[str] | None, step_dir: Path):
         return config_for(args), args
     if not names_config_file(described):
         described = ["--job.config_file", DEFAULT_CONFIG, *described]
-    cfg = parse_config(described)
+    cfg = parse_run_config(described)
     return cfg, model_args_from_config(cfg)
+
+
+def parse_run_config(argv: list[str]):
+    """``config.parse_config(argv)`` for a tool rebuilding a run; a configuration that does not parse (a run's
+    config.toml that is not valid TOML, an unknown key, a bad value) is a CheckpointError naming the file."""
+    from attnlab.config import parse_config
+
+    try:
+        return parse_config(argv)
+    except ValueError as e:  # tomli.TOMLDecodeError is one
+        flag = [a for a in argv if a.startswith("--job.config_file")][:1]
+        i = argv.index(flag[0]) if flag else -1
+        name = (flag[0].partition("=")[2] or argv[i + 1]) if flag else "the configuration"
+        what = "not valid TOML" if type(e).__name__ == "TOMLDecodeError" else "cannot be used"
+        raise CheckpointError(f"{name}: {what} ({_first_line(e)})") from None
+
+
+def config_changes(ckpt_dir: Path, config_file: Path) -> str | None:
+    """Where the run configuration ``config_file`` (a run's config.toml) describes another model than the
+    ``attnlab.json`` record the step folder ``ckpt_dir`` was saved with (:func:`record_changes`), as
+    "field: X in the record, Y in config.toml; …"; None when they agree or the step has no record."""
+    if not (Path(ckpt_dir) / SIDECAR).is_file():
+        return None
+    args = model_args_from_config(parse_run_config(["--job.config_file", str(config_file)]))
+    changed = record_changes(ckpt_dir, args)
+    return "; ".join(f"{k}: {old!r} in the record, {new!r} in {Path(config_file).name}"
+                     for k, (old, new) in changed.items()) or None
 
 
 def config_for(args: ModelArgs):

@@ -7,6 +7,8 @@ A run folder (``job.dump_folder``) is laid out as::
     <run>/config.resolved.toml  instead, when config.toml is the file the run was started from (kept as written)
     <run>/tokenizer/            the tokenizer the run trained with (tokenizer.json, tokenizer_config.json)
     <run>/checkpoint/step-N/    DCP checkpoints
+    <run>/metrics.jsonl         one record per logged step (attnlab/trainer/metrics.py)
+    <run>/.attnlab-run.json     what the run wrote: each file it may replace, with its SHA-256 (:func:`record_run_files`)
     <run>/train_args.json       older runs: the train.py argv (benchmarks/replicate/)
 
 A step folder is a folder named exactly ``step-N`` (:func:`step_of`); a checkpoint folder holds weights of either
@@ -22,6 +24,8 @@ Every tool takes one ``CKPT`` (a run folder, a ``step-N`` folder or a Hugging Fa
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -33,6 +37,9 @@ CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoint"
 """The run folder's checkpoint folder (``checkpoint.folder``'s default)."""
 RESOLVED_CONFIG_FILE = "config.resolved.toml"
+METRICS_FILE = "metrics.jsonl"
+RUN_RECORD = ".attnlab-run.json"
+"""The run's record of the files it wrote (:func:`record_run_files`)."""
 TRAIN_ARGS_FILE = "train_args.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -231,6 +238,41 @@ def write_run_files(dump_folder: str | os.PathLike, job_config, tokenizer_dir: s
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         save_tokenizer(tokenizer_dir, dump / TOKENIZER_DIR)
     return target
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of the file ``path``, hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_record(dump_folder: str | os.PathLike) -> dict[str, str | None] | None:
+    """{path relative to ``dump_folder``: SHA-256 as the run last wrote it (None for ``metrics.jsonl``, which it
+    appends to)} of the files the run in ``dump_folder`` wrote; None when the folder has no (readable) record:
+    no run started there, or the run is of an older attnlab."""
+    try:
+        rec = json.loads((Path(dump_folder) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    files = rec.get("files") if isinstance(rec, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def record_run_files(dump_folder: str | os.PathLike, paths: list[str | os.PathLike]) -> None:
+    """Add the files ``paths`` (under ``dump_folder``, just written by the run) to the run's record
+    (:data:`RUN_RECORD`) with their digests, ``metrics.jsonl`` without one; call on one rank. The run replaces a
+    file of its folder only while it is in the record with the same digest (attnlab/trainer/run_folder.py)."""
+    dump = Path(dump_folder)
+    files = run_record(dump) or {}
+    for p in map(Path, paths):
+        if p.is_file():
+            files[str(p.relative_to(dump))] = None if p.name == METRICS_FILE else file_digest(p)
+    tmp = dump / f".{RUN_RECORD}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    os.replace(tmp, dump / RUN_RECORD)
 
 
 @contextlib.contextmanager

@@ -21,8 +21,9 @@ import torch
 
 from attnlab import attention
 from attnlab.models.args import ModelArgs
-from attnlab.checkpoint.dcp import (SIDECAR, CheckpointError, build_model, config_and_architecture, config_for,
-                                    load_dcp_state, model_args_from_config, read_sidecar, run_argv, undescribed)
+from attnlab.checkpoint.dcp import (SIDECAR, CheckpointError, build_model, config_and_architecture, config_changes,
+                                    config_for, load_dcp_state, model_args_from_config, parse_run_config, read_sidecar,
+                                    run_argv, undescribed)
 from attnlab.checkpoint.hf import load_hf_state
 from attnlab.checkpoint.layout import CheckpointRef, has_safetensors, is_dcp_folder, is_hf_folder, resolve
 
@@ -120,9 +121,7 @@ def load_checkpoint(path, args: ModelArgs | None = None, progress: bool = False,
 
 def job_config(config_file, overrides: list[str] | None = None):
     """The merged JobConfig of a training TOML (+ ``--section.key value`` overrides)."""
-    from attnlab.config import parse_config
-
-    return parse_config(["--job.config_file", str(config_file), *(overrides or [])])
+    return parse_run_config(["--job.config_file", str(config_file), *(overrides or [])])
 
 
 def args_from_job_config(config_file, overrides: list[str] | None = None) -> ModelArgs:
@@ -139,23 +138,33 @@ def load_tool_checkpoint(ckpt: CheckpointRef, config_file=None, progress: bool =
     (``<run>/config.toml``, ``<run>/train_args.json``), with ``train_flags`` (train.py ``--section.key value``
     overrides) on top, which also gives the JobConfig; the folder's own record (HF config.json / DCP attnlab.json);
     with ``infer``, the tensor shapes (``infer_kw``, softmax/Parallax only). A DCP folder that nothing describes is
-    a CheckpointError naming the folders when ``infer`` is off."""
+    a CheckpointError naming the folders when ``infer`` is off, and so is a run's config.toml that describes another
+    model than the step's ``attnlab.json`` (edited after training; changes on purpose go in ``train_flags``).
+    Every pickle of a DCP folder is checked before anything is unpickled (:func:`checkpoint.dcp.check_pickles`)."""
     flags = list(train_flags or [])
     argv = ["--job.config_file", str(config_file), *flags] if config_file else ckpt.config_argv(flags)
     if is_dcp_folder(ckpt.path):
+        if not config_file and ckpt.config is not None:
+            changed = config_changes(ckpt.path, ckpt.config)
+            if changed:
+                raise CheckpointError(
+                    f"{ckpt.config} describes another model than {ckpt.path / SIDECAR}, the record the checkpoint was "
+                    f"saved with: {changed}. Was it edited after training? Restore it (to use a changed model on "
+                    "purpose, keep config.toml as trained and pass the key after `--`, e.g. "
+                    "`-- --model.rope_theta 500000`)")
         described = run_argv(argv, ckpt.path) is not None
         cfg, args = config_and_architecture(argv, ckpt.path) if described else (None, read_sidecar(ckpt.path))
         if args is None and not infer:
             raise undescribed(ckpt.path)
         sd = load_dcp_state(ckpt.path, progress)
         return "dcp", args or infer_args(sd, **infer_kw), sd, cfg
-    from attnlab.config import names_config_file, parse_config
+    from attnlab.config import names_config_file
 
     names_config = names_config_file(argv)
     if flags and not names_config:  # they would be dropped: an HF folder's architecture is its config.json
         raise CheckpointError(f"{ckpt.path}: a Hugging Face folder outside a run, so the train.py flags after `--` "
                               f"({' '.join(flags)}) have no configuration to apply to; add --job.config_file")
-    cfg = parse_config(argv) if names_config else None
+    cfg = parse_run_config(argv) if names_config else None
     fmt, args, sd = load_checkpoint(ckpt.path, model_args_from_config(cfg) if cfg else None, progress, **infer_kw)
     return fmt, args, sd, cfg
 

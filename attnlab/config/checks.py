@@ -229,16 +229,21 @@ def check_context_parallel(job_config) -> None:
     supported = sorted(n for n, e in REGISTRY.items() if getattr(e.cls, "context_parallel", False))
     for name in sorted({m.attention, *m.layer_pattern}):
         if name not in supported:
-            raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism yet; "
-                             f"supported: {supported}")
+            raise ValueError(f"{key}={cp}: mechanism {name!r} does not run under context parallelism (its class "
+                             "does not set context_parallel = True; docs/context_parallel.md says what a mechanism "
+                             f"needs); supported: {supported}")
     for section in ("training", "validation"):
         seq_len = getattr(job_config, section).seq_len
         if seq_len % (2 * cp):
             raise ValueError(f"{section}.seq_len={seq_len}: must be a multiple of 2 x {key} = {2 * cp} (each rank "
                              "holds two equal chunks of every sequence)")
     if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ValueError(f"compile.enable with {key}={cp}: the blocks compile as one graph each, and the key/value "
-                         "all-gather breaks it; set compile.enable = false")
+        compiles = sorted(n for n in supported if getattr(REGISTRY[n].cls, "context_parallel_compiles", False))
+        for name in sorted({m.attention, *m.layer_pattern}):
+            if name not in compiles:
+                raise ValueError(f"compile.enable with {key}={cp}: mechanism {name!r} is not known to compile under "
+                                 f"context parallelism (docs/context_parallel.md, \"Compiling\"); compiles: "
+                                 f"{compiles}; set compile.enable = false")
 
 
 def check_world_size(job_config, world_size: int) -> None:

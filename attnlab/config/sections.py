@@ -85,7 +85,9 @@ class Data:
     streaming: bool | None = None
     """Stream the dataset (None = stream hub datasets, load local files as Arrow map-style datasets)."""
     val_every: int = field(default=100, metadata={"valid": "0 or >= 2"})
-    """When ``validation.dataset_path`` is empty, every ``val_every``-th document is held out for validation."""
+    """When ``validation.dataset_path`` is empty, every ``val_every``-th document is held out for validation.
+    0 holds out none: validation then needs ``validation.dataset_path`` (else the run is refused before it starts;
+    ``validation.enable = false`` trains on every document without validation)."""
     embedded_vocab_size: int = field(default=4096, metadata={"valid": ">= 258; 256 bytes and 2 special tokens"})
     """Vocabulary of the BPE tokenizer trained for the embedded corpus."""
     cache_dir: str = field(default=".cache/attnlab", metadata={"valid": "non-empty and not a file"})

@@ -76,23 +76,35 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike,
 
 
 def build_embedded(cache_dir: str, vocab_size: int, val_every: int = 20) -> Path:
-    """Build (once) and return the folder holding ``train.jsonl``, ``val.jsonl`` and the tokenizer files."""
+    """Build (once) and return the folder holding ``train.jsonl``, ``val.jsonl`` and the tokenizer files.
+
+    The files are written into a temporary folder of this call's own, which is then renamed to the final name in
+    one step: processes that build at the same time (the ranks of a first run, two first runs) each see either
+    no folder or a complete one. The first rename wins; a later builder, or one that fails, removes its temporary
+    folder and leaves nothing behind."""
+    import shutil
+    import tempfile
+
     out = Path(cache_dir) / f"embedded-v{vocab_size}"
     if (out / "tokenizer.json").exists():
         return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    docs = _documents()
-    splits = {"train": [d for i, d in enumerate(docs) if i % val_every], "val": docs[::val_every]}
-    for name, items in splits.items():
-        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for d in items:
-                f.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
-    logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library; training a BPE tokenizer "
-                f"(vocab {vocab_size})")
-    train_bpe(splits["train"], vocab_size, tmp, length=len(splits["train"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp", dir=out.parent))
     try:
-        tmp.rename(out)  # atomic: concurrent ranks either see a complete folder or build their own
+        docs = _documents()
+        splits = {"train": [d for i, d in enumerate(docs) if i % val_every], "val": docs[::val_every]}
+        for name, items in splits.items():
+            with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+                for d in items:
+                    f.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
+        logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library; training a BPE "
+                    f"tokenizer (vocab {vocab_size})")
+        train_bpe(splits["train"], vocab_size, tmp, length=len(splits["train"]))
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private to its owner; the cache is not
+        tmp.rename(out)
     except OSError:
-        pass
-    return out if out.exists() else tmp
+        if not (out / "tokenizer.json").exists():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -27,11 +27,75 @@ def resolve_files(spec: str, key: str) -> tuple[str, list[str]]:
     else:
         raise ValueError(f"{key}={spec!r}: no such file, folder or glob match")
     if not files:
-        raise ValueError(f"{key}={spec!r}: no .jsonl/.json/.parquet/.txt (optionally .gz) files found")
+        raise ValueError(f"{key}={spec!r}: no data files found ({SUPPORTED})")
     builders = {_builder_for(f) for f in files}
-    if None in builders or len(builders) > 1:
-        raise ValueError(f"{key}={spec!r}: files must all be one of {sorted(set(_BUILDERS))} (+.gz); got {files[:5]}")
+    if None in builders:
+        other = next(f for f in files if _builder_for(f) is None)
+        raise ValueError(f"{key}={spec!r}: {other} is not a supported format; {SUPPORTED}")
+    if len(builders) > 1:
+        raise ValueError(f"{key}={spec!r}: files must all be of one format ({SUPPORTED}); got {files[:5]}")
     return builders.pop(), files
+
+
+SUPPORTED = ("supported: .jsonl/.json (JSON Lines, or one array of records), .parquet, .txt/.text/.md (one document "
+             "per file), each optionally .gz; convert other formats (e.g. .csv) to one of these")
+
+
+def check_files(spec: str, key: str, text_field: str) -> None:
+    """What preflight checks of local data without reading it: the files exist and have a supported format
+    (:func:`resolve_files`), and every parquet file's schema has the ``text_field`` column (its footer only).
+    JSON and text records are scanned when the loader opens them (:func:`scan_files`), still before step 1. A
+    path that matches nothing is left to the loader, which names it then: a configuration may be checked where
+    its data is not mounted."""
+    if not (os.path.exists(spec) or glob.glob(spec, recursive=True)):
+        return
+    builder, files = resolve_files(spec, key)
+    if builder != "parquet":
+        return
+    import pyarrow.parquet as pq
+
+    for path in files:
+        try:
+            columns = pq.read_schema(path).names
+        except Exception as e:  # not a parquet file, truncated footer
+            raise ValueError(f"{key}={spec!r}: {path}: cannot read its parquet schema ({type(e).__name__}: {e})") \
+                from None
+        if text_field not in columns:
+            raise ValueError(f"{key}={spec!r}: {path} has no column {text_field!r} (data.text_field); its columns "
+                             f"are {columns[:8]}")
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face Hub answers one HEAD request, through huggingface_hub's own HTTP session (its
+    endpoint, proxies and offline mode apply)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no network, DNS failure, proxy refusal, offline mode: the Hub cannot be used
+        return False
+    return True
+
+
+def check_hub(spec: str, key: str, streaming: bool | None) -> None:
+    """A hub dataset can be read: the Hub answers (one request of at most 5 s, instead of ``datasets``' retries for
+    half a minute), or ``HF_HUB_OFFLINE`` is set and the dataset is not streamed (then ``datasets`` reads a copy
+    in its cache, and names it when there is none)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    cached = ("for a copy already in the datasets cache ($HF_HOME, default ~/.cache/huggingface) set "
+              "HF_HUB_OFFLINE=1 and data.streaming = false")
+    if datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE:
+        if streaming is not False:
+            raise ValueError(f"{key}={spec!r}: HF_HUB_OFFLINE is set, and a hub dataset is streamed from the Hub "
+                             "(data.streaming); set data.streaming = false to read a copy already in the datasets "
+                             "cache, or use local files (training.dataset_path)")
+        return
+    if not hub_reachable():
+        raise ValueError(f"{key}={spec!r}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached (no "
+                         f"network, or a proxy refuses); use local files (training.dataset_path), or {cached}")
 
 
 def _open(path: str):

@@ -17,7 +17,7 @@ from torchtitan.protocols.train_spec import BaseModelArgs
 class ModelArgs(BaseModelArgs):
     INIT_ONLY: ClassVar[tuple[str, ...]] = ("depth_init",)
     """Fields that only set initial weights (the per-layer init std): a resume loads the weights, so it may change
-    them (trainer.checkpoint.INIT_ONLY_FIELDS)."""
+    them (checkpoint.dcp.INIT_ONLY_FIELDS)."""
 
     dim: int = 1024
     n_layers: int = 28

@@ -95,16 +95,18 @@ class Transformer(ModelProtocol):
         std = self.model_args.dim**-0.5
         trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def context(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> AttentionContext:
+    def context(self, tokens: torch.Tensor, positions: torch.Tensor | None,
+                documents: tuple[torch.Tensor, int] | None = None) -> AttentionContext:
         """Positions restart at every document when ``attn_mask_type = "block_causal"``; otherwise each row
-        is one causal sequence and ``positions`` from the data loader are ignored."""
+        is one causal sequence and ``positions`` from the data loader are ignored. ``documents``: the documents'
+        offsets, already computed from ``positions`` (:meth:`AttentionContext.document_offsets`)."""
         block = self.model_args.attn_mask_type == "block_causal"
         if self.cp is not None:
             return self.cp_context(tokens, positions if block else None)
         if positions is None or not block:
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta)
+        ctx = AttentionContext.from_positions(positions, block, self.model_args.rope_theta, documents)
         # positions restart in every row (< T)
         self.fill_rope(ctx, tokens.shape[1], tokens.device)
         return ctx
@@ -133,12 +135,13 @@ class Transformer(ModelProtocol):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 ctx: AttentionContext | None = None, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0) -> torch.Tensor:
+                loss_chunk_tokens: int = 0, documents: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         """tokens: [B, T] int64 -> logits [B, T, vocab]. ``ctx`` overrides the context (decoding). With ``labels``
         [B, T] (training under ``training.loss_chunk_tokens``): the summed cross-entropy over the labels that are not
         torchtitan's IGNORE_INDEX instead, an fp32 scalar, computed ``loss_chunk_tokens`` tokens at a time without
-        the [B, T, vocab] logits (:class:`Head`)."""
-        ctx = ctx if ctx is not None else self.context(tokens, positions)
+        the [B, T, vocab] logits (:class:`Head`). ``documents``: (cu_seqlens [n_docs + 1] int32, the longest
+        document) of ``positions``, computed by the trainer on the host (:mod:`attnlab.trainer.step`)."""
+        ctx = ctx if ctx is not None else self.context(tokens, positions, documents)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, ctx)

@@ -20,6 +20,11 @@ in the calling process:
     logits), and decoded with the layers' caches (the same logits as the full forward).
 
 Any failure is an AssertionError saying which step failed (with the training output's tail).
+
+:func:`check_context_parallel` is the cell's context-parallel column (docs/context_parallel.md): the same mechanism
+trained with ``parallelism.context_parallel_degree = 2`` on 2 gloo processes and on one process from one seed
+checkpoint, on rows of several documents that cross the ranks' chunks, the training and validation losses within
+1e-4; and the CP run's step-2 checkpoint resumed on one process, its steps 3 and 4 as the CP run's.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from attnlab.testing.tiny_runs import losses, make_corpus, read_metrics, tiny_args
 from attnlab.tools.launch import child_env, train_command
 
-__all__ = ["check_lifecycle", "pattern_flags"]
+__all__ = ["check_context_parallel", "check_lifecycle", "cp_corpus", "pattern_flags"]
 
 
 def pattern_flags(pattern: str | Sequence[str]) -> list[str]:
@@ -139,3 +144,71 @@ def check_lifecycle(pattern: str | Sequence[str], workdir: str | os.PathLike, *,
     for i, step_logits in enumerate(res.step_logits):
         torch.testing.assert_close(step_logits, full[:, i], rtol=2e-4, atol=2e-4,
                                    msg=f"decode step {i}: the cached logits differ from the full forward's")
+
+
+def cp_corpus(root: str | os.PathLike) -> dict[str, str]:
+    """A corpus for :func:`check_context_parallel`: documents of 5 words + BOS/EOS = 7 tokens packed into rows of
+    16 + 1, so document boundaries fall inside and across the four chunks of each row at CP = 2."""
+    return make_corpus(Path(root), seq_len=6, n_train=96, n_val=16)
+
+
+def check_context_parallel(pattern: str | Sequence[str], workdir: str | os.PathLike, *, degree: int = 2,
+                           train_flags: Sequence[str] = (), pythonpath: Sequence[str | os.PathLike] = (),
+                           corpus: dict[str, str] | None = None, timeout: int = 600, resume: bool = True,
+                           compiled: bool = False, tol: float = 1e-4) -> dict[str, float]:
+    """The context-parallel column of the cell for ``pattern`` (a mechanism's name or a layer pattern,
+    :func:`pattern_flags`): a seed checkpoint, 4 AdamW steps (validation at 1, 2 and 4, checkpoints at 2 and 4) on one
+    process and with ``context_parallel_degree = degree`` on ``degree`` gloo processes from it, block-causal rows
+    whose documents cross the chunks; the losses must agree within ``tol``. The learning rate is 1e-3: at the debug
+    config's 3e-3 without warmup AdamW's first steps amplify float32 summation-order differences (HLA's chunked
+    passes against its one-process kernel: 2e-3 by step 4, 1.8e-5 at 1e-3) past the tolerance; that the CP path is
+    exact is checked in float64 by tests/attention/test_context_parallel_modules.py. With ``resume``, the CP run's step-2
+    checkpoint resumes on one process and steps 3-4 must match the CP run's. With ``compiled``, the CP run again with
+    ``compile.enable`` (every block one graph, the collectives in it) must match the eager CP run's losses. ``corpus``: :func:`cp_corpus`'s paths
+    (made in ``workdir`` without it). Returns the largest difference of each comparison ("training", "validation",
+"resume"). Raises AssertionError."""
+    import shutil
+
+    pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = corpus or cp_corpus(workdir / "corpus")
+
+    def train(name: str, nproc: int, *extra: str) -> Path:
+        dump = workdir / name
+        args = tiny_args(corpus, dump, 4, 16, 2, *pattern_flags(pattern), "--model.attn_mask_type", "block_causal",
+                         "--optimizer.name", "adamw", "--optimizer.lr", "1e-3", "--checkpoint.enable",
+                         "--checkpoint.interval", "2", "--validation.freq", "2", *train_flags, *extra)
+        if nproc > 1:
+            args += ["--parallelism.context_parallel_degree", str(nproc)]
+        _train(args, workdir, pythonpath, timeout, f"{name} on {nproc} process(es)", nproc)
+        return dump
+
+    seed = train("seed", 1, "--checkpoint.create_seed_checkpoint")
+    init = ("--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"))
+    one, cp = train("one", 1, *init), train(f"cp{degree}", degree, *init)
+    diffs = {}
+    for what, key in (("training", "loss"), ("validation", "val_loss")):
+        a, b = ({r["step"]: r[key] for r in read_metrics(d) if key in r} for d in (one, cp))
+        want = [1, 2, 3, 4] if key == "loss" else [1, 2, 4]
+        assert sorted(a) == sorted(b) == want, f"{what} steps: one process {sorted(a)}, CP = {degree} {sorted(b)}"
+        diffs[what] = max(abs(a[s] - b[s]) for s in a)
+        assert diffs[what] <= tol, \
+            f"{what} losses, one process {a} vs CP = {degree} {b}: differ by {diffs[what]:.2e} > {tol}"
+    cp_losses = losses(cp)
+    if compiled:
+        a, b = (read_metrics(d) for d in (cp, train(f"cp{degree}_compiled", degree, *init, "--compile.enable")))
+        pick = lambda recs: {(k, r["step"]): r[k] for r in recs for k in ("loss", "val_loss") if k in r}  # noqa: E731
+        a, b = pick(a), pick(b)
+        assert sorted(a) == sorted(b), f"compiled CP logged {sorted(b)}, eager CP {sorted(a)}"
+        diffs["compiled"] = max(abs(a[s] - b[s]) for s in a)
+        assert diffs["compiled"] <= tol, f"compiled CP {b} vs eager CP {a}: differ by {diffs['compiled']:.2e} > {tol}"
+    if resume:
+        resumed = workdir / "resumed"
+        shutil.copytree(cp / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+        got = losses(train("resumed", 1))
+        assert sorted(got) == [3, 4], f"the CP checkpoint resumed on one process logged steps {sorted(got)}"
+        diffs["resume"] = max(abs(got[s] - cp_losses[s]) for s in got)
+        assert diffs["resume"] <= tol, \
+            f"resumed on one process {got} vs CP = {degree} {cp_losses}: differ by {diffs['resume']:.2e} > {tol}"
+    return diffs

@@ -1,7 +1,8 @@
 """What the trainer checks and writes around every checkpoint load and save (docs/failures.md), running inside
 torchtitan's ``CheckpointManager`` (:func:`trainer.titan.hook_checkpointer`).
 
-Load: an existing ``checkpoint.load_step``; a step folder that holds the step its name says; the checkpoint's keys
+Load: every pickle in the step folder read with an allow-list first (:func:`checkpoint.dcp.check_pickles`); an
+existing ``checkpoint.load_step``; a step folder that holds the step its name says; the checkpoint's keys
 and architecture record (``attnlab.json``) against the model built (``checkpoint.partial_load`` loads the common
 keys on purpose); the data loader told how many ranks wrote the checkpoint (resharding); finite weights and
 optimizer state once loaded; the resumed schedule against the checkpoint's (``schedule.json``), each group's lr
@@ -24,53 +25,66 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.tools.logging import logger
 
-from attnlab import attention
 from attnlab.models.args import ModelArgs
-from attnlab.checkpoint.dcp import args_to_dict, SIDECAR
+from attnlab.checkpoint.dcp import NON_MODEL_PREFIXES, SIDECAR, args_to_dict, check_pickles, record_changes
 from attnlab.checkpoint.layout import is_dcp_folder, step_folders, step_of
 from attnlab.trainer.titan import hook_checkpointer, purge, saves_at, step_path
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-RUNTIME_FIELDS = ("max_seq_len", "attn_impl", "custom_import")
-"""Architecture-record fields (dotted paths into ``checkpoint.dcp.args_to_dict``) a resume may change: they choose
-kernels, table sizes and where a mechanism's code is imported from, not the weights' meaning."""
-
-INIT_ONLY_FIELDS = ModelArgs.INIT_ONLY + tuple(f"attention_options.{name}.{option}"
-                                               for name, mech in attention.REGISTRY.items()
-                                               for option in getattr(mech.options, "INIT_ONLY", ()))
-"""Architecture-record fields a resume may change because they only set initial weights: ``ModelArgs.INIT_ONLY``
-(the depth-scaled init std) and each registered mechanism's options dataclass's ``INIT_ONLY`` (Parallax: W_R, ρ's
-RMSNorm gain, the ρ gate's bias; FoX: the forget gate's bias).
-A resume loads those weights from the checkpoint, so their initialisation is never used, and a run started under
-one default of these options resumes under another."""
-
 
 def checkpoint_bytes(model_parts) -> int:
     """Estimated size of one full checkpoint: the parameters (global sizes) plus two optimizer moments."""
     return 3 * sum(p.numel() * p.element_size() for m in model_parts for p in m.parameters())
 
 
-def architecture_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
-    """{dotted field: (old, new)} where the architecture records ``old`` (the checkpoint's ``attnlab.json``) and
-    ``new`` (the model built) differ, nested dicts compared key by key. Only keys present in both count: a
-    checkpoint recorded before an option existed resumes with that option's default. :data:`RUNTIME_FIELDS` and
-    :data:`INIT_ONLY_FIELDS` never count."""
-    out = {}
-    for k, v in old.items():
-        path = prefix + k
-        if path in RUNTIME_FIELDS or path in INIT_ONLY_FIELDS or k not in new:
-            continue
-        if isinstance(v, dict) and isinstance(new[k], dict):
-            out.update(architecture_changes(v, new[k], path + "."))
-        elif v != new[k]:
-            out[path] = (v, new[k])
-    return out
+def planned_load(ck, folder: str, step: int = -1) -> tuple[str | None, bool]:
+    """(DCP folder torchtitan's ``CheckpointManager.load`` will read, model only?) for the ``[checkpoint]`` section
+    ``ck``, the run's checkpoint folder ``folder`` and ``step`` (-1: the newest), mirroring its rules: the newest
+    (or ``step``) exact ``step-N`` DCP folder while ``folder`` exists, else ``checkpoint.initial_load_path``
+    (model only unless ``initial_load_model_only`` is off). (None, False) for Hugging Face loads and when nothing
+    will be loaded."""
+    if not ck.enable:
+        return None, False
+    if not os.path.exists(folder):
+        if ck.initial_load_path and not ck.initial_load_in_hf and os.path.isdir(ck.initial_load_path):
+            return ck.initial_load_path, ck.initial_load_model_only
+        return None, False
+    step = max(step_folders(folder, dcp_only=True), default=-1) if step == -1 else step
+    path = os.path.join(folder, f"step-{step}")
+    if step < 0 or not is_dcp_folder(path):
+        return None, False
+    return path, step == 0
+
+
+def architecture_mismatch(path: str, meta, model_keys, args: ModelArgs, model_only: bool) -> str | None:
+    """Why the DCP checkpoint ``path`` (its restricted-read metadata ``meta``, :func:`checkpoint.dcp.check_pickles`)
+    does not fit the model of ``args`` with state-dict keys ``model_keys``, or None when it fits: keys on either side
+    only (DCP loads only the keys asked for, so extra checkpoint keys, a Parallax run resumed as softmax, would be
+    dropped silently), and, unless ``model_only``, the fields of the step's ``attnlab.json`` that differ
+    (:func:`checkpoint.dcp.record_changes`; a resume with another mask or mechanism option would otherwise
+    continue silently as a different model). Model-only initial loads may start from weights with another mask or
+    options on purpose (an imported HF model trained with packed documents)."""
+    ckpt = {k for k in meta.state_dict_metadata if not k.startswith(NON_MODEL_PREFIXES)}
+    model = set(model_keys)
+    missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
+    changed = {} if model_only else record_changes(path, args)
+    if not (missing or unexpected or changed):
+        return None
+    parts = [f"missing from the checkpoint {missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), "
+             f"not in the model {unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
+             ] if missing or unexpected else []
+    parts += [f"architecture fields changed (checkpoint's, this run's): {changed}"] if changed else []
+    return f"checkpoint {path!r} does not match the model built from this config: {'; '.join(parts)}"
+
+
+PARTIAL_LOAD_HINT = ("It was written by a different architecture (model.attention, layer_pattern, "
+                     "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
+                     "checkpoint.partial_load = true to load the common keys on purpose.")
 
 
 def with_rng_state(state: dict) -> dict:
@@ -149,11 +163,12 @@ class CheckpointGuard:
                                     "Pick one of them, or -1 for the latest.")
         path, model_only = self._load_path(step)
         if path is not None:
+            meta = check_pickles(path)  # before anything in the folder is unpickled (train.preflight did it too)
             if not model_only:
                 self._check_stored_step(path)
-            self._check_architecture(path, model_only)
+            self._check_architecture(path, meta, model_only)
             if not model_only:
-                self._prepare_dataloader_reshard(path)
+                self._prepare_dataloader_reshard(path, meta)
         try:
             loaded = titan_load(step=step)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -197,21 +212,9 @@ class CheckpointGuard:
     # ------------------------------------------------------------------------------------------------ load checks
 
     def _load_path(self, step: int) -> tuple[str | None, bool]:
-        """(DCP folder about to be loaded, model only?) mirroring torchtitan's ``CheckpointManager.load``;
-        None for HF loads or when nothing will be loaded."""
-        checkpointer = self.checkpointer
-        if not checkpointer.enable:
-            return None, False
-        if not os.path.exists(checkpointer.folder):
-            if checkpointer.initial_load_path and not checkpointer.initial_load_in_hf \
-                    and os.path.isdir(checkpointer.initial_load_path):
-                return checkpointer.initial_load_path, checkpointer.initial_load_model_only
-            return None, False
-        step = self.newest_step() if step == -1 else step
-        path = step_path(checkpointer, step)
-        if step < 0 or not is_dcp_folder(path):
-            return None, False
-        return path, step == 0
+        """:func:`planned_load` of this run's checkpointer."""
+        ck = self.trainer.job_config.checkpoint
+        return planned_load(ck, self.checkpointer.folder, step) if self.checkpointer.enable else (None, False)
 
     def _check_stored_step(self, path: str) -> None:
         """A ``step-N`` folder must hold step N (``train_state.step`` inside it): one copied in from another run
@@ -233,58 +236,26 @@ class CheckpointGuard:
                              f"from another run. Move it out of {os.path.dirname(path)!r} (or name it step-{step} "
                              "if it belongs to this run) and start again; nothing was loaded or changed.")
 
-    def _check_architecture(self, path: str, model_only: bool) -> None:
-        """The checkpoint's model keys must be the built model's: DCP loads only the keys asked for, so extra
-        checkpoint keys (a Parallax run resumed as softmax) would be dropped silently. With
-        ``checkpoint.partial_load`` the difference is logged and the load keeps what is there."""
-        try:
-            keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-        except Exception:  # unreadable metadata: the load itself reports it
+    def _check_architecture(self, path: str, meta, model_only: bool) -> None:
+        """:func:`architecture_mismatch` against the model built (``train.preflight`` refused it before the trainer
+        started); with ``checkpoint.partial_load`` the difference is logged and the load keeps what is there."""
+        what = architecture_mismatch(path, meta, self.checkpointer.states["model"].state_dict(),
+                                     self.trainer.model_args, model_only)
+        if what is None:
             return
-        others = tuple(f"{k}." for k in self.checkpointer.states if k != "model")
-        ckpt = {k for k in keys if not k.startswith(others)}
-        model = set(self.checkpointer.states["model"].state_dict())
-        missing, unexpected = sorted(model - ckpt), sorted(ckpt - model)
-        changed = {} if model_only else self._changed_architecture(path)
-        if not (missing or unexpected or changed):
-            return
-        parts = [f"missing from the checkpoint {missing[:6]}{' …' if len(missing) > 6 else ''} ({len(missing)}), "
-                 f"not in the model {unexpected[:6]}{' …' if len(unexpected) > 6 else ''} ({len(unexpected)})"
-                 ] if missing or unexpected else []
-        parts += [f"architecture fields changed (checkpoint's, this run's): {changed}"] if changed else []
-        what = f"checkpoint {path!r} does not match the model built from this config: {'; '.join(parts)}"
         if not self.trainer.job_config.checkpoint.partial_load:
-            raise ValueError(f"{what}. It was written by a different architecture (model.attention, layer_pattern, "
-                             "[attention.<mechanism>] options, flavor); resume with the same model config, or set "
-                             "checkpoint.partial_load = true to load the common keys on purpose.")
+            raise ValueError(f"{what}. {PARTIAL_LOAD_HINT}")
         logger.warning(f"{what}; checkpoint.partial_load = true: loading the common keys, missing ones keep their "
                        "initialisation")
         self._partial_load = True
 
-    def _changed_architecture(self, path: str) -> dict[str, tuple]:
-        """{field: (checkpoint's, this run's)} of the architecture record ``attnlab.json`` next to the
-        checkpoint that differ from the model built (:func:`architecture_changes`); on a resume, same keys with
-        other values (``attn_mask_type``, mechanism options such as ``window_size``) would otherwise continue
-        silently as a different model. Not checked for model-only initial loads: a new run may start from weights
-        with another mask or options on purpose (an imported HF model trained with packed documents)."""
-        rec = os.path.join(path, SIDECAR)
-        if not os.path.isfile(rec):
-            return {}
-        with open(rec) as f:
-            old = json.load(f)
-        new = json.loads(json.dumps(args_to_dict(self.trainer.model_args)))  # tuples as JSON lists, like the record
-        return architecture_changes(old, new)
-
-    def _prepare_dataloader_reshard(self, path: str) -> None:
+    def _prepare_dataloader_reshard(self, path: str, meta) -> None:
         """Tell the data loader how many data-parallel ranks wrote the checkpoint about to be loaded (read from
-        the DCP metadata), so that a different world size reshards its position (see data.loader)."""
+        the DCP metadata ``meta``), so that a different world size reshards its position (see data.loader)."""
         dl = getattr(self.trainer, "dataloader", None)
         if dl is None or not hasattr(dl, "resume_world_size"):
             return
-        try:
-            keys = FileSystemReader(path).read_metadata().state_dict_metadata
-        except Exception:  # unreadable metadata: the load itself reports it
-            return
+        keys = meta.state_dict_metadata
         ranks = [k for k in keys if k.startswith("dataloader.dp_rank_")]
         dl.resume_world_size, dl.checkpoint_path = (len(ranks) or None), path
         if ranks:

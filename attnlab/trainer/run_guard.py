@@ -13,7 +13,8 @@ import socket
 from torchtitan.tools.logging import logger
 
 from attnlab.data.loader import tokenizer_path
-from attnlab.checkpoint.layout import CONFIG_FILE, TOKENIZER_DIR, step_folders, write_run_files
+from attnlab.checkpoint.layout import (CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, TOKENIZER_FILES, record_run_files,
+                                       step_folders, write_run_files)
 from attnlab.trainer.checkpoint import checkpoint_bytes
 
 
@@ -170,7 +171,8 @@ class RunGuard:
         resume with a different architecture fails before the file is touched, so config.toml always describes
         the model the run folder's newest checkpoints hold (with ``checkpoint.partial_load`` on purpose: the new
         model). The ``tokenizer/`` of a run folder with checkpoints is never replaced (:func:`check_run_tokenizer`
-        made sure it is the one in use); a ``config.toml`` that is this run's ``job.config_file`` is kept."""
+        made sure it is the one in use); a ``config.toml`` that is this run's ``job.config_file`` is kept. The files
+        written are added to the run's record (:func:`checkpoint.layout.record_run_files`)."""
         if not self.rank0:
             return
         cfg = self.job_config
@@ -178,6 +180,9 @@ class RunGuard:
         keep_tokenizer = os.path.isfile(os.path.join(dump, TOKENIZER_DIR, "tokenizer.json")) and bool(step_folders(
             self.ck_folder, dcp_only=True))
         written = write_run_files(dump, cfg, None if keep_tokenizer else tokenizer_path(cfg))
+        # what this run owns from now on: train.preflight lets a resume replace only these, as written here
+        record_run_files(dump, [written, os.path.join(dump, METRICS_FILE)]
+                         + [os.path.join(dump, TOKENIZER_DIR, name) for name in TOKENIZER_FILES])
         if written.name != CONFIG_FILE:
             logger.info(f"{os.path.join(dump, CONFIG_FILE)} is this run's job.config_file and is kept as written; the "
                         f"resolved configuration (command-line overrides included) is in {written}")

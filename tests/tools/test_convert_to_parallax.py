@@ -69,7 +69,7 @@ def _check_finetune_command(flags, dst, tokenizer):
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.checkpoint.dcp import args_to_dict, read_sidecar
     from attnlab.train import preflight
-    from attnlab.trainer.checkpoint import architecture_changes
+    from attnlab.checkpoint.dcp import architecture_changes
 
     cfg = parse_config(flags)
     preflight(cfg)

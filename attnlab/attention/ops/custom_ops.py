@@ -105,6 +105,29 @@ def fake_attention_out(q: Tensor, k: Tensor, v: Tensor, *rest) -> Tensor:
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
+def fake_packed_state(q: Tensor, k: Tensor, v: Tensor, *rest) -> Tensor:
+    """``fake`` of an op returning :func:`unpack_state`'s layout for packed documents: o [B, T, H, V] and the final
+    state of every document [N, H, K, V] (N from ``cu_seqlens``, the last tensor argument), flattened into one
+    float32 (float64) tensor."""
+    cu = [a for a in rest if isinstance(a, Tensor)][-1]
+    B, T, H, K = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(B * T * H * v.shape[-1] + (cu.shape[0] - 1) * H * K * v.shape[-1], dtype=acc)
+
+
+def pack_state(o: Tensor, final: Tensor) -> Tensor:
+    """(o, final state) as one contiguous tensor in the state's dtype (an op returns one tensor)."""
+    return torch.cat([o.reshape(-1).to(final.dtype), final.reshape(-1)])
+
+
+def unpack_state(packed: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`pack_state`'s inverse: (o [B, T, H, V] in q's dtype, final state [N, H, K, V])."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n = B * T * H * V
+    return packed[:n].view(B, T, H, V).to(q.dtype), packed[n:].view(-1, H, K, V)
+
+
 def _differentiable(t) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
 

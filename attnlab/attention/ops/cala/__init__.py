@@ -58,10 +58,16 @@ def normalized_linear_attention(qf, kf, v, *, eps: float = 1e-6, cu_seqlens=None
     path = "triton" if impl == "triton" or (impl == "auto" and qf.is_cuda) else "chunk"
     o, st = gated_linear_attention(qf, kf, va, scale=1.0, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                    output_final_state=output_final_state, impl=path)
-    ct = torch.float64 if o.dtype == torch.float64 else torch.float32
-    num, den = o[..., :-1].to(ct), o[..., -1:].to(ct)
-    out = (num / (den + eps)).to(v.dtype)
+    out = divide_by_normaliser(o, eps, v.dtype)
     return (out, st) if output_final_state else out
 
 
-__all__ = ["local_context", "normalized_linear_attention", "naive_cala", "naive_local_context", "local_feature"]
+def divide_by_normaliser(o: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """o [..., V + 1], the linear attention of [v | 1] (numerator and denominator) -> num / (den + ε) [..., V] in
+    ``dtype``."""
+    ct = torch.float64 if o.dtype == torch.float64 else torch.float32
+    num, den = o[..., :-1].to(ct), o[..., -1:].to(ct)
+    return (num / (den + eps)).to(dtype)
+
+
+__all__ = ["local_context", "normalized_linear_attention", "divide_by_normaliser", "naive_cala", "naive_local_context", "local_feature"]

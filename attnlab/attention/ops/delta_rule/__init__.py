@@ -23,10 +23,13 @@ KDA's ``gate_lower_bound`` (every g >= it, in [-5, 0)) runs fla's KDA kernels wi
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from attnlab.attention.ops.common import check_impl, fla_gated_backward_ok, log_once
+from attnlab.attention.ops.custom_ops import fake_packed_state, opaque_op, pack_state, unpack_state
 from attnlab.attention.ops.delta_rule.chunk import chunk_delta_rule
 from attnlab.attention.ops.delta_rule.fla import (check_gate_lower_bound, check_lower_bound_range, fla_delta_rule,
                                           fla_unavailable_reason)
@@ -106,4 +109,22 @@ def delta_rule(
         return naive_recurrent_delta_rule(*args)
     if path in ("fla", "fla_hopper"):  # custom ops: no graph break under torch.compile
         return delta_rule_op(*args, backend=path, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
+    if cu_seqlens is not None and (initial_state is not None or output_final_state):
+        # one state per document in and out (context parallelism's chunks): a Python loop over the documents, an
+        # opaque op inside compiled models
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        o, final = unpack_state(_chunk_delta_varlen_state_op(q, k, v, beta, g, scale, initial_state, cu_seqlens,
+                                                             chunk_size), q, v)
+        return o.to(v.dtype), (final if output_final_state else None)
     return chunk_delta_rule(*args, chunk_size=chunk_size)
+
+
+def _chunk_delta_varlen_state_eager(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
+                                    scale: float, initial_state: Optional[Tensor], cu_seqlens: Tensor,
+                                    chunk_size: int) -> Tensor:
+    return pack_state(*chunk_delta_rule(q, k, v, beta, g, scale, initial_state, True, cu_seqlens,
+                                        chunk_size=chunk_size))
+
+
+_chunk_delta_varlen_state_op = opaque_op("chunk_delta_varlen_state", _chunk_delta_varlen_state_eager,
+                                         fake_packed_state)

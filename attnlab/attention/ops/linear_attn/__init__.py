@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from attnlab.attention.ops.common import check_impl, fla_gated_backward_ok, fla_importable, log_once
-from attnlab.attention.ops.custom_ops import fake_attention_out, opaque_op
+from attnlab.attention.ops.custom_ops import (fake_attention_out, fake_packed_state, opaque_op, pack_state,
+                                              unpack_state)
 from attnlab.attention.ops.linear_attn.chunk import chunk_gla
 from attnlab.attention.ops.linear_attn.naive import naive_recurrent_gla
 
@@ -154,6 +155,10 @@ def gated_linear_attention(
         return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
     if cu_seqlens is not None and not stateful:
         return _chunk_gla_varlen_op(q, k, v, g, gk, scale, cu_seqlens, chunk_size), None
+    if cu_seqlens is not None:  # one state per document in and out (context parallelism's chunks)
+        o, final = unpack_state(_chunk_gla_varlen_state_op(q, k, v, g, gk, scale, initial_state, cu_seqlens,
+                                                           chunk_size), q, v)
+        return o, (final if output_final_state else None)
     return chunk_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
@@ -162,5 +167,12 @@ def _chunk_gla_varlen_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]
     return chunk_gla(q, k, v, g, gk, scale, None, False, cu_seqlens, chunk_size)[0].contiguous()
 
 
+def _chunk_gla_varlen_state_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+                                  scale: float, initial_state: Optional[Tensor], cu_seqlens: Tensor,
+                                  chunk_size: int) -> Tensor:
+    return pack_state(*chunk_gla(q, k, v, g, gk, scale, initial_state, True, cu_seqlens, chunk_size))
+
+
 # the packed-document layout is built from cu_seqlens' values in Python: an opaque op inside compiled models
 _chunk_gla_varlen_op = opaque_op("chunk_gla_varlen", _chunk_gla_varlen_eager, fake_attention_out)
+_chunk_gla_varlen_state_op = opaque_op("chunk_gla_varlen_state", _chunk_gla_varlen_state_eager, fake_packed_state)
