@@ -32,7 +32,7 @@ from torchtitan.train import Trainer
 
 from attnlab import attention
 import attnlab.config as project_config
-from attnlab.config import DEFAULT_CONFIG, names_config_file, parse_config
+from attnlab.config import DEFAULT_CONFIG, checks, names_config_file, parse_config
 from attnlab.config.parse import import_requested_module, resolve_config_file
 from attnlab.data.loader import check_data_source
 from attnlab.trainer.checkpoint import CheckpointGuard, restore_rng_state, with_rng_state
@@ -158,10 +158,11 @@ def model_summed_loss(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 def preflight(job_config) -> None:
     """The checks a configuration passes before torchtitan starts (which initialises the process group and writes
-    ``comm_traces/``), each a ValueError naming the key: the keys' types and ranges (``config.validate_config``), the
-    data files and held-out split (``data.loader.check_data``), the lr schedule, and the model built once on the meta
-    device (no memory, no files): a mechanism's options, its ``[attention] impl``, the sizes, and a tokenizer that
-    fits the embedding; the run folder and the checkpoint to load (``trainer.run_folder.check_run_folder``)."""
+    ``comm_traces/``), each a ValueError naming the key: the keys' types and declared rules
+    (``config.validate_config``), the data files and held-out split (``data.loader.check_data``), the lr schedule,
+    and the model built once on the meta device (no memory, no files): ``model.layer_pattern`` against the resolved
+    depth, a mechanism's options, its ``[attention] impl``, the sizes, and a tokenizer that fits the embedding; the
+    run folder and the checkpoint to load (``trainer.run_folder.check_run_folder``)."""
     from attnlab.data.loader import check_data, tokenizer_path
     from attnlab.checkpoint.dcp import model_args_from_config
     from attnlab.models.model import Transformer
@@ -173,6 +174,7 @@ def preflight(job_config) -> None:
     check_data(job_config)
     build_schedule(job_config.lr_scheduler, job_config.training.steps)
     args = model_args_from_config(job_config)
+    checks.check_layer_pattern(args.layer_pattern, args.n_layers)  # n_layers as resolved from the flavor
     with torch.device("meta"):
         model = Transformer(args)
     tok = tokenizer_path(job_config)
@@ -187,6 +189,14 @@ def preflight(job_config) -> None:
         if not ok:
             raise ValueError(f"attention.impl='fla': fla-core cannot run here ({why}); use 'auto', which picks the "
                              "fastest path that runs on this machine")
+
+
+def check_launch(job_config) -> None:
+    """What depends on how this process was launched and where, checked after :func:`preflight` and before
+    torchtitan starts (there a bare assertion or a long traceback): the parallel degrees against the processes
+    launched (``WORLD_SIZE``), float8 against the GPU. A ValueError naming the key."""
+    checks.check_world_size(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    checks.check_float8_device(job_config, torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
 
 
 def run(cfg) -> AttnTrainer:
@@ -224,13 +234,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         preflight(cfg)
-        if not check_only:  # the data source itself: one request to the Hub, which a configuration check leaves out
+        if not check_only:  # check_data_source: one request to the Hub, which a configuration check leaves out
+            check_launch(cfg)
             check_data_source(cfg)
     except ValueError as e:  # bad configuration: one line naming the key, nothing built or written
         sys.exit(f"train.py: error: {e}")
-    if check_only:
+    if check_only:  # a configuration checked away from the machines it runs on: the launch's problems are a note
+        try:
+            check_launch(cfg)
+            note = ""
+        except ValueError as e:
+            note = f"\nnote: launched like this, on this machine, the run would stop: {e}"
         print(f"preflight passed: {cfg.job.config_file} ({cfg.model.flavor}, {cfg.model.attention}, "
-              f"{cfg.training.steps} steps); nothing was built or written")
+              f"{cfg.training.steps} steps); nothing was built or written{note}")
         return
     stop_signal = run(cfg).stop_signal
     destroy_process_groups()

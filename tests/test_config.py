@@ -157,3 +157,72 @@ def test_model_dimensions_override_the_flavor():
             parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.n_heads", "6", "--model.n_kv_heads", "4"]))
     with pytest.raises(ValueError, match=r"model.dim=-8: must be >= 0"):
         parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.dim", "-8"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    # longer than the debug flavor's 4 layers: Parallax (the fifth entry) would never be built
+    (["--model.layer_pattern", "softmax,softmax,softmax,softmax,parallax"],
+     r"model.layer_pattern has 5 entries .* n_layers=4: the entries past layer 4 would never be built"),
+    (["--model.layer_pattern", "softmax,parallax,softmax", "--model.n_layers", "2"], r"model.layer_pattern has 3"),
+    (["--training.global_batch_size", "12"], r"training.global_batch_size=12: must be .* multiple of "
+                                             r"training.local_batch_size"),
+])
+def test_preflight_refuses_shapes_that_torchtitan_cut_or_assert(flags, message):
+    from attnlab.train import preflight
+
+    with pytest.raises(ValueError, match=message):
+        preflight(parse_config(["--job.config_file", DEFAULT_CONFIG, *flags]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    # one process (python -m attnlab.train): torchtitan's ParallelDims asserted after the process group was up
+    (["--parallelism.context_parallel_degree", "2"],
+     r"parallelism.context_parallel_degree=2 = 2 does not divide the 1 processes"),
+    (["--parallelism.data_parallel_shard_degree", "2"],
+     r"parallelism.data_parallel_shard_degree=2 .* but this run has 1 process"),
+])
+def test_degrees_are_checked_against_the_processes_launched(flags, message, monkeypatch):
+    from attnlab.train import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=message):
+        check_launch(parse_config(["--job.config_file", DEFAULT_CONFIG, *flags]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launch(parse_config(["--job.config_file", DEFAULT_CONFIG, *flags]))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the check is about a machine without CUDA")
+def test_a_run_refuses_float8_without_a_gpu_that_runs_it():
+    """float8 on a CPU was a 60-line torchao traceback once training started; emulation stays allowed."""
+    from attnlab.train import check_launch
+
+    with pytest.raises(ValueError, match=r"model.converters=\['quantize.linear.float8'\]: float8 training needs a "
+                                         r"CUDA GPU with compute capability >= 8.9 \(found no CUDA GPU\)"):
+        check_launch(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.converters",
+                                   "quantize.linear.float8"]))
+    check_launch(parse_config(["--job.config_file", DEFAULT_CONFIG, "--model.converters", "quantize.linear.float8",
+                               "--quantize.linear.float8.emulate", "true"]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--training.steps", "abc"], r"^Error parsing --training.steps: invalid literal for int\(\) with base 10: 'abc'$"),
+    (["--training.dtype", "float16"], r"^invalid choice 'float16' for argument '--training.dtype'. Expected one of "),
+    (["--training.nosuch", "3"], r"^Unrecognized options: --training.nosuch, 3$"),
+])
+def test_flags_tyro_cannot_parse_are_one_line(flags, message):
+    """tyro's boxed message (title, wrapped text, help hint) becomes the one line train.py prints."""
+    with pytest.raises(ValueError, match=message):
+        parse_config(["--job.config_file", DEFAULT_CONFIG, *flags])
+
+
+def test_preflight_notes_what_this_launch_cannot_run(capsys, monkeypatch):
+    """``--preflight`` checks a configuration, perhaps away from its machines: what only this launch cannot run
+    (here two context-parallel ranks on one process) is a note, and the check passes."""
+    from attnlab.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # single_process_env leaves the environment alone
+    main(["--preflight", "--parallelism.context_parallel_degree", "2"])
+    out = capsys.readouterr().out
+    assert "preflight passed" in out and "note: launched like this, on this machine, the run would stop: " \
+                                         "parallelism.data_parallel_replicate_degree=1 x " in out

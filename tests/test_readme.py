@@ -162,6 +162,14 @@ def _check_tool_flags(module: str, args: list[str], monkeypatch) -> None:
         raise _Parsed
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    from attnlab.tools import common
+
+    def any_path(text: str) -> str:  # the README's paths stand for the user's files, absent here
+        return text
+
+    any_path.valid = "any path"
+    for name in ("existing_path", "existing_dir", "existing_file", "new_path", "dir_path", "out_file"):
+        monkeypatch.setattr(common, name, any_path)
     with pytest.raises(_Parsed):
         importlib.import_module(module).main(args)
 

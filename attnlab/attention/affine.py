@@ -15,7 +15,7 @@ Decoding keeps running sums (``attnlab/attention/ops/affine/recurrent.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from attnlab.attention.registry import register_attention
 
 @dataclass
 class ValueAvgOptions:
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Unused by value averaging (kept so every affine mechanism has the same table shape)."""
 
 
@@ -45,7 +45,7 @@ class AffineLinearOptions:
     """RoPE on ρ and k (ρ·k then depends on relative position)."""
     rho_scale: bool = True
     """Multiply ρ by head_dim**-0.5 so ρ·k is O(1) at initialisation (False: the paper's unscaled probe)."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Chunk width of the chunked linear-attention path."""
 
 
@@ -55,23 +55,23 @@ class MesaOptions:
     """RMSNorm per head on q and k."""
     rope: bool = True
     """RoPE on q and k."""
-    cg_iters: int = 16
+    cg_iters: int = field(default=16, metadata={"valid": ">= 1"})
     """CG iterations for the probe solve (and the adjoint solve in the backward)."""
     jacobi: bool = False
     """Jacobi-preconditioned CG."""
-    lambda_mode: str = "head"
+    lambda_mode: str = field(default="head", metadata={"valid": "one of head, token"})
     """Ridge λ per head ("head") or per token and head from x ("token")."""
-    lambda_init: float = 1.0
+    lambda_init: float = field(default=1.0, metadata={"valid": "> 0"})
     """Initial λ (added to the mean k kᵀ, whose eigenvalues are ~1 for RMSNorm'd keys)."""
-    lambda_min: float = 0.01
+    lambda_min: float = field(default=0.01, metadata={"valid": ">= 0"})
     """Floor of λ."""
-    lambda_max: float = 4.0
+    lambda_max: float = field(default=4.0, metadata={"valid": "> 0"})
     """Ceiling of λ: λ = λ_min + (λ_max − λ_min)·sigmoid(·)."""
     learn_lambda: bool = True
     """Learn λ; False keeps λ = lambda_init."""
-    cg_rtol: float = 1e-6
+    cg_rtol: float = field(default=1e-6, metadata={"valid": "> 0"})
     """A row's CG stops once ‖residual‖ ≤ cg_rtol·‖rhs‖."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Chunk width of the chunked linear-attention path."""
 
 

@@ -17,7 +17,7 @@ Departures: LayerNorm is per head (shared over heads, one for q and one for k); 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +37,15 @@ CALA_IMPLS = ("auto", "reference", "chunk", "triton")
 
 @dataclass
 class CALAOptions:
-    window_size: int = 64
+    window_size: int = field(default=64, metadata={"valid": ">= 1"})
     """w: number of preceding tokens aggregated into each q and k (the token itself excluded)."""
-    local_feature_map: str = "elu"
+    local_feature_map: str = field(default="elu", metadata={"valid": "one of elu, softplus"})
     """φ_loc of the local softmax scores: "elu" (elu+1, paper) or "softplus" (both strictly positive)."""
-    feature_map: str = "elu"
+    feature_map: str = field(default="elu", metadata={"valid": "one of elu, relu, favor"})
     """φ_glob of the linear attention: "elu" (elu+1), "relu" or "favor" (FAVOR+ positive random features)."""
-    feature_dim: int = 0
+    feature_dim: int = field(default=0, metadata={"valid": ">= 0"})
     """FAVOR+ feature count d' (0 = head_dim); ignored by the other maps."""
-    eps: float = 1e-6
+    eps: float = field(default=1e-6, metadata={"valid": "> 0"})
     """ε of the normaliser (paper: 1e-6)."""
 
 

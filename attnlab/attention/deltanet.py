@@ -18,7 +18,7 @@ Decoding keeps a :class:`~attention.linear_common.RecurrentCache` (conv states +
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,23 +36,23 @@ from attnlab.attention.registry import register_attention
 
 @dataclass
 class DeltaNetOptions:
-    num_heads: int = 0
+    num_heads: int = field(default=0, metadata={"valid": ">= 0"})
     """Number of heads; 0 = ``model`` n_heads."""
-    head_k_dim: int = 0
+    head_k_dim: int = field(default=0, metadata={"valid": ">= 0"})
     """Key/query dim per head; 0 = ``model`` head_dim."""
-    expand_v: float = 1.0
+    expand_v: float = field(default=1.0, metadata={"valid": "> 0"})
     """Value head dim = expand_v * head_k_dim (fla DeltaNet: 1)."""
     use_short_conv: bool = True
     """Short causal depthwise conv + SiLU on q, k, v (without it: SiLU only)."""
-    conv_size: int = 4
+    conv_size: int = field(default=4, metadata={"valid": ">= 1"})
     """Kernel size of the short convolutions."""
     use_output_gate: bool = False
     """Output = RMSNorm(o) * swish(g_proj x) (fla ``use_gate``); off = plain RMSNorm."""
     allow_neg_eigval: bool = False
     """beta = 2 sigmoid(.) in (0, 2): transition eigenvalues in [-1, 1] (Grazzi et al. 2025)."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Chunk length of the chunked (WY) path."""
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata={"valid": "> 0"})
     """Epsilon of the output RMSNorm."""
 
 

@@ -10,7 +10,7 @@ Decoding uses a KV cache plus the cumulative log gate per query head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -43,9 +43,9 @@ class FoxOptions:
     """Shorthand for qk_norm, output_gate and output_norm all on (the paper's Pro block minus KV-shift)."""
     rope: bool = False
     """Also apply RoPE to q and k (FoX uses none)."""
-    forget_bias_init: float = 0.0
+    forget_bias_init: float = field(default=0.0, metadata={"valid": "any: a bias; σ(bias) is the initial retention"})
     """Initial bias of the forget-gate projection (σ(bias) is the initial per-token retention)."""
-    block_size: int = 64
+    block_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Block size of the PyTorch blockwise path."""
 
 

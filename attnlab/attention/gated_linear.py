@@ -12,7 +12,7 @@ Short convs on q/k/v (Mamba2 style, on by default), output RMSNorm · swish(W_g 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +30,19 @@ GATES = ("mamba2", "logsigmoid", "retnet")
 
 @dataclass
 class GatedLinearOptions:
-    gate: str = "mamba2"
+    gate: str = field(default="mamba2", metadata={"valid": "one of mamba2, logsigmoid, retnet"})
     """Forget-gate parameterisation: "mamba2" (A_log/dt_bias), "logsigmoid" (fla simple GLA) or "retnet" (fixed)."""
-    gate_logit_normalizer: float = 16.0
+    gate_logit_normalizer: float = field(default=16.0, metadata={"valid": "> 0"})
     """For gate="logsigmoid": log γ = logsigmoid(W_g x + b) / gate_logit_normalizer (fla: 16)."""
-    expand_k: float = 1.0
+    expand_k: float = field(default=1.0, metadata={"valid": "> 0"})
     """Key head dim = expand_k · head_dim."""
     use_short_conv: bool = True
     """Causal depthwise conv + SiLU on q, k, v (Mamba2 style)."""
-    conv_size: int = 4
+    conv_size: int = field(default=4, metadata={"valid": ">= 1"})
     """Kernel size of the short convolutions."""
     output_gate: bool = True
     """Output RMSNorm(o) · swish(W_g x); off leaves the plain per-head RMSNorm."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": "a power of 2"})
     """Chunk length of the chunked paths (a power of 2; 16-128 for the Triton kernel)."""
 
 

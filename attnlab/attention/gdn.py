@@ -15,7 +15,7 @@ are configurable in ``[attention.gdn]``. Grouped value heads (GVA) are not imple
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,11 +31,11 @@ from attnlab.attention.registry import register_attention
 class GatedDeltaNetOptions(DeltaNetOptions):
     use_output_gate: bool = True
     """Output = RMSNorm(o) * swish(g_proj x) (fla GatedDeltaNet: on)."""
-    A_init_range: tuple[float, float] = (0.0, 16.0)
+    A_init_range: tuple[float, float] = field(default=(0.0, 16.0), metadata={"valid": ">= 0"})
     """A ~ U(low, high), A_log = log A (Mamba2 / fla)."""
-    dt_min: float = 1e-3
+    dt_min: float = field(default=1e-3, metadata={"valid": "> 0"})
     """dt ~ LogUniform(dt_min, dt_max) initialises dt_bias = softplus^{-1}(dt)."""
-    dt_max: float = 0.1
+    dt_max: float = field(default=0.1, metadata={"valid": "> 0"})
     """Upper end of the dt initialisation range."""
 
 

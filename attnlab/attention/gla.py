@@ -15,7 +15,7 @@ decoding with a recurrent state cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -172,21 +172,21 @@ class LinearFamilyAttention(nn.Module):
 
 @dataclass
 class GLAOptions:
-    expand_k: float = 0.5
+    expand_k: float = field(default=0.5, metadata={"valid": "> 0"})
     """Key head dim = expand_k · head_dim (fla GLA: 0.5); the value head dim is head_dim."""
-    gate_low_rank_dim: int = 16
+    gate_low_rank_dim: int = field(default=16, metadata={"valid": ">= 1"})
     """Rank of the forget-gate projection W_2 W_1 (fla: 16)."""
-    gate_logit_normalizer: float = 16.0
+    gate_logit_normalizer: float = field(default=16.0, metadata={"valid": "> 0"})
     """log α = logsigmoid(W_2 W_1 x + b) / gate_logit_normalizer (fla: 16)."""
-    gate_clamp_min: float = 0.0
+    gate_clamp_min: float = field(default=0.0, metadata={"valid": "<= 0"})
     """If < 0, clamp log α from below at this value (fla's optional clamp_min); 0 = no clamp."""
     use_short_conv: bool = False
     """Causal depthwise conv + SiLU on q, k, v (fla GLA default: off)."""
-    conv_size: int = 4
+    conv_size: int = field(default=4, metadata={"valid": ">= 1"})
     """Kernel size of the short convolutions."""
     output_gate: bool = True
     """Output RMSNorm(o) · swish(W_g x) (fla GLA: on); off leaves the plain per-head RMSNorm."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": "a power of 2"})
     """Chunk length of the PyTorch chunked path (a power of 2)."""
 
 

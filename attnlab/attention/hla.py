@@ -19,7 +19,7 @@ sign-safe ε. Decoding keeps the compact states of ``attnlab/attention/ops/hla/r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,21 +42,21 @@ QK_NORMS = ("l2", "rms", "none")
 
 @dataclass
 class HLAOptions:
-    order: int = 2
+    order: int = field(default=2, metadata={"valid": "one of 2, 3"})
     """2 (second order) or 3 (corrected masked third order; symmetric only)."""
-    variant: str = "symmetric"
+    variant: str = field(default="symmetric", metadata={"valid": "one of symmetric, asymmetric"})
     """"symmetric" (HLA, A Aᵀ V) or "asymmetric" (AHLA, A A V; order 2 only)."""
-    decay: str = "learnable"
+    decay: str = field(default="learnable", metadata={"valid": "one of none, fixed, learnable"})
     """"none" (γ = 1), "fixed" (γ = gamma_init per head) or "learnable" (per head, log γ = −exp(θ))."""
-    gamma_init: float = 0.99
+    gamma_init: float = field(default=0.99, metadata={"valid": "in (0, 1]"})
     """Initial γ of the slowest head; see gamma_init_min."""
-    gamma_init_min: float = 0.0
+    gamma_init_min: float = field(default=0.0, metadata={"valid": "in [0, 1)"})
     """If in (0, gamma_init): heads get γ spread log-uniformly in (1 − γ) between gamma_init_min and gamma_init."""
     normalize: bool = False
     """Divide by the same operator applied to v ≡ 1 (paper eq. 4), sign-safe ε (its sign is not fixed when masked)."""
-    eps: float = 1e-6
+    eps: float = field(default=1e-6, metadata={"valid": "> 0"})
     """ε of the normalisation."""
-    qk_norm: str = "l2"
+    qk_norm: str = field(default="l2", metadata={"valid": "one of l2, rms, none"})
     """Per-head normalisation of q and k: "l2", "rms" (RMSNorm then ×D^-1/2) or "none" (×D^-1/2)."""
     rope: bool = False
     """Apply RoPE to q and k."""
@@ -64,7 +64,7 @@ class HLAOptions:
     """RMSNorm per head on the mixer output."""
     output_gate: bool = False
     """Sigmoid gate per channel on the output, from x (GLA-style)."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": "a power of 2"})
     """Chunk width of the chunked paths (16, 32, 64 or 128 for Triton)."""
 
 

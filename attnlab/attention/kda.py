@@ -19,7 +19,7 @@ Not implemented: grouped value heads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,15 +36,15 @@ from attnlab.attention.registry import register_attention
 class KDAOptions(DeltaNetOptions):
     use_output_gate: bool = True
     """Output = RMSNorm(o) * sigmoid(g_proj x), g_proj low rank (fla KimiDeltaAttention: on)."""
-    gate_rank: int = 0
+    gate_rank: int = field(default=0, metadata={"valid": ">= 0"})
     """Rank of the low-rank decay and output-gate projections; 0 = head_v_dim (fla)."""
-    A_init_range: tuple[float, float] = (1.0, 16.0)
+    A_init_range: tuple[float, float] = field(default=(1.0, 16.0), metadata={"valid": "> 0"})
     """A ~ U(low, high), A_log = log A (fla KDA)."""
-    dt_min: float = 1e-3
+    dt_min: float = field(default=1e-3, metadata={"valid": "> 0"})
     """dt ~ LogUniform(dt_min, dt_max) initialises dt_bias = softplus^{-1}(dt)."""
-    dt_max: float = 0.1
+    dt_max: float = field(default=0.1, metadata={"valid": "> 0"})
     """Upper end of the dt initialisation range."""
-    gate_lower_bound: float | None = None
+    gate_lower_bound: float | None = field(default=None, metadata={"valid": "in [-5, 0)"})
     """None = the paper's softplus gate -exp(A_log) * softplus(a + dt_bias); a value in [-5, 0) = fla's bounded
     gate lb * sigmoid(exp(A_log) * (a + dt_bias)), which lets fla's KDA forward use tensor cores on the diagonal
     blocks (safe_gate); our backward kernel (``attnlab/attention/ops/delta_rule/triton/kda_intra.py``) does so for

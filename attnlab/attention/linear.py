@@ -9,7 +9,7 @@ appending a ones column to v, so the same kernels and the same decode state carr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 
@@ -23,19 +23,19 @@ OUTPUT_NORMS = ("rmsnorm", "none")
 
 @dataclass
 class LinearOptions:
-    feature_map: str = "elu"
+    feature_map: str = field(default="elu", metadata={"valid": "one of elu, relu, silu, identity"})
     """φ applied to q and k: "elu" (elu(x)+1, the paper's), "relu", "silu" or "identity"."""
     normalize: bool = False
     """Divide by φ(q_t)·Σφ(k_i) (Katharopoulos). Needs a positive feature map ("elu" or "relu")."""
-    output_norm: str = "rmsnorm"
+    output_norm: str = field(default="rmsnorm", metadata={"valid": "one of rmsnorm, none"})
     """Per-head output normalisation: "rmsnorm" (fla default) or "none"."""
     output_gate: bool = False
     """Multiply the output by swish(W_g x) (GLA-style output gate)."""
     use_short_conv: bool = False
     """Causal depthwise conv + SiLU on q, k, v (before the feature map)."""
-    conv_size: int = 4
+    conv_size: int = field(default=4, metadata={"valid": ">= 1"})
     """Kernel size of the short convolutions."""
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata={"valid": "a power of 2"})
     """Chunk length of the chunked paths (a power of 2; 16-128 for the Triton kernel)."""
 
 

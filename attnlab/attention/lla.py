@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,23 +36,23 @@ LAMBDA_MODES = ("head", "token")
 
 @dataclass
 class LLAOptions:
-    cg_iters: int = 16
+    cg_iters: int = field(default=16, metadata={"valid": ">= 1"})
     """CG iterations for ρ (and for the adjoint solve in the backward); the paper finds 16 enough in bf16."""
     jacobi: bool = False
     """Jacobi (diagonal) preconditioner for CG."""
-    lambda_mode: str = "head"
+    lambda_mode: str = field(default="head", metadata={"valid": "one of head, token"})
     """Ridge λ per head ("head", one learnable scalar each) or per token and head from x ("token", eq. 27)."""
-    lambda_init: float = 0.3
+    lambda_init: float = field(default=0.3, metadata={"valid": "> 0"})
     """Initial λ (λω convention: relative to the normalised softmax weights)."""
-    lambda_min: float = 0.1
+    lambda_min: float = field(default=0.1, metadata={"valid": ">= 0"})
     """Floor of λ. With RMS-normed q, k at D=128 truncated CG is only trustworthy for λ ≳ 0.1 at 16 iterations
     (≳ 0.05 at 32): the backward differentiates the converged solve, so below that the gradients grow without
     bound on short documents. Lower floors need more ``cg_iters``."""
-    lambda_max: float = 1.0
+    lambda_max: float = field(default=1.0, metadata={"valid": "> 0"})
     """Ceiling of λ: λ = λ_min + (λ_max − λ_min)·sigmoid(·) (the paper's sigmoid gives (0, 1))."""
     learn_lambda: bool = True
     """Learn λ; False keeps λ = lambda_init (the paper's fixed-λ ablation)."""
-    cg_rtol: float = 1e-6
+    cg_rtol: float = field(default=1e-6, metadata={"valid": "> 0"})
     """A row's CG stops once ‖residual‖ ≤ cg_rtol·‖rhs‖."""
     qk_norm: bool = True
     """RMSNorm on q and k per head before RoPE (the paper's best pretraining setting)."""

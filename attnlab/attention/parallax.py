@@ -11,7 +11,7 @@ Transformer checkpoint converts by adding a zero ``wr``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -34,11 +34,11 @@ class ParallaxOptions(SoftmaxOptions):
     """Apply RoPE to ρ (the paper's best 0.6B/1.7B setting)."""
     rho_gate: bool = False
     """Sigmoid gate per token and head on ρ (Section 4.3)."""
-    rho_gate_bias: float = 0.0
+    rho_gate_bias: float = field(default=0.0, metadata={"valid": "any: a bias; σ(bias) is the initial gate"})
     """Initial bias of the gate (σ(bias) is the initial gate value)."""
-    wr_init: str = "normal"
+    wr_init: str = field(default="normal", metadata={"valid": "one of normal, zero"})
     """Initialisation of W_R: "normal" (like W_Q, std 0.02) or "zero" (starts as softmax attention)."""
-    rho_norm_init: float = 0.1
+    rho_norm_init: float = field(default=0.1, metadata={"valid": ">= 0"})
     """Starting gain g of ρ's RMSNorm (``r_norm.weight``, every entry), ≥ 0. ρ is RMS-normalised per head, so
     at init ‖ρ_i‖ = √head_dim · g whatever W_R's scale (0 when W_R x = 0). The correction Σ_KV ρ is linear in g,
     so g sets its starting size relative to the softmax output (COR, eq. 16); g = 0 makes ρ = 0 (softmax

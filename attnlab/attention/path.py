@@ -31,17 +31,17 @@ from attnlab.attention.registry import register_attention
 class PathOptions:
     use_low_rank_w: bool = True
     """Project ν through a low-rank W_2 W_1 (fla: on)."""
-    w_low_rank_dim: int = 32
+    w_low_rank_dim: int = field(default=32, metadata={"valid": ">= 1"})
     """Rank of the ν projection (fla: 32)."""
     use_w_shortconv: bool = True
     """Causal short conv + SiLU on ν before the L2 norm (fla: on)."""
-    conv_size: int = 3
+    conv_size: int = field(default=3, metadata={"valid": ">= 1"})
     """Kernel size of ν's short conv (fla: 3)."""
     use_forget_gate: bool = False
     """Add FoX's forget gate per query head (PaTH-FoX)."""
     qk_norm: bool = False
     """RMSNorm on q and k per head."""
-    block_size: int = 64
+    block_size: int = field(default=64, metadata={"valid": ">= 1"})
     """Block size of the PyTorch blockwise path."""
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ SOFTMAX_IMPLS = ("auto", "reference", "triton")
 
 @dataclass
 class SoftmaxOptions:
-    window_size: int = 0
+    window_size: int = field(default=0, metadata={"valid": ">= 0"})
     """Sliding-window size in tokens (each query sees this many most recent keys); 0 = full causal."""
     qk_norm: bool = True
     """RMSNorm on q and k per head before RoPE (Qwen3)."""

@@ -7,8 +7,9 @@ Sections added or extended here: ``[model]`` (attention choice), ``[training]`` 
 registered mechanism, e.g. ``[attention.parallax]``, generated from the registry), ``[data]``, and the
 optimizer/scheduler fields of ``attnlab/optim/config.py``. :func:`parse_config` reads argv into the merged
 ``JobConfig``, first importing torchtitan's ``[experimental] custom_import`` module (a user's own mechanism or
-optimizer); :func:`validate_config` checks every key's type (from the dataclass annotations) and range once at
-start, naming the key, the value and what is valid.
+optimizer); :func:`validate_config` checks every key's type (from the dataclass annotations) and the valid values
+declared next to it (``field(metadata={"valid": RULE})``, :mod:`attnlab.config.rules`) once at start, naming the
+key, the value and what is valid.
 """
 
 from attnlab.config.checks import check_types, validate_config  # noqa: F401

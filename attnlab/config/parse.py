@@ -3,9 +3,12 @@ the user's ``[experimental] custom_import`` module imported first, unknown keys 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import io
 import os
+import sys
 import traceback
 import typing
 import warnings
@@ -182,6 +185,20 @@ def bool_values_as_flags(argv: list[str], cls) -> list[str]:
     return out
 
 
+def tyro_error_line(text: str) -> str:
+    """tyro's boxed error (a title, the message wrapped over lines, then a hint below a rule) as its message on one
+    line, e.g. "Error parsing --training.steps: invalid literal for int() with base 10: 'abc'"."""
+    body = []
+    for line in text.splitlines()[1:]:
+        line = line.strip().strip("│╰╯─").strip()
+        if not line or set(line) <= {"─", " "}:
+            if body:
+                break
+            continue
+        body.append(line)
+    return " ".join(" ".join(body).split()) or text.strip()
+
+
 def parse_config(argv: list[str]):
     """Parse ``argv`` (CLI > TOML > defaults) into the merged JobConfig and validate it; first imports the module
     ``experimental.custom_import`` names (:func:`import_custom_module`), so a run, and every tool that rebuilds
@@ -215,7 +232,16 @@ def parse_config(argv: list[str]):
         # TOML has no tuples: a tuple-typed key (e.g. attention.gdn.A_init_range) reads back from a run's
         # config.toml as a list, which tyro warns about; check_types validates its length and item types instead
         warnings.filterwarnings("ignore", message=r"The field .* is annotated with type `tuple", category=UserWarning)
-        cfg = manager.parse_args(argv)
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                cfg = manager.parse_args(argv)
+        except SystemExit as e:  # tyro's boxed message for a flag it cannot parse, as one line naming the flag
+            if e.code:
+                raise ValueError(tyro_error_line(captured.getvalue())) from None
+            sys.stderr.write(captured.getvalue())
+            raise
+        sys.stderr.write(captured.getvalue())
     cfg.model.name = cfg.model.name or "qwen3_attn"
     if isinstance(cfg.model.converters, list):  # `--model.converters ""` turns float8 off
         cfg.model.converters = [c for c in cfg.model.converters if c]

@@ -276,18 +276,27 @@ def plot(results: dict, out_dir: str, label: str) -> list[str]:
     return written
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import dir_path, non_negative_int, positive_int, tool_parser
+
+    ap = tool_parser(__doc__)
+    ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
+    ap.add_argument("-o", "--out", type=dir_path, default=None, help="output folder (default <run>/analysis)")
+    ap.add_argument("--rows", type=positive_int, default=16, help="documents analysed")
+    ap.add_argument("--seq-len", type=positive_int, default=512, help="documents are truncated to this many tokens")
+    ap.add_argument("--min-len", type=non_negative_int, default=32, help="skip documents with fewer tokens")
+    ap.add_argument("--queries", type=positive_int, default=32, help="query positions per document")
+    ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    from attnlab.tools.common import load_run, tool_parser
+    from attnlab.tools.common import load_run, split_train_flags
 
-    ap, own, train_flags = tool_parser(__doc__, argv)
-    ap.add_argument("--data", required=True, help="held-out text: local file/folder/glob or a hub dataset name")
-    ap.add_argument("-o", "--out", default=None, help="output folder (default <run>/analysis)")
-    ap.add_argument("--rows", type=int, default=16, help="documents analysed")
-    ap.add_argument("--seq-len", type=int, default=512, help="documents are truncated to this many tokens")
-    ap.add_argument("--min-len", type=int, default=32, help="skip documents with fewer tokens")
-    ap.add_argument("--queries", type=int, default=32, help="query positions per document")
-    ap.add_argument("--no-plots", action="store_true", help="write analysis.json only")
+    ap = build_parser()
+    own, train_flags = split_train_flags(argv)
     args = ap.parse_args(own)
     from attnlab.data.loader import build_tokenizer
     from attnlab.checkpoint.layout import run_dir_of, step_of

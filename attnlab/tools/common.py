@@ -7,6 +7,8 @@ arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mo
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import warnings
 
 import torch
@@ -21,6 +23,142 @@ TRAIN_FLAGS_HELP = ("After `--`, train.py flags (`--section.key value`) applied 
                     "`-- --job.config_file x --model.attention parallax`.")
 
 
+class ToolParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (``prog: error: argument --rows: must be an
+    integer >= 1``), without the usage text argparse prints first; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _valid(text: str):
+    """Decorate an argparse ``type=`` function with ``text``, the valid values in words (its error and the
+    harness in tests/test_option_harness.py read it)."""
+    def wrap(fn):
+        fn.valid = text
+        return fn
+    return wrap
+
+
+def _number(kind, text: str, ok) -> float:
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if isinstance(v, float) and not math.isfinite(v) or not ok(v):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be {'an integer' if kind is int else 'a number'} "
+                                         f"{ok.__doc__}")
+    return v
+
+
+def _rule(doc: str, fn):
+    fn.__doc__ = doc
+    return fn
+
+
+@_valid("an integer >= 1")
+def positive_int(text: str) -> int:
+    return _number(int, text, _rule(">= 1", lambda v: v >= 1))
+
+
+@_valid("an integer >= 0")
+def non_negative_int(text: str) -> int:
+    return _number(int, text, _rule(">= 0", lambda v: v >= 0))
+
+
+@_valid("an integer")
+def any_int(text: str) -> int:
+    return _number(int, text, _rule("", lambda v: True))
+
+
+@_valid("a number > 0")
+def positive_float(text: str) -> float:
+    return _number(float, text, _rule("> 0", lambda v: v > 0))
+
+
+@_valid("a number >= 0")
+def non_negative_float(text: str) -> float:
+    return _number(float, text, _rule(">= 0", lambda v: v >= 0))
+
+
+@_valid("a finite number")
+def finite_float(text: str) -> float:
+    return _number(float, text, _rule("(finite)", lambda v: True))
+
+
+@_valid("a number in [0, 1)")
+def unit_float(text: str) -> float:
+    return _number(float, text, _rule("in [0, 1)", lambda v: 0 <= v < 1))
+
+
+@_valid("a number in (0, 1]")
+def probability(text: str) -> float:
+    return _number(float, text, _rule("in (0, 1]", lambda v: 0 < v <= 1))
+
+
+def at_least(n: int):
+    """An argparse ``type=``: an integer >= ``n``."""
+    @_valid(f"an integer >= {n}")
+    def check(text: str) -> int:
+        return _number(int, text, _rule(f">= {n}", lambda v: v >= n))
+    return check
+
+
+def or_empty(fn):
+    """An argparse ``type=`` that takes "" (the option's "unset", e.g. "default: ...") or what ``fn`` takes."""
+    @_valid(f"empty or {fn.valid}")
+    def check(text: str) -> str:
+        return text if text == "" else fn(text)
+    return check
+
+
+def _path(text: str, ok, what: str) -> str:
+    if not text or not ok(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+    return text
+
+
+@_valid("an existing file or folder")
+def existing_path(text: str) -> str:
+    return _path(text, os.path.exists, "no such file or folder")
+
+
+@_valid("an existing folder")
+def existing_dir(text: str) -> str:
+    return _path(text, os.path.isdir, "not a folder" if os.path.exists(text) else "no such folder")
+
+
+@_valid("an existing file")
+def existing_file(text: str) -> str:
+    return _path(text, os.path.isfile, "not a file" if os.path.exists(text) else "no such file")
+
+
+def _under_a_folder(path: str) -> bool:
+    """Whether the nearest existing ancestor of ``path`` is a folder (so the missing ones can be made)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)
+
+
+@_valid("a path where nothing exists yet (its missing parent folders are made)")
+def new_path(text: str) -> str:
+    _path(text, lambda p: not os.path.lexists(p), "already exists; name a new path")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
+
+
+@_valid("a folder, or a path where nothing exists yet")
+def dir_path(text: str) -> str:
+    _path(text, lambda p: not os.path.exists(p) or os.path.isdir(p), "is a file, not a folder")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
+
+
+@_valid("a file to write: not a folder")
+def out_file(text: str) -> str:
+    _path(text, lambda p: not os.path.isdir(p), "is a folder; name a file")
+    return _path(text, _under_a_folder, "a file is in the way of its parent folders")
+
+
 def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the tool's own arguments, the train.py flags after ``--``)."""
     return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -29,24 +167,36 @@ def split_train_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") -> None:
     """The positional checkpoint argument and ``--step`` shared by every tool (resolved by
     :func:`attnlab.checkpoint.layout.resolve`)."""
-    ap.add_argument(name, metavar=name.upper(),
+    ap.add_argument(name, metavar=name.upper(), type=existing_dir,
                     help="a run folder (job.dump_folder: its config.toml rebuilds the model), a checkpoint/step-N "
                          "folder, or a Hugging Face folder")
-    ap.add_argument("--step", type=int, default=None,
+    ap.add_argument("--step", type=non_negative_int, default=None,
                     help="which checkpoint/step-N of a run folder (default: the latest)")
 
 
-def tool_parser(doc: str, argv: list[str]):
-    """(parser, the tool's own arguments, train.py flags) of a tool that loads a model through :func:`load_run`:
-    ``argv`` split at the train.py flags (:func:`split_train_flags`), and a parser with the checkpoint, ``--dtype``
-    and ``--device`` arguments and ``doc`` as its description."""
-    own, train_flags = split_train_flags(argv)
-    ap = argparse.ArgumentParser(description=doc, epilog=TRAIN_FLAGS_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def tool_parser(doc: str) -> ToolParser:
+    """The parser of a tool that loads a model through :func:`load_run`: the checkpoint, ``--dtype`` and
+    ``--device`` arguments, ``doc`` as its description; train.py flags follow ``--`` (:func:`split_train_flags`)."""
+    ap = ToolParser(description=doc, epilog=TRAIN_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    return ap, own, train_flags
+    add_device_argument(ap)
+    return ap
+
+
+@_valid("a torch device: cpu, cuda, cuda:N, mps, ...")
+def torch_device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:0, ...)") from None
+    return text
+
+
+def add_device_argument(ap: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--device``: a torch device, by default cuda when there is one, else cpu."""
+    ap.add_argument("--device", type=torch_device, default=default or ("cuda" if torch.cuda.is_available() else "cpu"),
+                    help="torch device")
 
 
 def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags: list[str]):
@@ -61,17 +211,27 @@ def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
 
 
+@_valid("layer indices and ranges, e.g. '14-27' or '0,2,5-7'")
+def layer_list(text: str) -> str:
+    """The text of ``--layers``, checked for form here; the indices against n_layers once the model is known."""
+    if not all(part.strip().replace("-", "", 1).isdigit() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected layer indices and ranges, e.g. '14-27' or '0,2,5-7'")
+    return text
+
+
 def add_conversion_arguments(ap: argparse.ArgumentParser, when: str = "") -> None:
     """The options of a softmax → Parallax conversion, shared by the conversion tools (``when`` prefixes each help
     text, e.g. "with --parallax"). :func:`convert_from_arguments` reads them back."""
     w = f"{when}: " if when else ""
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--layers", help=f"{w}layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
+    which.add_argument("--layers", type=layer_list,
+                       help=f"{w}layers to convert, e.g. '14-27' or '0,2,5-7' (default: all)")
     which.add_argument("--top-half", action="store_true", help=f"{w}convert layers n_layers//2 .. n_layers-1")
     ap.add_argument("--rho-gate", action="store_true", help=f"{w}add the per-head sigmoid gate on ρ (weights 0)")
-    ap.add_argument("--gate-bias", type=float, default=0.0, help=f"{w}initial gate bias (σ(bias) = initial gate)")
+    ap.add_argument("--gate-bias", type=finite_float, default=0.0,
+                    help=f"{w}initial gate bias (σ(bias) = initial gate)")
     ap.add_argument("--no-rope-on-rho", action="store_true", help=f"{w}do not apply RoPE to ρ")
-    ap.add_argument("--rho-norm-init", type=float, default=DEFAULT_RHO_NORM_INIT,
+    ap.add_argument("--rho-norm-init", type=non_negative_float, default=DEFAULT_RHO_NORM_INIT,
                     help=f"{w}gain of ρ's RMSNorm in the converted layers (attention.parallax.rho_norm_init; "
                          "‖ρ‖ = √head_dim · gain once W_R moves; default: the module default, "
                          f"{DEFAULT_RHO_NORM_INIT:g}; 1 is the Parallax paper's recipe as written)")

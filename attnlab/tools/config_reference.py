@@ -10,7 +10,6 @@ from the code: ``tests/tools/test_config_reference.py`` fails when it is stale.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -25,7 +24,9 @@ HEADER = """# Configuration reference
 A run is configured by one TOML file (`--job.config_file`), overridden key by key on the command line as
 `--section.key value` (precedence: command line > TOML > the defaults below; booleans also as `true`/`false`,
 `1`/`0` or the bare `--section.key` / `--section.no-key`). Bad input fails before training with
-one message naming the key and what is valid (`config.validate_config`). Examples: `attnlab/configs/debug_cpu.toml` (the
+one message naming the key and what is valid (`config.validate_config`); the "valid" column is the rule declared
+next to each key (`attnlab/config/rules.py` reads its words; torchtitan's keys have theirs in
+`attnlab/config/checks.py`, `TITAN_RULES`). Examples: `attnlab/configs/debug_cpu.toml` (the
 default of `python -m attnlab.train`), `attnlab/configs/paper/` (the paper's runs), `attnlab/configs/replication/`.
 
 torchtitan's own sections keep their names and defaults (its `torchtitan.config.JobConfig` documents them): `[job]`,
@@ -75,16 +76,19 @@ def _cell(text: str) -> str:
 
 
 def table(cls: type, skip: set[str] = frozenset()) -> str:
-    """A markdown table key | type | default | meaning of the dataclass's fields not in ``skip``."""
+    """A markdown table key | type | default | valid | meaning of the dataclass's fields not in ``skip`` (valid: the
+    rule in the field's metadata, :mod:`attnlab.config.rules`; booleans and Literal types have none)."""
     docs = _field_docs(cls)
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | type | default | valid | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if not isinstance(f.type, str) and getattr(f.type, "__args__", None):
             kind = str(f.type).replace("typing.", "")
-        rows.append(f"| `{f.name}` | `{_cell(kind)}` | `{_cell(_default(f))}` | {_cell(docs.get(f.name, ''))} |")
+        valid = f.metadata.get("valid", "")
+        rows.append(f"| `{f.name}` | `{_cell(kind)}` | `{_cell(_default(f))}` | {_cell(valid)} | "
+                    f"{_cell(docs.get(f.name, ''))} |")
     return "\n".join(rows)
 
 
@@ -112,10 +116,18 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, out_file
+
+    ap = ToolParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=out_file, default=OUT, help="file to write (default: docs/configuration.md)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=OUT, help="file to write (default: docs/configuration.md)")
-    out = ap.parse_args(argv).out
+    ap = build_parser()
+    out = Path(ap.parse_args(argv).out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render())
     print(f"wrote {out}")

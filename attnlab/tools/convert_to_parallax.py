@@ -31,21 +31,32 @@ from attnlab.checkpoint.dcp import save_dcp_state, CheckpointError
 from attnlab.checkpoint.hf import save_hf
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, add_conversion_arguments, new_path,
+                                      positive_float)
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(ap, "src")
+    ap.add_argument("dst", type=new_path, help="output folder (same format as SRC); must not exist")
+    add_conversion_arguments(ap)
+    ap.add_argument("--rope-theta", type=positive_float, default=1e6,
+                    help="RoPE base of a DCP source without attnlab.json")
+    ap.add_argument("--norm-eps", type=positive_float, default=1e-6,
+                    help="RMSNorm eps of a DCP source without attnlab.json")
+    ap.add_argument("--attn-mask-type", choices=["causal", "block_causal"], default="causal",
+                    help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
+    ap.add_argument("--tol", type=positive_float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
 def main(argv=None) -> int:
     from attnlab.checkpoint.layout import resolve
     from attnlab.checkpoint.load import load_tool_checkpoint
-    from attnlab.tools.common import add_checkpoint_arguments, add_conversion_arguments, convert_from_arguments
+    from attnlab.tools.common import convert_from_arguments
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_checkpoint_arguments(ap, "src")
-    ap.add_argument("dst", help="output folder (same format as SRC); must not exist")
-    add_conversion_arguments(ap)
-    ap.add_argument("--rope-theta", type=float, default=1e6, help="RoPE base of a DCP source without attnlab.json")
-    ap.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm eps of a DCP source without attnlab.json")
-    ap.add_argument("--attn-mask-type", choices=["causal", "block_causal"], default="causal",
-                    help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
-    ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap = build_parser()
     a = ap.parse_args(argv)
     progress = not a.no_progress
     try:

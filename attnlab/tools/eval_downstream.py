@@ -126,24 +126,37 @@ def check_tasks_offline(tasks: list[str], task_manager) -> None:
                 "passed with --include-path)") from None
 
 
-def main(argv=None) -> dict | int:
-    from attnlab.checkpoint.layout import resolve
-    from attnlab.tools.common import add_checkpoint_arguments
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, existing_dir, existing_file,
+                                      non_negative_int, out_file, positive_float, torch_device)
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
     ap.add_argument("--tasks", default=PAPER_TASKS, help="comma-separated lm-eval task names (default: the paper's)")
-    ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's, 0 for these)")
+    ap.add_argument("--num-fewshot", type=non_negative_int, default=None,
+                    help="few-shot examples (default: each task's, 0 for these)")
     ap.add_argument("--batch-size", default="8", help="lm-eval batch size (an integer or 'auto')")
-    ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    ap.add_argument("--device", type=torch_device, default=None,
+                    help="torch device (default: cuda when available, else cpu)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="dtype of the exported weights and of the model lm-eval builds")
-    ap.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1), for quick runs")
-    ap.add_argument("--include-path", default=None, help="folder of extra task YAMLs (lm-eval's --include_path)")
-    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
-    ap.add_argument("-o", "--out", default=None, help="write lm-eval's results (JSON) here")
+    ap.add_argument("--limit", type=positive_float, default=None,
+                    help="documents per task (a fraction if < 1), for quick runs")
+    ap.add_argument("--include-path", type=existing_dir, default=None,
+                    help="folder of extra task YAMLs (lm-eval's --include_path)")
+    ap.add_argument("--config", type=existing_file,
+                    help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("-o", "--out", type=out_file, default=None, help="write lm-eval's results (JSON) here")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run an HF folder's own remote code (auto_map) even when it is not this project's export")
+    return ap
+
+
+def main(argv=None) -> dict | int:
+    from attnlab.checkpoint.layout import resolve
+
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         import lm_eval

@@ -129,21 +129,30 @@ def parse_edges(text: str, seq_len: int, ap: argparse.ArgumentParser) -> list[in
     return edges
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    from attnlab.tools.common import load_run, tool_parser
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import non_negative_int, out_file, positive_int, tool_parser
 
-    ap, own, train_flags = tool_parser(__doc__, argv)
+    ap = tool_parser(__doc__)
     ap.add_argument("--data", required=True, help="local file/folder/glob (.jsonl/.parquet/.txt[.gz]) or hub dataset")
-    ap.add_argument("--seq-len", type=int, default=0, help="0 = the run's validation.seq_len")
-    ap.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    ap.add_argument("--max-rows", type=int, default=0, help="evaluate at most this many rows (0 = all)")
+    ap.add_argument("--seq-len", type=non_negative_int, default=0, help="0 = the run's validation.seq_len")
+    ap.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    ap.add_argument("--max-rows", type=non_negative_int, default=0, help="evaluate at most this many rows (0 = all)")
     ap.add_argument("--by-position", action="store_true",
                     help="also the loss by context position, in log-spaced buckets up to the sequence length")
     ap.add_argument("--edges", default="",
                     help="with --by-position: bucket edges, a comma list from 0 (default 0,1,2,4,...,seq_len)")
-    ap.add_argument("-o", "--out", default=None, help="also write the JSON here")
+    ap.add_argument("-o", "--out", type=out_file, default=None, help="also write the JSON here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    from attnlab.tools.common import load_run, split_train_flags
+
+    ap = build_parser()
+    own, train_flags = split_train_flags(argv)
     args = ap.parse_args(own)
     if args.edges and not args.by_position:
         ap.error("--edges needs --by-position")

@@ -33,14 +33,24 @@ from attnlab.tools.common import add_checkpoint_arguments
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, existing_dir, existing_file, new_path
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
-    ap.add_argument("dst", help="output folder; must not exist")
-    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("dst", type=new_path, help="output folder; must not exist")
+    ap.add_argument("--config", type=existing_file,
+                    help="training TOML giving the architecture (default: the run's config.toml)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the written tensors")
-    ap.add_argument("--tokenizer", help="folder with tokenizer.json etc. to copy (default: the run's tokenizer, "
+    ap.add_argument("--tokenizer", type=existing_dir,
+                    help="folder with tokenizer.json etc. to copy (default: the run's tokenizer, "
                                         "else the config's model.hf_assets_path)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         if Path(a.dst).exists():

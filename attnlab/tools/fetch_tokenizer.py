@@ -19,11 +19,20 @@ TOKENIZER_PATTERNS = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "
                       "special_tokens_map.json", "generation_config.json"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, dir_path, or_empty
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", default="Qwen/Qwen3-0.6B", help="Hub model repository holding the tokenizer")
     ap.add_argument("--revision", default=None, help="branch, tag or commit (default: the main branch)")
-    ap.add_argument("-o", "--out", default="", help="output folder (default: assets/hf/<repository name>)")
+    ap.add_argument("-o", "--out", type=or_empty(dir_path), default="",
+                    help="output folder (default: assets/hf/<repository name>)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled

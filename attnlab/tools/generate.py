@@ -58,22 +58,35 @@ class _Tok:
         return " ".join(map(str, ids)) if self.tok is None else self.tok.decode(ids)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.attention.ops.common import IMPLS
+    from attnlab.tools.common import (ToolParser, add_device_argument, existing_file, non_negative_int, positive_float,
+                                      positive_int, probability)
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
     ap.add_argument("--prompt", required=True, help="text to continue (token ids with --tokenizer ids)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated after the prompt")
-    ap.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of sampling")
-    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated after the prompt")
+    ap.add_argument("--temperature", type=positive_float, default=1.0, help="softmax temperature of sampling")
+    ap.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k most likely tokens (0 = all)")
+    ap.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (1 = off)")
     ap.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-k/top-p)")
-    ap.add_argument("--num-samples", type=int, default=1, help="sequences generated in parallel from the prompt")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--config", help="training TOML giving the architecture (default: the run's config.toml)")
+    ap.add_argument("--num-samples", type=positive_int, default=1,
+                    help="sequences generated in parallel from the prompt")
+    ap.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
+    ap.add_argument("--config", type=existing_file,
+                    help="training TOML giving the architecture (default: the run's config.toml)")
     ap.add_argument("--tokenizer", help="folder with tokenizer.json, or 'ids' (default: the run's tokenizer)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_device_argument(ap)
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--impl", help="override [attention] impl (auto picks the Triton decode kernel on CUDA)")
+    ap.add_argument("--impl", choices=IMPLS,
+                    help="override [attention] impl (auto picks the Triton decode kernel on CUDA)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         ckpt = resolve(a.ckpt, a.step)

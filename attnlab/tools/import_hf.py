@@ -47,6 +47,29 @@ def run_config(base: dict, args, step0: Path, tokenizer: Path, dump_folder: str)
     return cfg
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import (ToolParser, add_conversion_arguments, dir_path, existing_dir, new_path, or_empty,
+                                      positive_float)
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=existing_dir, metavar="HF_DIR",
+                    help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
+    ap.add_argument("out", type=new_path, metavar="OUT", help="output folder; must not exist")
+    ap.add_argument("--base", default="debug_cpu",
+                    help="training TOML, or a shipped config's name (attnlab configs), whose data, optimizer, "
+                         "schedule and parallelism sections the run uses")
+    ap.add_argument("--dump-folder", type=or_empty(dir_path), default="",
+                    help="job.dump_folder of the run (default: OUT/run)")
+    ap.add_argument("--tokenizer", type=or_empty(existing_dir), default="",
+                    help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
+    ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
+    add_conversion_arguments(ap, "with --parallax")
+    ap.add_argument("--tol", type=positive_float, default=1e-5,
+                    help="with --parallax: max |Δlogits| (float32) allowed")
+    return ap
+
+
 def main(argv=None) -> int:
     import tomli_w
 
@@ -57,20 +80,9 @@ def main(argv=None) -> int:
     from attnlab.checkpoint.layout import (CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
                                            save_tokenizer)
     from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
-    from attnlab.tools.common import add_conversion_arguments, conversion_options_given, convert_from_arguments
+    from attnlab.tools.common import conversion_options_given, convert_from_arguments
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
-    ap.add_argument("out", metavar="OUT", help="output folder; must not exist")
-    ap.add_argument("--base", default="debug_cpu",
-                    help="training TOML, or a shipped config's name (attnlab configs), whose data, optimizer, "
-                         "schedule and parallelism sections the run uses")
-    ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
-    ap.add_argument("--tokenizer", default="",
-                    help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
-    ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
-    add_conversion_arguments(ap, "with --parallax")
-    ap.add_argument("--tol", type=float, default=1e-5, help="with --parallax: max |Δlogits| (float32) allowed")
+    ap = build_parser()
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     try:

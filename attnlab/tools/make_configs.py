@@ -14,7 +14,6 @@ blocks. ``local_batch_size`` is the per-GPU micro-batch; gradient accumulation m
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from attnlab import configs
@@ -124,10 +123,19 @@ def render(out: Path, name: str, title: str, flavor: str, attention: str, attn_t
     (out / f"{name}.toml").write_text(text)
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, dir_path
+
+    ap = ToolParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=dir_path, default=CONFIGS,
+                    help="folder to write into (default: attnlab/configs/paper)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=CONFIGS, help="folder to write into (default: attnlab/configs/paper)")
-    out = ap.parse_args(argv).out
+    ap = build_parser()
+    out = Path(ap.parse_args(argv).out)
     out.mkdir(parents=True, exist_ok=True)
     names = []
     for size, (base, _, _) in SIZES.items():

@@ -99,32 +99,44 @@ def max_delta(a: dict[int, float], b: dict[int, float], steps) -> float:
     return max(abs(a[s] - b[s]) for s in steps)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import (ToolParser, dir_path, existing_dir, non_negative_float, non_negative_int,
+                                      or_empty, positive_float, positive_int)
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo)")
     ap.add_argument("--nprocs", default="", help="comma list; default 1,2,4 (cuda) / 1,2 (cpu)")
     ap.add_argument("--resume", default="", help="a:b pairs, e.g. 4:2,2:4,4:1; default 4:2,2:4,4:1 (cuda) / 2:1 (cpu)")
-    ap.add_argument("--steps", type=int, default=0, help="default 12 (cuda) / 4 (cpu); resume at steps/2")
+    ap.add_argument("--steps", type=non_negative_int, default=0, help="default 12 (cuda) / 4 (cpu); resume at steps/2")
     ap.add_argument("--flavor", default="debug", help="model.flavor")
     ap.add_argument("--attention", default="parallax", help="model.attention")
     ap.add_argument("--optimizer", default="muon", help="optimizer.name")
-    ap.add_argument("--lr", type=float, default=5e-3, help="optimizer.lr")
-    ap.add_argument("--seq", type=int, default=0, help="default 256 (cuda) / 16 (cpu)")
-    ap.add_argument("--global-batch", type=int, default=0, help="sequences per step; default 16 (cuda) / 4 (cpu)")
-    ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (default 64 with the synthetic corpus)")
+    ap.add_argument("--lr", type=positive_float, default=5e-3, help="optimizer.lr")
+    ap.add_argument("--seq", type=non_negative_int, default=0, help="default 256 (cuda) / 16 (cpu)")
+    ap.add_argument("--global-batch", type=non_negative_int, default=0,
+                    help="sequences per step; default 16 (cuda) / 4 (cpu)")
+    ap.add_argument("--vocab", type=non_negative_int, default=0,
+                    help="model.vocab_size (default 64 with the synthetic corpus)")
     ap.add_argument("--data", default="", help="training files instead of the synthetic corpus")
-    ap.add_argument("--tokenizer", default="", help="tokenizer folder for --data")
-    ap.add_argument("--tol", type=float, default=0.0, help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
-    ap.add_argument("--replicate", type=int, default=1,
+    ap.add_argument("--tokenizer", type=or_empty(existing_dir), default="", help="tokenizer folder for --data")
+    ap.add_argument("--tol", type=non_negative_float, default=0.0,
+                    help="default 1e-4 (cpu, float32) / 3e-2 (cuda, bf16)")
+    ap.add_argument("--replicate", type=positive_int, default=1,
                     help="HSDP replicas for runs on more processes than this that it divides (default 1: FSDP)")
     ap.add_argument("--context-parallel", action="store_true",
                     help="runs on K > 1 processes split every sequence over them (context parallelism) instead of "
                          "splitting the batch")
-    ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
-    ap.add_argument("--out", default="", help="work folder (default: a temporary folder)")
+    ap.add_argument("--timeout", type=positive_int, default=600, help="seconds per launch")
+    ap.add_argument("--out", type=or_empty(dir_path), default="", help="work folder (default: a temporary folder)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = build_parser()
     args = ap.parse_args(argv)
     args.extra = extra
     cuda = args.device == "cuda"

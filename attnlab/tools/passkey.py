@@ -177,20 +177,30 @@ def _numbers(text: str, kind, flag: str, ap: argparse.ArgumentParser) -> list:
         ap.error(f"{flag} {text!r}: not a comma list of {kind.__name__}s")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    from attnlab.tools.common import load_run, tool_parser
-    from attnlab.tools.eval_ppl import emit
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import non_negative_int, out_file, positive_int, tool_parser
 
-    ap, own, train_flags = tool_parser(__doc__, argv)
+    ap = tool_parser(__doc__)
     ap.add_argument("--lengths", default="", help="comma list of prompt lengths in tokens (default: the run's "
                     "training.seq_len and its halvings down to an eighth, those the prompt fits into)")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1",
                     help="comma list of needle depths in [0, 1]: 0 right after the intro, 1 just before the question")
-    ap.add_argument("--samples", type=int, default=10, help="keys per (length, depth); every cell uses the same keys")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the keys")
-    ap.add_argument("--batch-size", type=int, default=4, help="prompts per forward pass")
-    ap.add_argument("-o", "--out", default=None, help="also write the JSON here")
+    ap.add_argument("--samples", type=positive_int, default=10,
+                    help="keys per (length, depth); every cell uses the same keys")
+    ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of the keys")
+    ap.add_argument("--batch-size", type=positive_int, default=4, help="prompts per forward pass")
+    ap.add_argument("-o", "--out", type=out_file, default=None, help="also write the JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    from attnlab.tools.common import load_run, split_train_flags
+    from attnlab.tools.eval_ppl import emit
+
+    ap = build_parser()
+    own, train_flags = split_train_flags(argv)
     args = ap.parse_args(own)
     depths = _numbers(args.depths, float, "--depths", ap)
     if not all(0 <= d <= 1 for d in depths):

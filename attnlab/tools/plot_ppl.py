@@ -132,19 +132,27 @@ def draw(ax, label: str, runs: list[str], color: str, args) -> None:
         ax.plot(x, y, "o--", color=color, label=f"{label} val")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run folders (job.dump_folder) holding metrics.jsonl")
-    ap.add_argument("-o", "--output", default="ppl.png", help="PNG to write")
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, existing_dir, non_negative_int, out_file, unit_float
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=existing_dir, help="run folders (job.dump_folder) holding metrics.jsonl")
+    ap.add_argument("-o", "--output", type=out_file, default="ppl.png", help="PNG to write")
     ap.add_argument("--labels", default="", help="comma-separated labels, one per run")
-    ap.add_argument("--smooth", type=float, default=0.0,
+    ap.add_argument("--smooth", type=unit_float, default=0.0,
                     help="debiased EMA factor β in [0, 1) for the training loss (0 = none)")
     ap.add_argument("--x", choices=("step", "tokens"), default="step", help="horizontal axis")
-    ap.add_argument("--skip", type=int, default=0, help="leave out steps <= N")
+    ap.add_argument("--skip", type=non_negative_int, default=0, help="leave out steps <= N")
     ap.add_argument("--bands", action="store_true",
                     help="runs whose names differ only in a _s<seed> suffix are one arm: mean curve and min-max band")
-    ap.add_argument("--tokens-per-step", type=int, default=0,
+    ap.add_argument("--tokens-per-step", type=non_negative_int, default=0,
                     help="tokens per step for --x tokens (default: from each run's config.toml)")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(r)) for r in args.runs]
     if len(labels) != len(args.runs):

@@ -100,27 +100,37 @@ def _last_error(text: str) -> str:
     return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "no output")[:160]
 
 
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, dir_path, existing_dir, non_negative_int, or_empty, positive_int
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="", help="training data (default: each config's dataset)")
+    ap.add_argument("--tokenizer", type=or_empty(existing_dir), default="",
+                    help="tokenizer folder (default: each config's hf_assets_path)")
+    ap.add_argument("--only", default="", help="comma list of config names or fnmatch patterns")
+    ap.add_argument("--nproc", type=positive_int, default=1, help="processes (GPUs) per config")
+    ap.add_argument("--local-batch", type=positive_int, default=1, help="training.local_batch_size")
+    ap.add_argument("--seq", type=positive_int, default=2048, help="training.seq_len")
+    ap.add_argument("--steps", type=positive_int, default=20, help="training.steps")
+    ap.add_argument("--flavor", default="", help="override model.flavor (e.g. debug for a CPU run)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda or cpu")
+    ap.add_argument("--timeout", type=positive_int, default=300, help="seconds per config")
+    ap.add_argument("--parallel", type=positive_int, default=1,
+                    help="configs run at once; slot i gets GPUs i*nproc.. (mod --gpus), so with --nproc 1 several "
+                         "runs share one GPU when slots exceed GPUs (mind memory: ~15 GB per 0.6B run, ~30 GB 1.7B)")
+    ap.add_argument("--gpus", type=non_negative_int, default=0,
+                    help="GPUs on this machine (default: torch.cuda.device_count())")
+    ap.add_argument("--out", type=or_empty(dir_path), default="", help="work folder (default: a temporary folder)")
+    ap.add_argument("--list", action="store_true", help="print the selected configs and exit")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="", help="training data (default: each config's dataset)")
-    ap.add_argument("--tokenizer", default="", help="tokenizer folder (default: each config's hf_assets_path)")
-    ap.add_argument("--only", default="", help="comma list of config names or fnmatch patterns")
-    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per config")
-    ap.add_argument("--local-batch", type=int, default=1, help="training.local_batch_size")
-    ap.add_argument("--seq", type=int, default=2048, help="training.seq_len")
-    ap.add_argument("--steps", type=int, default=20, help="training.steps")
-    ap.add_argument("--flavor", default="", help="override model.flavor (e.g. debug for a CPU run)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda or cpu")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per config")
-    ap.add_argument("--parallel", type=int, default=1,
-                    help="configs run at once; slot i gets GPUs i*nproc.. (mod --gpus), so with --nproc 1 several "
-                         "runs share one GPU when slots exceed GPUs (mind memory: ~15 GB per 0.6B run, ~30 GB 1.7B)")
-    ap.add_argument("--gpus", type=int, default=0, help="GPUs on this machine (default: torch.cuda.device_count())")
-    ap.add_argument("--out", default="", help="work folder (default: a temporary folder)")
-    ap.add_argument("--list", action="store_true", help="print the selected configs and exit")
+    ap = build_parser()
     args = ap.parse_args(argv)
     args.extra = extra
     todo = configs(args.only)

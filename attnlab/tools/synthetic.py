@@ -26,7 +26,6 @@ Sweeps: ``quick`` (CPU-sized: vocab 16, length 64), ``paper`` (MAD: vocab 16, le
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -290,21 +289,31 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, add_device_argument, non_negative_int, out_file, positive_float
+
+    ap = ToolParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", default="softmax,parallax", help="comma-separated registered mechanisms")
     ap.add_argument("--tasks", default="all", help=f"comma-separated subset of {list(TASKS)} or 'all'")
     ap.add_argument("--sweep", default="quick", choices=["quick", "paper", "hard"],
                     help="task sizes: quick (CPU minutes), paper (the paper's), hard")
-    ap.add_argument("--steps", type=int, default=0, help="0 = the sweep's (quick 300, paper 3000, hard 4000)")
-    ap.add_argument("--batch", type=int, default=0, help="0 = the sweep's (quick 32, paper/hard 64)")
-    ap.add_argument("--vocab", type=int, default=0, help="0 = the sweep's")
-    ap.add_argument("--seq-len", type=int, default=0, help="0 = the sweep's")
-    ap.add_argument("--lr", type=float, default=1e-2, help="Muon lr (Adam-style groups use the paper's multipliers)")
+    ap.add_argument("--steps", type=non_negative_int, default=0,
+                    help="0 = the sweep's (quick 300, paper 3000, hard 4000)")
+    ap.add_argument("--batch", type=non_negative_int, default=0, help="0 = the sweep's (quick 32, paper/hard 64)")
+    ap.add_argument("--vocab", type=non_negative_int, default=0, help="0 = the sweep's")
+    ap.add_argument("--seq-len", type=non_negative_int, default=0, help="0 = the sweep's")
+    ap.add_argument("--lr", type=positive_float, default=1e-2,
+                    help="Muon lr (Adam-style groups use the paper's multipliers)")
     ap.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon or adamw")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    ap.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
-    ap.add_argument("--json", default=None, help="write all results here")
+    add_device_argument(ap)
+    ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of data and initialisation")
+    ap.add_argument("--json", type=out_file, default=None, help="write all results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = build_parser()
     args = ap.parse_args(argv)
     # width-128 models: kernel speed is irrelevant, cold autotuning is not (minutes before the first task);
     # one config per kernel, ours and fla's (ATTNLAB_AUTOTUNE=all to override)

@@ -28,14 +28,24 @@ def documents(specs: list[str], text_field: str):
                 yield row[field]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
+    from attnlab.tools.common import ToolParser, at_least, new_path, non_negative_int
+
+    ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", metavar="FILES", help="text files, folders or globs")
-    ap.add_argument("-o", "--out", required=True, help="output folder (must not exist)")
-    ap.add_argument("--vocab-size", type=int, default=8192, help="tokens, including the 256 bytes and BOS/EOS")
+    ap.add_argument("-o", "--out", type=new_path, required=True, help="output folder (must not exist)")
+    ap.add_argument("--vocab-size", type=at_least(258), default=8192,
+                    help="tokens, including the 256 bytes and BOS/EOS")
     ap.add_argument("--text-field", default="text", help="column of JSON/Parquet files holding the text")
-    ap.add_argument("--max-docs", type=int, default=0, help="train on at most this many documents (0 = all)")
+    ap.add_argument("--max-docs", type=non_negative_int, default=0,
+                    help="train on at most this many documents (0 = all)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     from attnlab.data.embedded import train_bpe
     from attnlab.checkpoint.layout import new_folder

@@ -47,7 +47,11 @@ def _loss(args, sd, tokens, impl):
 
 
 def _convert(*argv) -> int:
-    return conv.main([*map(str, argv), "--no-progress"])
+    """The tool's exit status: what main returns, or 2 from a bad argument (argparse's one line)."""
+    try:
+        return conv.main([*map(str, argv), "--no-progress"])
+    except SystemExit as e:
+        return e.code
 
 
 def _finetune_flags(capsys) -> list[str]:
@@ -176,7 +180,8 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     _fails(capsys, px, match="not softmax attention", dst=tmp_path / "o3")
     # layer range outside the model, existing destination
     _fails(capsys, src, "--layers", "2-9", match="outside 0-3", dst=tmp_path / "o4")
-    _fails(capsys, src, "--rho-norm-init", "-1", match="--rho-norm-init -1.0: must be", dst=tmp_path / "o6")
+    _fails(capsys, src, "--rho-norm-init", "-1", match="argument --rho-norm-init: '-1': must be a number >= 0",
+           dst=tmp_path / "o6")
     assert _convert(src, px) == 2 and "already exists" in capsys.readouterr().err
     # HF: unsupported architecture, tensors that do not fit config.json, corrupt safetensors
     hf = tmp_path / "hf"

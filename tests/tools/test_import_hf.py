@@ -68,7 +68,9 @@ def test_import_as_parallax_same_logits_and_bad_inputs(qwen3, tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(build_model(args, sd)(x), hf(x).logits, rtol=1e-5, atol=1e-5)
     capsys.readouterr()
-    assert import_hf.main([str(root / "hf"), str(out)]) == 2 and "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the argument's declared rule: a path where nothing exists yet
+        import_hf.main([str(root / "hf"), str(out)])
+    assert e.value.code == 2 and "already exists" in capsys.readouterr().err
     assert import_hf.main([str(root / "hf"), str(tmp_path / "o2"), "--rho-gate"]) == 2
     assert "need --parallax" in capsys.readouterr().err
     assert import_hf.main([str(root / "corpus"), str(tmp_path / "o3")]) == 2

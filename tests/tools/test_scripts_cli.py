@@ -97,8 +97,8 @@ def _run_folder(tmp_path):
 
 def test_generate_and_export_reject_unknown_flags(tmp_path, capsys):
     generate, export_hf = _tool("generate"), _tool("export_hf")
-    for main, argv in ((generate.main, ["x", "--prompt", "1 2", "--max-tokens", "5"]),
-                       (export_hf.main, ["x", str(tmp_path / "o"), "--dtpye", "bfloat16"])):
+    for main, argv in ((generate.main, [str(tmp_path), "--prompt", "1 2", "--max-tokens", "5"]),
+                       (export_hf.main, [str(tmp_path), str(tmp_path / "o"), "--dtpye", "bfloat16"])):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

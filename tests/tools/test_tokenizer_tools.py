@@ -8,6 +8,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from tests.utils import REPO
 
 from attnlab.tools import fetch_tokenizer
@@ -35,7 +37,9 @@ def test_train_tokenizer_on_own_files_gives_a_trainer_usable_folder(tmp_path, ca
     assert tok.decode(ids[1:-1]) == "alpha beta ünïcode ☃"  # byte-level: unseen characters still round-trip
     assert len(tok.encode("alpha beta gamma")) < len("alpha beta gamma")  # merges were learned
     # refusals: existing folder, unknown column
-    assert train_tokenizer.main([str(tmp_path / "a.jsonl.gz"), "-o", str(out)]) == 2
+    with pytest.raises(SystemExit) as e:  # -o's declared rule: a path where nothing exists yet
+        train_tokenizer.main([str(tmp_path / "a.jsonl.gz"), "-o", str(out)])
+    assert e.value.code == 2 and "already exists" in capsys.readouterr().err
     assert train_tokenizer.main([str(tmp_path / "a.jsonl.gz"), "-o", str(tmp_path / "t2"), "--no-progress"]) == 2
     assert "no column 'text'" in capsys.readouterr().err and not (tmp_path / "t2").exists()
 
