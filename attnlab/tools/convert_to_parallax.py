@@ -16,7 +16,9 @@ A DCP folder records no architecture: it is read from the run's ``config.toml``,
 shapes (pass ``--rope-theta`` / ``--norm-eps`` / ``--attn-mask-type`` when the run changed them). The DCP output
 is a model-only checkpoint for ``checkpoint.initial_load_path``: the tool prints the train.py command that fine-tunes
 it with attnlab/configs/convert_finetune_parallax.toml, with the converted architecture (flavor and sizes, vocabulary,
-layer pattern, ``rope_on_rho``, ``rho_gate``, …) and the run's tokenizer as flags.
+layer pattern, ``rope_on_rho``, ``rho_gate``, …), the run's tokenizer, and the run's data, sizes and precision as
+flags, into a dump folder of its own (``DST-finetune``), so it runs on the machine that trained the source and never
+resumes another conversion's fine-tune.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
         if dst.exists():
             raise CheckpointError(f"{dst} already exists; choose a new destination")
         src = resolve(a.src, a.step)
-        fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
+        fmt, args, sd, src_cfg = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
                                                 attn_mask_type=a.attn_mask_type)
         layers, new_args, new_sd = convert_from_arguments(args, sd, a, progress)
         diff = max_logit_diff(args, sd, new_args, new_sd)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
           f"Parallax with W_R = 0; max |Δlogits| = {diff:.2e}")
     if fmt == "dcp":
         try:
-            print(f"fine-tune: {finetune_command(new_args, dst, src.tokenizer)}")
+            print(f"fine-tune: {finetune_command(new_args, dst, src.tokenizer, src_cfg)}")
         except CheckpointError as e:  # no flavor has the checkpoint's RMSNorm eps
             print(f"fine-tune: no train.py command rebuilds this model ({e})")
     return 0
