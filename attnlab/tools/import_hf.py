@@ -22,6 +22,7 @@ must rebuild exactly the imported architecture. Any failure writes nothing.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
 
     from attnlab.checkpoint.convert import flavor_and_dims, max_logit_diff
     from attnlab.checkpoint.dcp import args_to_dict, save_dcp_state, CheckpointError
-    from attnlab.checkpoint.layout import (CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
+    from attnlab.checkpoint.layout import (CONFIG_FILE, HF_SOURCE_CONFIG, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
                                            save_tokenizer)
     from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
     from attnlab.tools.common import add_conversion_arguments, conversion_options_given, convert_from_arguments
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
         with new_folder(out) as tmp:
             save_dcp_state(sd, tmp / "step-0", args)
             save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+            shutil.copyfile(Path(a.src) / "config.json", tmp / TOKENIZER_DIR / HF_SOURCE_CONFIG)  # for an export
             cfg = run_config(base, args, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"))
             (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
             # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
