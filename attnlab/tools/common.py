@@ -36,6 +36,55 @@ def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") ->
                     help="which checkpoint/step-N of a run folder (default: the latest)")
 
 
+TOKENIZER_HELP = ("folder with the tokenizer.json these weights were trained with (default: the run's tokenizer/, the "
+                  "Hugging Face folder's own, else the run config's model.hf_assets_path)")
+MAKE_TOKENIZER = ("`attnlab train_tokenizer FILES -o DIR` trains one on your text, `attnlab fetch_tokenizer --repo "
+                  "ORG/NAME -o DIR` fetches a hub model's")
+"""How a user without a tokenizer folder gets one, for the messages that ask for ``--tokenizer DIR``."""
+
+
+def add_tokenizer_argument(ap: argparse.ArgumentParser, help: str = TOKENIZER_HELP) -> None:
+    """``--tokenizer DIR``, the one way every tool that reads a model is given the tokenizer of its weights
+    (resolved by :func:`checkpoint_tokenizer`)."""
+    ap.add_argument("--tokenizer", metavar="DIR", default=None, help=help)
+
+
+def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, train_flags: list[str] | None = None,
+                         required: bool = True):
+    """The tokenizer folder of the checkpoint ``ckpt`` (a :class:`attnlab.checkpoint.layout.CheckpointRef`) with the
+    JobConfig ``cfg`` it was loaded with: ``given`` (``--tokenizer``), else the run's ``tokenizer/`` or the Hugging
+    Face folder's own files, else the run configuration's ``model.hf_assets_path``. A checkpoint that no run
+    describes (a Hugging Face folder or model-only step folder outside a run) and that has no tokenizer of its own
+    is refused unless ``given``: the default configuration's tokenizer is not the one its weights were trained
+    with. A tokenizer with more tokens than the model's ``vocab_size`` embedding rows is refused. Raises
+    CheckpointError, one line; with ``required`` off, returns None where it would refuse for want of a tokenizer."""
+    from pathlib import Path
+
+    from attnlab.checkpoint.dcp import run_argv
+    from attnlab.checkpoint.layout import check_tokenizer_fits
+    from attnlab.checkpoint.load import tokenizer_folder
+
+    if given:
+        if not (Path(given) / "tokenizer.json").is_file():
+            raise CheckpointError(f"--tokenizer {given}: no tokenizer.json there ({MAKE_TOKENIZER})")
+        tok = Path(given)
+    elif ckpt.tokenizer is None and run_argv(ckpt.config_argv(list(train_flags or [])), ckpt.path) is None:
+        tok, why = None, "no tokenizer.json of its own and no run naming one"
+    else:
+        tok = tokenizer_folder(ckpt, cfg)
+        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path if cfg else None} has no tokenizer.json"
+    if tok is None:
+        if not required:
+            return None
+        raise CheckpointError(f"{ckpt.path}: {why}; pass --tokenizer DIR, the tokenizer these weights were trained "
+                              f"with ({MAKE_TOKENIZER})")
+    try:
+        check_tokenizer_fits(tok, vocab_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return tok
+
+
 def tool_parser(doc: str, argv: list[str]):
     """(parser, the tool's own arguments, train.py flags) of a tool that loads a model through :func:`load_run`:
     ``argv`` split at the train.py flags (:func:`split_train_flags`), and a parser with the checkpoint, ``--dtype``
@@ -46,15 +95,25 @@ def tool_parser(doc: str, argv: list[str]):
     add_checkpoint_arguments(ap)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_tokenizer_argument(ap)
     return ap, own, train_flags
 
 
 def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags: list[str]):
     """:func:`attnlab.checkpoint.load.load_model` of a tool's ``CKPT``/``--step``/``--device``/``--dtype``
-    (:func:`tool_parser`); a bad folder or checkpoint exits through ``ap`` with one line."""
+    (:func:`tool_parser`), its config's ``model.hf_assets_path`` set to the tokenizer of the weights
+    (:func:`checkpoint_tokenizer`, ``--tokenizer``); a bad folder, checkpoint or tokenizer exits through ``ap`` with
+    one line."""
+    from attnlab.checkpoint.layout import resolve
+
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        return load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype), step=args.step)
+        model, cfg, step_dir = load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype),
+                                          step=args.step)
+        tok = checkpoint_tokenizer(resolve(args.ckpt, args.step), cfg, args.tokenizer, model.model_args.vocab_size,
+                                   train_flags)
+        cfg.model.hf_assets_path = str(tok)
+        return model, cfg, step_dir
     except FileNotFoundError as e:
         ap.error(str(e))
     except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit

@@ -36,7 +36,8 @@ from attnlab.checkpoint.hf import save_hf
 def main(argv=None) -> int:
     from attnlab.checkpoint.layout import resolve
     from attnlab.checkpoint.load import load_tool_checkpoint
-    from attnlab.tools.common import add_checkpoint_arguments, add_conversion_arguments, convert_from_arguments
+    from attnlab.tools.common import (add_checkpoint_arguments, add_conversion_arguments, add_tokenizer_argument,
+                                      checkpoint_tokenizer, convert_from_arguments)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap, "src")
@@ -48,6 +49,9 @@ def main(argv=None) -> int:
                     help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_tokenizer_argument(ap, "folder with the tokenizer.json the weights were trained with, written beside a Hugging "
+                               "Face DST and named by the fine-tune command (default: the run's tokenizer/, the Hugging "
+                               "Face folder's own)")
     a = ap.parse_args(argv)
     progress = not a.no_progress
     try:
@@ -57,6 +61,7 @@ def main(argv=None) -> int:
         src = resolve(a.src, a.step)
         fmt, args, sd, src_cfg = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
                                                 attn_mask_type=a.attn_mask_type)
+        tok = checkpoint_tokenizer(src, src_cfg, a.tokenizer, args.vocab_size, required=False)
         layers, new_args, new_sd = convert_from_arguments(args, sd, a, progress)
         diff = max_logit_diff(args, sd, new_args, new_sd)
         if not diff <= a.tol:
@@ -66,7 +71,7 @@ def main(argv=None) -> int:
             save_dcp_state(new_sd, dst, new_args)
         else:
             dtype = next(iter(sd.values())).dtype
-            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=src.path, progress=progress)
+            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=tok, progress=progress)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"convert_to_parallax: error: {e}", file=sys.stderr)
         return 2
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
           f"Parallax with W_R = 0; max |Δlogits| = {diff:.2e}")
     if fmt == "dcp":
         try:
-            print(f"fine-tune: {finetune_command(new_args, dst, src.tokenizer, src_cfg)}")
+            print(f"fine-tune: {finetune_command(new_args, dst, tok, src_cfg)}")
         except CheckpointError as e:  # no flavor has the checkpoint's RMSNorm eps
             print(f"fine-tune: no train.py command rebuilds this model ({e})")
     return 0

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     from attnlab.checkpoint.layout import (CONFIG_FILE, HF_SOURCE_CONFIG, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
                                            save_tokenizer)
     from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
-    from attnlab.tools.common import add_conversion_arguments, conversion_options_given, convert_from_arguments
+    from attnlab.tools.common import (MAKE_TOKENIZER, add_conversion_arguments, add_tokenizer_argument,
+                                      conversion_options_given, convert_from_arguments)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", metavar="HF_DIR", help="Hugging Face Qwen3 folder (config.json + *.safetensors)")
@@ -67,8 +68,7 @@ def main(argv=None) -> int:
                     help="training TOML, or a shipped config's name (attnlab configs), whose data, optimizer, "
                          "schedule and parallelism sections the run uses")
     ap.add_argument("--dump-folder", default="", help="job.dump_folder of the run (default: OUT/run)")
-    ap.add_argument("--tokenizer", default="",
-                    help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
+    add_tokenizer_argument(ap, "tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
     ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
     add_conversion_arguments(ap, "with --parallax")
     ap.add_argument("--tol", type=float, default=1e-5, help="with --parallax: max |Δlogits| (float32) allowed")
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
         tokenizer = Path(a.tokenizer or a.src)
         if not (tokenizer / "tokenizer.json").is_file():
             raise CheckpointError(f"{tokenizer}: no tokenizer.json; " + ("--tokenizer must name a tokenizer folder"
-                                  if a.tokenizer else "pass --tokenizer DIR, the tokenizer these weights were trained with"))
+                                  if a.tokenizer else "pass --tokenizer DIR, the tokenizer these weights were trained "
+                                  "with") + f" ({MAKE_TOKENIZER})")
         check_tokenizer_fits(tokenizer, args.vocab_size)
         flavor, dims = flavor_and_dims(args)
         with new_folder(out) as tmp:

@@ -194,7 +194,8 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     cfg = json.loads((hf / "config.json").read_text())
     cfg.pop("attnlab")  # as a Qwen3 folder from elsewhere
     for name, change, match in [("llama", {"model_type": "llama"}, "only Qwen3"),
-                                ("mismatch", {"num_attention_heads": 8}, "do not fit the architecture")]:
+                                ("mismatch", {"num_attention_heads": 8},
+                                 "config.json num_attention_heads=8 disagrees with the weights")]:
         d = tmp_path / name
         shutil.copytree(hf, d)
         (d / "config.json").write_text(json.dumps({**cfg, **change}))

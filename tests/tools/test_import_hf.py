@@ -96,7 +96,9 @@ def test_a_folder_without_a_fitting_tokenizer_is_refused(tmp_path, capsys):
     random_qwen3(tmp_path / "hf", seed=3, vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "o1")]) == 2
-    assert "no tokenizer.json; pass --tokenizer DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no tokenizer.json; pass --tokenizer DIR" in err  # and how to make one
+    assert "attnlab train_tokenizer FILES -o DIR" in err and "attnlab fetch_tokenizer" in err
     from tokenizers import Tokenizer, models
 
     big = tmp_path / "big"
