@@ -176,3 +176,19 @@ def test_a_config_json_that_disagrees_with_the_weights_is_refused_naming_the_fie
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == f"import_hf: error: {hf}/config.json {message}"  # after the read bar
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_embedded_corpus_log_does_not_claim_an_imported_run_trains_its_tokenizer(tmp_path, monkeypatch, caplog):
+    """An imported run on the embedded corpus logged "training a BPE tokenizer (vocab 4096)" though it trains with
+    its own tokenizer: the log now says whose tokenizer that is."""
+    import logging
+
+    from attnlab.data import embedded
+
+    monkeypatch.setattr(embedded, "_documents", lambda: [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)])
+    with caplog.at_level(logging.INFO):
+        embedded.build_embedded(str(tmp_path), 300)
+    text = " ".join(r.getMessage() for r in caplog.records if "Embedded corpus" in r.getMessage())
+    assert "training a BPE tokenizer" not in text
+    assert 'the one runs with model.hf_assets_path = "embedded" use; a run with a tokenizer of its own trains with' \
+           " its own" in text
