@@ -253,3 +253,20 @@ def test_readme_own_text_block_prints_what_the_readme_says(tmp_path):
            if "val_loss" in r]
     assert val, "the run validated on its held-out documents"
     assert sum(seconds for _, seconds in out.values()) < 120, {c: round(s) for c, (_, s) in out.items()}
+
+
+@pytest.mark.slow
+def test_readme_synthetic_quick_takes_about_a_minute_per_cell():
+    """The README's `synthetic --sweep quick` line says about a minute per task and mechanism on a 2-core CPU (it
+    said "CPU minutes" for 21 cells that took about 25 minutes); one cell, timed by the tool itself."""
+    from attnlab.tools import synthetic
+
+    assert "about a minute per task and mechanism on a 2-core CPU" in (REPO / "README.md").read_text()
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (cell,) = synthetic.main(["--attention", "softmax", "--tasks", "recall", "--sweep", "quick", "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    assert cell["steps"] == 300 and cell["seconds"] < 150, cell

@@ -58,7 +58,17 @@ def test_transformers_qwen3_imports_trains_and_exports_back(tmp_path, with_token
     assert {k: exported.get(k, "missing") for k in source if k not in naming} == \
         {k: v for k, v in source.items() if k not in naming}
     assert (exported["max_position_embeddings"], exported["bos_token_id"], exported["eos_token_id"]) == (1024, 0, 1)
-    tok = transformers.AutoTokenizer.from_pretrained(hf_out)
+    # the tokenizer needs no remote code: with trust_remote_code=False (README) AutoTokenizer asks nothing, runs
+    # nothing (transformers 5 asks about the model config's remote code otherwise)
+    import builtins
+
+    asked = []
+    real_input, builtins.input = builtins.input, lambda prompt="": asked.append(prompt) or "n"
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(hf_out, trust_remote_code=False)
+    finally:
+        builtins.input = real_input
+    assert asked == []
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32,
                                                               trust_remote_code=not with_tokenizer).eval()
     assert type(model).__name__ == ("Qwen3ForCausalLM" if with_tokenizer else "AttnLabForCausalLM")
