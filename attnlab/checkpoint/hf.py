@@ -162,9 +162,9 @@ export round trip keeps them. Otherwise ``max_position_embeddings`` is the train
 
 def hf_metadata(tokenizer_dir) -> dict[str, Any]:
     """The :data:`HF_KEPT` fields of an imported model's config.json beside the tokenizer of ``tokenizer_dir`` (its
-    ``hf_source_config.json``, when it has one), then the BOS and EOS ids of
-    its tokenizer as training encodes with them (torchtitan's ``HuggingFaceTokenizer``: tokenizer.json +
-    tokenizer_config.json), so transformers' ``generate`` stops at the EOS every training document ends with."""
+    ``hf_source_config.json``, when it has one), then the BOS and EOS ids of its tokenizer as training encodes with
+    them (torchtitan's ``HuggingFaceTokenizer``: tokenizer.json + tokenizer_config.json), so transformers'
+    ``generate`` stops at the EOS every training document ends with."""
     if tokenizer_dir is None:
         return {}
     folder = Path(tokenizer_dir)
