@@ -2,8 +2,8 @@
 train.py flags after ``--`` (:func:`split_train_flags`), for tools that evaluate a model one parser with
 ``--dtype``/``--device`` (:func:`tool_parser`) and the load that turns a bad folder into one error line
 (:func:`load_run`), ``--tokenizer`` of every tool that reads a model (:func:`add_tokenizer_argument`, resolved by
-:func:`checkpoint_tokenizer`), and the options of a softmax → Parallax conversion (:func:`add_conversion_arguments`). What the
-arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mod:`attnlab.checkpoint.load`."""
+:func:`checkpoint_tokenizer`), and the options of a softmax → Parallax conversion (:func:`add_conversion_arguments`).
+What the arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mod:`attnlab.checkpoint.load`."""
 
 from __future__ import annotations
 
