@@ -49,9 +49,9 @@ def main(argv=None) -> int:
                     help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
     ap.add_argument("--tol", type=float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_tokenizer_argument(ap, "folder with the tokenizer.json the weights were trained with, written beside a Hugging "
-                               "Face DST and named by the fine-tune command (default: the run's tokenizer/, the Hugging "
-                               "Face folder's own)")
+    add_tokenizer_argument(ap, "folder with the tokenizer.json the weights were trained with, written beside a "
+                               "Hugging Face DST and named by the fine-tune command (default: the run's tokenizer/, "
+                               "the Hugging Face folder's own)")
     a = ap.parse_args(argv)
     progress = not a.no_progress
     try:
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         if dst.exists():
             raise CheckpointError(f"{dst} already exists; choose a new destination")
         src = resolve(a.src, a.step)
-        fmt, args, sd, src_cfg = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
-                                                attn_mask_type=a.attn_mask_type)
+        fmt, args, sd, src_cfg = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta,
+                                                      norm_eps=a.norm_eps, attn_mask_type=a.attn_mask_type)
         tok = checkpoint_tokenizer(src, src_cfg, a.tokenizer, args.vocab_size, required=False)
         layers, new_args, new_sd = convert_from_arguments(args, sd, a, progress)
         diff = max_logit_diff(args, sd, new_args, new_sd)

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
 
     from attnlab.checkpoint.convert import flavor_and_dims, max_logit_diff
     from attnlab.checkpoint.dcp import args_to_dict, save_dcp_state, CheckpointError
-    from attnlab.checkpoint.layout import (CONFIG_FILE, HF_SOURCE_CONFIG, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
-                                           save_tokenizer)
+    from attnlab.checkpoint.layout import (CONFIG_FILE, HF_SOURCE_CONFIG, TOKENIZER_DIR, check_tokenizer_fits,
+                                           is_hf_folder, new_folder, save_tokenizer)
     from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
     from attnlab.tools.common import (MAKE_TOKENIZER, add_conversion_arguments, add_tokenizer_argument,
                                       conversion_options_given, convert_from_arguments)
