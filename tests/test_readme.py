@@ -256,12 +256,13 @@ def test_readme_own_text_block_prints_what_the_readme_says(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_synthetic_quick_takes_about_a_minute_per_cell():
-    """The README's `synthetic --sweep quick` line says about a minute per task and mechanism on a 2-core CPU (it
-    said "CPU minutes" for 21 cells that took about 25 minutes); one cell, timed by the tool itself."""
+def test_readme_synthetic_quick_cell_takes_what_the_readme_says():
+    """The README's `synthetic --sweep quick` line says one to several minutes per task and mechanism on a 2-core
+    CPU (it said "CPU minutes" for 21 cells, of which 9 took 590 s); one cell, timed by the tool itself, within the
+    6 minutes the README allows."""
     from attnlab.tools import synthetic
 
-    assert "about a minute per task and mechanism on a 2-core CPU" in (REPO / "README.md").read_text()
+    assert "one to several minutes per task and mechanism on a 2-core CPU" in (REPO / "README.md").read_text()
     torch = pytest.importorskip("torch")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -269,4 +270,4 @@ def test_readme_synthetic_quick_takes_about_a_minute_per_cell():
         (cell,) = synthetic.main(["--attention", "softmax", "--tasks", "recall", "--sweep", "quick", "--device", "cpu"])
     finally:
         torch.set_num_threads(threads)
-    assert cell["steps"] == 300 and cell["seconds"] < 150, cell
+    assert cell["steps"] == 300 and cell["seconds"] < 360, cell
