@@ -50,18 +50,18 @@ def add_tokenizer_argument(ap: argparse.ArgumentParser, help: str = TOKENIZER_HE
     ap.add_argument("--tokenizer", metavar="DIR", default=None, help=help)
 
 
-def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, train_flags: list[str] | None = None,
-                         required: bool = True):
-    """The tokenizer folder of the checkpoint ``ckpt`` (a :class:`attnlab.checkpoint.layout.CheckpointRef`) with the
-    JobConfig ``cfg`` it was loaded with: ``given`` (``--tokenizer``), else the run's ``tokenizer/`` or the Hugging
-    Face folder's own files, else the run configuration's ``model.hf_assets_path``. A checkpoint that no run
-    describes (a Hugging Face folder or model-only step folder outside a run) and that has no tokenizer of its own
-    is refused unless ``given``: the default configuration's tokenizer is not the one its weights were trained
-    with. A tokenizer with more tokens than the model's ``vocab_size`` embedding rows is refused. Raises
-    CheckpointError, one line; with ``required`` off, returns None where it would refuse for want of a tokenizer."""
+def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, required: bool = True):
+    """The tokenizer folder of the checkpoint ``ckpt`` (a :class:`attnlab.checkpoint.layout.CheckpointRef`) whose
+    run is described by the JobConfig ``cfg`` (its config.toml, train_args.json, a TOML the user named, or flags;
+    None when nothing describes it, as :func:`attnlab.checkpoint.load.load_tool_checkpoint` returns it): ``given``
+    (``--tokenizer``), else the run's ``tokenizer/`` or the Hugging Face folder's own files, else ``cfg``'s
+    ``model.hf_assets_path``. A checkpoint nothing describes (a Hugging Face folder or model-only step folder outside
+    a run) without a tokenizer of its own is refused unless ``given``: the default configuration's tokenizer is not
+    the one its weights were trained with. A tokenizer with more tokens than the model's ``vocab_size`` embedding
+    rows is refused. Raises CheckpointError, one line; with ``required`` off, returns None where it would refuse
+    for want of a tokenizer."""
     from pathlib import Path
 
-    from attnlab.checkpoint.dcp import run_argv
     from attnlab.checkpoint.layout import check_tokenizer_fits
     from attnlab.checkpoint.load import tokenizer_folder
 
@@ -69,11 +69,11 @@ def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, train_fl
         if not (Path(given) / "tokenizer.json").is_file():
             raise CheckpointError(f"--tokenizer {given}: no tokenizer.json there ({MAKE_TOKENIZER})")
         tok = Path(given)
-    elif ckpt.tokenizer is None and run_argv(ckpt.config_argv(list(train_flags or [])), ckpt.path) is None:
+    elif ckpt.tokenizer is None and cfg is None:
         tok, why = None, "no tokenizer.json of its own and no run naming one"
     else:
         tok = tokenizer_folder(ckpt, cfg)
-        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path if cfg else None} has no tokenizer.json"
+        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path} has no tokenizer.json"
     if tok is None:
         if not required:
             return None
@@ -105,14 +105,16 @@ def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags:
     (:func:`tool_parser`), its config's ``model.hf_assets_path`` set to the tokenizer of the weights
     (:func:`checkpoint_tokenizer`, ``--tokenizer``); a bad folder, checkpoint or tokenizer exits through ``ap`` with
     one line."""
+    from attnlab.checkpoint.dcp import run_argv
     from attnlab.checkpoint.layout import resolve
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         model, cfg, step_dir = load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype),
                                           step=args.step)
-        tok = checkpoint_tokenizer(resolve(args.ckpt, args.step), cfg, args.tokenizer, model.model_args.vocab_size,
-                                   train_flags)
+        ckpt = resolve(args.ckpt, args.step)
+        described = run_argv(ckpt.config_argv(train_flags), ckpt.path) is not None  # else cfg is the default's
+        tok = checkpoint_tokenizer(ckpt, cfg if described else None, args.tokenizer, model.model_args.vocab_size)
         cfg.model.hf_assets_path = str(tok)
         return model, cfg, step_dir
     except FileNotFoundError as e:
