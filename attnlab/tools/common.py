@@ -73,7 +73,7 @@ def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, required
         tok, why = None, "no tokenizer.json of its own and no run naming one"
     else:
         tok = tokenizer_folder(ckpt, cfg)
-        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path} has no tokenizer.json"
+        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path if cfg else ''} has no tokenizer.json"
     if tok is None:
         if not required:
             return None
