@@ -22,6 +22,7 @@ must rebuild exactly the imported architecture. Any failure writes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import warnings
@@ -100,7 +101,6 @@ def main(argv=None) -> int:
         check_tokenizer_fits(tokenizer, args.vocab_size)
         flavor, dims = flavor_and_dims(args)
         with new_folder(out) as tmp:
-            save_dcp_state(sd, tmp / "step-0", args)
             save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
             shutil.copyfile(Path(a.src) / "config.json", tmp / TOKENIZER_DIR / HF_SOURCE_CONFIG)  # for an export
             cfg = run_config(base, args, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"))
@@ -114,6 +114,9 @@ def main(argv=None) -> int:
             if diff_keys:
                 raise CheckpointError(f"--base {a.base}: the written config rebuilds a different model "
                                       f"({', '.join(f'{k}: {got[k]} vs {want[k]}' for k in diff_keys)})")
+            # the step's record is the run's model: the mask and context follow how the run packs its data
+            save_dcp_state(sd, tmp / "step-0", dataclasses.replace(
+                args, max_seq_len=rebuilt.max_seq_len, attn_mask_type=rebuilt.attn_mask_type))
     except (CheckpointError, OSError, ValueError) as e:
         print(f"import_hf: error: {e}", file=sys.stderr)
         return 2
