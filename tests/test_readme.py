@@ -56,10 +56,6 @@ CHECKED = {
     "attnlab convert_to_parallax ./Qwen3-0.6B ./Qwen3-0.6B-parallax --top-half": HF_DOWNLOAD,
     "attnlab convert_to_parallax SRC DST --layers 14-27 --rho-gate --gate-bias -2 --no-rope-on-rho":
         "SRC and DST stand for the user's folders",
-    "python -m attnlab.train --job.config_file convert_finetune_parallax --job.dump_folder "
-    "runs/converted/step-0-finetune --checkpoint.initial_load_path runs/converted/step-0":
-        f"{GPU} and {NETWORK} (fine-tunes the converted 0.6B model on c4; tests/tools/test_convert_to_parallax.py "
-        "runs a tiny conversion's printed command)",
     "attnlab export_hf runs/my_run hf_out [--step N] [--dtype bfloat16] [--tokenizer assets/hf/Qwen3-0.6B]":
         f"{USER_RUN}; tests/tools/test_hf_round_trip.py exports a trained run",
     "attnlab export_hf runs/my_run/checkpoint/step-N hf_out --config attnlab/configs/my_run.toml": USER_RUN,
@@ -98,6 +94,10 @@ NOT_CHECKED = {
         f"{NETWORK} (downloads wheels); tests/tools/test_wheelhouse.py checks the script",
     "bash wheels/install.sh": "installs the wheel folder the wheelhouse command writes",
     "hf download Qwen/Qwen3-0.6B --local-dir assets/hf/Qwen3-0.6B": HF_DOWNLOAD,
+    "python -m attnlab.train --job.config_file convert_finetune_parallax --job.dump_folder "
+    "runs/converted/step-0-finetune --checkpoint.initial_load_path runs/converted/step-0":
+        "its checkpoint.initial_load_path is written by the convert_to_parallax command before it, which needs a "
+        "trained 0.6B run (tests/tools/test_convert_to_parallax.py runs a tiny conversion's printed command)",
     "python -m attnlab.train --job.config_file runs/qwen3_parallax/config.toml":
         "its config.toml is written by the import_hf command before it (tests/tools/test_hf_round_trip.py trains "
         "from one)",
