@@ -20,6 +20,7 @@ without the logits under ``training.loss_chunk_tokens`` (``attnlab/models/loss.p
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import signal
 import sys
@@ -187,8 +188,15 @@ def preflight(job_config) -> None:
 
         ok, why = fla_importable() if torch.cuda.is_available() else (False, "no CUDA device")
         if not ok:
-            raise ValueError(f"attention.impl='fla': fla-core cannot run here ({why}); use 'auto', which picks the "
-                             "fastest path that runs on this machine")
+            extra = "; it installs with pip install 'attnlab[fla]'" if "not importable" in why else ""
+            raise ValueError(f"attention.impl='fla': fla-core cannot run here ({why}{extra}); use 'auto', which picks "
+                             "the fastest path that runs on this machine")
+    if job_config.metrics.enable_wandb:
+        try:
+            importlib.import_module("wandb")
+        except ImportError:
+            raise ValueError("metrics.enable_wandb=true: wandb is not installed; pip install 'attnlab[wandb]', or "
+                             "set metrics.enable_wandb false") from None
 
 
 def check_launch(job_config) -> None:

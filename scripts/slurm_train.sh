@@ -13,6 +13,17 @@
 #SBATCH --exclusive
 set -euo pipefail
 
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #SBATCH lines
+    sed -n '2,/^#SBATCH/p' "${BASH_SOURCE[0]}" | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+for var in SLURM_JOB_NODELIST SLURM_NNODES SLURM_JOB_ID; do
+    if [[ -z "${!var:-}" ]]; then
+        echo "slurm_train.sh: error: $var is not set: run it with sbatch (or inside salloc), e.g." \
+             "sbatch --nodes=2 --gpus-per-node=8 scripts/slurm_train.sh --job.config_file CONFIG; --help says more" >&2
+        exit 2
+    fi
+done
 cd "${SLURM_SUBMIT_DIR:-$(dirname "${BASH_SOURCE[0]}")/..}"
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+from pathlib import Path
 
 import torch
 
@@ -145,12 +146,63 @@ def config_flags(sections: dict, prefix: str = "--") -> list[str]:
     return out
 
 
-def finetune_command(args, checkpoint, tokenizer=None) -> str:
+SOURCE_RUN_KEYS = ("training.dataset", "training.dataset_path", "training.seq_len", "training.local_batch_size",
+                   "training.global_batch_size", "training.mixed_precision_param", "training.mixed_precision_reduce",
+                   "validation.enable", "validation.dataset", "validation.dataset_path", "validation.seq_len",
+                   "validation.local_batch_size", "validation.steps", "data", "model.attn_mask_type", "compile.enable",
+                   "activation_checkpoint.mode")
+"""Config keys (``section.key``, or a whole section) a fine-tune takes from the run it converts: its data, sizes,
+precision, compilation and activation checkpointing, where the recipe's GPU-cluster values (c4, seq 4096, batch
+480, bf16, compile, selective AC) would not run on the machine that trained the source (a CPU debug run)."""
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def source_run_overrides(source_cfg) -> dict[str, dict]:
+    """The entries of :data:`SOURCE_RUN_KEYS` where the source run's JobConfig ``source_cfg`` differs from
+    :data:`FINETUNE_CONFIG`, as nested sections for :func:`config_flags` (None values, which have no flag form,
+    left out)."""
+    from attnlab.config import parse_config
+
+    recipe = parse_config(["--job.config_file", FINETUNE_CONFIG, "--model.hf_assets_path", "embedded"])
+    out: dict[str, dict] = {}
+    for key in SOURCE_RUN_KEYS:
+        value = _get(source_cfg, key)
+        entries = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else {key.split(".")[1]: value}
+        base = _get(recipe, key)
+        base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else {key.split(".")[1]: base}
+        section = out.setdefault(key.split(".")[0], {})
+        section.update({k: v for k, v in entries.items() if v is not None and v != base.get(k)})
+    return {k: v for k, v in out.items() if v}
+
+
+def finetune_folder(checkpoint) -> str:
+    """The ``job.dump_folder`` of the fine-tune of converted ``checkpoint``: ``<checkpoint>-finetune`` (``-2``,
+    ``-3``, … when taken), a folder of this conversion's own, so a fine-tune never resumes another conversion's
+    run (the trainer loads ``checkpoint.initial_load_path`` only while the dump folder has no checkpoint)."""
+    base = f"{str(checkpoint).rstrip('/')}-finetune"
+    folder, n = base, 1
+    while Path(folder).exists():
+        n += 1
+        folder = f"{base}-{n}"
+    return folder
+
+
+def finetune_command(args, checkpoint, tokenizer=None, source_cfg=None) -> str:
     """The train.py command line that fine-tunes the converted DCP ``checkpoint`` of architecture ``args`` with
     :data:`FINETUNE_CONFIG`: its model loaded through ``checkpoint.initial_load_path``, the architecture set by
-    :func:`config_overrides` (sizes, vocabulary, layer pattern, ``rope_on_rho``, ``rho_gate``, …) and, when given,
-    the tokenizer folder the weights were trained with as ``model.hf_assets_path``."""
-    flags = ["--checkpoint.initial_load_path", str(checkpoint), *config_flags(config_overrides(args))]
+    :func:`config_overrides` (sizes, vocabulary, layer pattern, ``rope_on_rho``, ``rho_gate``, …), when given the
+    tokenizer folder the weights were trained with as ``model.hf_assets_path`` and the data, sizes and precision
+    of the source run's JobConfig ``source_cfg`` (:func:`source_run_overrides`), and ``job.dump_folder``
+    :func:`finetune_folder`. Flags the user adds after it override any of these."""
+    flags = ["--job.dump_folder", finetune_folder(checkpoint), "--checkpoint.initial_load_path", str(checkpoint),
+             *config_flags(config_overrides(args))]
     if tokenizer is not None:
         flags += ["--model.hf_assets_path", str(tokenizer)]
+    if source_cfg is not None:
+        flags += config_flags(source_run_overrides(source_cfg))
     return shlex.join(["python", "-m", "attnlab.train", "--job.config_file", FINETUNE_CONFIG, *flags])

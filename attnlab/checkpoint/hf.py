@@ -33,7 +33,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from attnlab import attention
 from attnlab.models.args import ModelArgs
 from attnlab.checkpoint.dcp import CheckpointError, args_from_dict, args_to_dict, progress_bar
-from attnlab.checkpoint.layout import new_folder
+from attnlab.checkpoint.layout import HF_SOURCE_CONFIG, new_folder
 
 ATTN_PARAM_TO_HF = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wr": "r_proj"}
 """Attention submodule renames (torchtitan → HF) of the Qwen3-named mechanisms below; the attention parameters
@@ -153,24 +153,65 @@ ids, output options, storage dtype. The sliding-window fields act only through `
 derives it from them), which is checked instead."""
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32):
+HF_KEPT = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+           "use_sliding_window", "sliding_window", "max_window_layers")
+"""config.json fields transformers reads that do not follow from the weights: an export keeps them from an imported
+model's config.json, which travels beside its tokenizer (``<run>/tokenizer/hf_source_config.json``), so an import →
+export round trip keeps them. Otherwise ``max_position_embeddings`` is the training context."""
+
+
+def hf_metadata(tokenizer_dir) -> dict[str, Any]:
+    """The :data:`HF_KEPT` fields of an imported model's config.json beside the tokenizer of ``tokenizer_dir`` (its
+    ``hf_source_config.json``, when it has one), then the BOS and EOS ids of its tokenizer as training encodes with
+    them (torchtitan's ``HuggingFaceTokenizer``: tokenizer.json + tokenizer_config.json), so transformers'
+    ``generate`` stops at the EOS every training document ends with."""
+    if tokenizer_dir is None:
+        return {}
+    folder = Path(tokenizer_dir)
+    out: dict[str, Any] = {}
+    if (folder / HF_SOURCE_CONFIG).is_file():
+        try:
+            source = json.loads((folder / HF_SOURCE_CONFIG).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{folder / HF_SOURCE_CONFIG} cannot be read: {e}") from e
+        out = {k: source[k] for k in HF_KEPT if k in source}
+    if (folder / "tokenizer.json").is_file():
+        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+        tok = HuggingFaceTokenizer(str(folder))
+        out.update({k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)) if v is not None})
+    return out
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, metadata: dict[str, Any] | None = None):
     """config.json as a transformers config object (``save_pretrained`` writes it), with the full architecture under
     ``"attnlab"`` (read back exactly by :func:`args_from_hf_config`): a ``Qwen3Config`` for a plain Qwen3 model
     (transformers ignores the extra key); otherwise the remote-code ``AttnLabConfig`` (``model_type = "attnlab"``)
     with the same Qwen3 fields for tools that read them, and ``auto_map`` to the remote-code model when it implements
-    every layer."""
+    every layer. ``metadata``: :data:`HF_KEPT` fields (:func:`hf_metadata`) on top; ``max_position_embeddings`` is
+    the larger of theirs and the training context."""
     from transformers import Qwen3Config
 
+    metadata = dict(metadata or {})
+    max_len = max(args.max_seq_len, metadata.pop("max_position_embeddings", 0) or 0)
     qwen3 = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                  num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                 head_dim=args.head_dim, max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps,
+                 head_dim=args.head_dim, max_position_embeddings=max_len, rms_norm_eps=args.norm_eps,
                  rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-                 tie_word_embeddings=args.enable_weight_tying, dtype=dtype, attnlab=args_to_dict(args))
+                 tie_word_embeddings=args.enable_weight_tying, dtype=dtype, attnlab=args_to_dict(args),
+                 **metadata)
     if is_plain_qwen3(args):
         return Qwen3Config(architectures=["Qwen3ForCausalLM"], **qwen3)
+    from transformers import PretrainedConfig
+
     from attnlab.checkpoint.hf_remote.configuration_attnlab import AttnLabConfig
 
+    # every Qwen3 field, as a Qwen3 folder of these sizes has them (activation, bias, layer types, cache, ...)
+    full = Qwen3Config(**qwen3).to_dict()
+    qwen3.update({k: full[k] for k in set(full) - set(PretrainedConfig().to_dict())})
     cfg = AttnLabConfig(architectures=["AttnLabForCausalLM"], **qwen3)
+    for k in set(qwen3) - set(cfg.to_dict()):  # use_cache, which PretrainedConfig takes for a generation option
+        setattr(cfg, k, qwen3[k])
     if has_remote_code(args):
         cfg.auto_map = {"AutoConfig": "configuration_attnlab.AttnLabConfig",
                         "AutoModelForCausalLM": "modeling_attnlab.AttnLabForCausalLM"}
@@ -224,6 +265,40 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
                      attention_options={"softmax": attention.get_mechanism("softmax").options()})
 
 
+def check_config_fits_weights(args: ModelArgs, hf: dict[str, torch.Tensor]) -> None:
+    """Every size config.json gives (``args``, as read from it) against the Hugging Face tensors ``hf`` it
+    describes: the vocabulary and width of ``embed_tokens``, the number of ``model.layers.<i>``, the MLP width of
+    ``gate_proj``, and the heads of ``q_proj``/``k_proj``/``q_norm`` where the layers have them. A config.json that
+    disagrees (a vocabulary of 10^9 beside 64 rows, a missing ``hidden_size`` read as transformers' default 4096, 8
+    layers over 4 layers of weights) would import and fail later, or allocate the wrong model: a CheckpointError
+    naming the field and both values."""
+    def refuse(field, value, actual, where):
+        raise CheckpointError(f"config.json {field}={value!r} disagrees with the weights: {where} gives {actual}")
+
+    emb = hf.get("model.embed_tokens.weight")
+    if emb is None:
+        raise CheckpointError("no model.embed_tokens.weight among the safetensors tensors: not a Qwen3-style model")
+    if emb.shape[0] != args.vocab_size:
+        refuse("vocab_size", args.vocab_size, emb.shape[0], f"model.embed_tokens.weight {list(emb.shape)}")
+    if emb.shape[1] != args.dim:
+        refuse("hidden_size", args.dim, emb.shape[1], f"model.embed_tokens.weight {list(emb.shape)}")
+    layers = {int(m.group(1)) for k in hf if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if layers != set(range(args.n_layers)):
+        refuse("num_hidden_layers", args.n_layers, len(layers), f"the tensors of layers {min(layers, default=0)}-"
+               f"{max(layers, default=-1)}" if layers else "no model.layers.* tensor")
+    shapes = {k.removeprefix("model.layers.0."): v.shape for k, v in hf.items() if k.startswith("model.layers.0.")}
+    checks = [("intermediate_size", args.hidden_dim, "mlp.gate_proj.weight", 0, 1)]
+    if args.layer_mechanisms()[0] in QWEN3_NAMED:
+        checks += [("head_dim", args.head_dim, "self_attn.q_norm.weight", 0, 1),
+                   ("num_attention_heads", args.n_heads, "self_attn.q_proj.weight", 0, args.head_dim),
+                   ("num_key_value_heads", args.n_kv_heads, "self_attn.k_proj.weight", 0, args.head_dim)]
+    for field, value, name, dim, per in checks:
+        if name in shapes and shapes[name][dim] != value * per:
+            actual = shapes[name][dim] / per
+            refuse(field, value, int(actual) if actual == int(actual) else actual,
+                   f"model.layers.0.{name} {list(shapes[name])}" + (f" with head_dim {per}" if per != 1 else ""))
+
+
 def load_hf_state(folder, progress: bool = False,
                   args: ModelArgs | None = None) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(architecture, torchtitan-named state dict) of a Hugging Face folder; the architecture is ``args`` when
@@ -232,7 +307,8 @@ def load_hf_state(folder, progress: bool = False,
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if args is None:
+    from_config = args is None
+    if from_config:
         try:
             cfg = json.loads((folder / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -247,6 +323,11 @@ def load_hf_state(folder, progress: bool = False,
             hf.update(load_file(str(folder / name)))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{folder / name}: corrupt or unreadable safetensors file ({e})") from e
+    if from_config:
+        try:
+            check_config_fits_weights(args, hf)
+        except CheckpointError as e:
+            raise CheckpointError(f"{folder}/{e}") from None
     return args, from_hf(hf, args)
 
 
@@ -282,15 +363,16 @@ def save_hf_tokenizer(src, dst) -> None:
 
 def save_hf(sd: dict[str, torch.Tensor], args: ModelArgs, folder, dtype: torch.dtype = torch.float32,
             tokenizer_dir=None, progress: bool = False) -> None:
-    """Write ``config.json`` (:func:`hf_config`) + ``model.safetensors`` (+ the tokenizer of ``tokenizer_dir`` when it
-    has a tokenizer.json, :func:`save_hf_tokenizer`) atomically into ``folder``, with ordinary permissions."""
+    """Write ``config.json`` (:func:`hf_config`, with the token ids and kept fields of ``tokenizer_dir``,
+    :func:`hf_metadata`) + ``model.safetensors`` (+ the tokenizer of ``tokenizer_dir`` when it has a tokenizer.json,
+    :func:`save_hf_tokenizer`) atomically into ``folder``, with ordinary permissions."""
     from safetensors.torch import save_file
 
     hf = {k: v.detach().to(dtype).contiguous().clone()
           for k, v in progress_bar(to_hf(sd, args).items(), "convert", progress)}
     with new_folder(folder) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        hf_config(args, dtype).save_pretrained(str(tmp))
+        hf_config(args, dtype, hf_metadata(tokenizer_dir)).save_pretrained(str(tmp))
         if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
             save_hf_tokenizer(tokenizer_dir, tmp)
         if has_remote_code(args):

@@ -42,8 +42,11 @@ RUN_RECORD = ".attnlab-run.json"
 """The run's record of the files it wrote (:func:`record_run_files`)."""
 TRAIN_ARGS_FILE = "train_args.json"
 TOKENIZER_DIR = "tokenizer"
+HF_SOURCE_CONFIG = "hf_source_config.json"
+"""An imported model's original config.json, kept beside its tokenizer so an export keeps its metadata
+(:data:`attnlab.checkpoint.hf.HF_KEPT`)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", HF_SOURCE_CONFIG)
 """Files of a Hugging Face tokenizer folder that are copied along (the ones present)."""
 
 

@@ -97,8 +97,9 @@ def build_embedded(cache_dir: str, vocab_size: int, val_every: int = 20) -> Path
             with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
                 for d in items:
                     f.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
-        logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library; training a BPE "
-                    f"tokenizer (vocab {vocab_size})")
+        logger.info(f"Embedded corpus: {len(docs)} documents from the Python standard library, built once into "
+                    f"{out} with its BPE tokenizer (vocab {vocab_size}), the one runs with model.hf_assets_path = "
+                    "\"embedded\" use; a run with a tokenizer of its own trains with its own")
         train_bpe(splits["train"], vocab_size, tmp, length=len(splits["train"]))
         os.chmod(tmp, 0o755)  # mkdtemp's folder is private to its owner; the cache is not
         tmp.rename(out)

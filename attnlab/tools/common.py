@@ -1,8 +1,9 @@
 """The command line every tool shares: the positional ``CKPT`` and ``--step`` (:func:`add_checkpoint_arguments`),
 train.py flags after ``--`` (:func:`split_train_flags`), for tools that evaluate a model one parser with
 ``--dtype``/``--device`` (:func:`tool_parser`) and the load that turns a bad folder into one error line
-(:func:`load_run`), and the options of a softmax → Parallax conversion (:func:`add_conversion_arguments`). What the
-arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mod:`attnlab.checkpoint.load`."""
+(:func:`load_run`), ``--tokenizer`` of every tool that reads a model (:func:`add_tokenizer_argument`, resolved by
+:func:`checkpoint_tokenizer`), and the options of a softmax → Parallax conversion (:func:`add_conversion_arguments`).
+What the arguments name is resolved by :mod:`attnlab.checkpoint.layout` and loaded by :mod:`attnlab.checkpoint.load`."""
 
 from __future__ import annotations
 
@@ -174,13 +175,64 @@ def add_checkpoint_arguments(ap: argparse.ArgumentParser, name: str = "ckpt") ->
                     help="which checkpoint/step-N of a run folder (default: the latest)")
 
 
+TOKENIZER_HELP = ("folder with the tokenizer.json these weights were trained with (default: the run's tokenizer/, the "
+                  "Hugging Face folder's own, else the run config's model.hf_assets_path)")
+MAKE_TOKENIZER = ("`attnlab train_tokenizer FILES -o DIR` trains one on your text, `attnlab fetch_tokenizer --repo "
+                  "ORG/NAME -o DIR` fetches a hub model's")
+"""How a user without a tokenizer folder gets one, for the messages that ask for ``--tokenizer DIR``."""
+
+
+def add_tokenizer_argument(ap: argparse.ArgumentParser, help: str = TOKENIZER_HELP) -> None:
+    """``--tokenizer DIR``, the one way every tool that reads a model is given the tokenizer of its weights
+    (resolved by :func:`checkpoint_tokenizer`)."""
+    ap.add_argument("--tokenizer", metavar="DIR", default=None, help=help)
+
+
+def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, required: bool = True):
+    """The tokenizer folder of the checkpoint ``ckpt`` (a :class:`attnlab.checkpoint.layout.CheckpointRef`) whose
+    run is described by the JobConfig ``cfg`` (its config.toml, train_args.json, a TOML the user named, or flags;
+    None when nothing describes it, as :func:`attnlab.checkpoint.load.load_tool_checkpoint` returns it): ``given``
+    (``--tokenizer``), else the run's ``tokenizer/`` or the Hugging Face folder's own files, else ``cfg``'s
+    ``model.hf_assets_path``. A checkpoint nothing describes (a Hugging Face folder or model-only step folder outside
+    a run) without a tokenizer of its own is refused unless ``given``: the default configuration's tokenizer is not
+    the one its weights were trained with. A tokenizer with more tokens than the model's ``vocab_size`` embedding
+    rows is refused. Raises CheckpointError, one line; with ``required`` off, returns None where it would refuse
+    for want of a tokenizer."""
+    from pathlib import Path
+
+    from attnlab.checkpoint.layout import check_tokenizer_fits
+    from attnlab.checkpoint.load import tokenizer_folder
+
+    if given:
+        if not (Path(given) / "tokenizer.json").is_file():
+            raise CheckpointError(f"--tokenizer {given}: no tokenizer.json there ({MAKE_TOKENIZER})")
+        tok = Path(given)
+    elif ckpt.tokenizer is None and cfg is None:
+        tok, why = None, "no tokenizer.json of its own and no run naming one"
+    else:
+        tok = tokenizer_folder(ckpt, cfg)
+        why = f"its run's model.hf_assets_path {cfg.model.hf_assets_path if cfg else ''} has no tokenizer.json"
+    if tok is None:
+        if not required:
+            return None
+        raise CheckpointError(f"{ckpt.path}: {why}; pass --tokenizer DIR, the tokenizer these weights were trained "
+                              f"with ({MAKE_TOKENIZER})")
+    try:
+        check_tokenizer_fits(tok, vocab_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return tok
+
+
 def tool_parser(doc: str) -> ToolParser:
-    """The parser of a tool that loads a model through :func:`load_run`: the checkpoint, ``--dtype`` and
-    ``--device`` arguments, ``doc`` as its description; train.py flags follow ``--`` (:func:`split_train_flags`)."""
+    """The parser of a tool that loads a model through :func:`load_run`: the checkpoint, ``--dtype``, ``--device``
+    and ``--tokenizer`` arguments, ``doc`` as its description; train.py flags follow ``--``
+    (:func:`split_train_flags`)."""
     ap = ToolParser(description=doc, epilog=TRAIN_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     add_device_argument(ap)
+    add_tokenizer_argument(ap)
     return ap
 
 
@@ -201,10 +253,21 @@ def add_device_argument(ap: argparse.ArgumentParser, default: str | None = None)
 
 def load_run(ap: argparse.ArgumentParser, args: argparse.Namespace, train_flags: list[str]):
     """:func:`attnlab.checkpoint.load.load_model` of a tool's ``CKPT``/``--step``/``--device``/``--dtype``
-    (:func:`tool_parser`); a bad folder or checkpoint exits through ``ap`` with one line."""
+    (:func:`tool_parser`), its config's ``model.hf_assets_path`` set to the tokenizer of the weights
+    (:func:`checkpoint_tokenizer`, ``--tokenizer``); a bad folder, checkpoint or tokenizer exits through ``ap`` with
+    one line."""
+    from attnlab.checkpoint.dcp import run_argv
+    from attnlab.checkpoint.layout import resolve
+
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        return load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype), step=args.step)
+        model, cfg, step_dir = load_model(args.ckpt, train_flags, device=args.device, dtype=getattr(torch, args.dtype),
+                                          step=args.step)
+        ckpt = resolve(args.ckpt, args.step)
+        described = run_argv(ckpt.config_argv(train_flags), ckpt.path) is not None  # else cfg is the default's
+        tok = checkpoint_tokenizer(ckpt, cfg if described else None, args.tokenizer, model.model_args.vocab_size)
+        cfg.model.hf_assets_path = str(tok)
+        return model, cfg, step_dir
     except FileNotFoundError as e:
         ap.error(str(e))
     except CheckpointError as e:  # nothing describes the run, a corrupt shard, weights that do not fit

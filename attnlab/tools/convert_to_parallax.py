@@ -16,7 +16,9 @@ A DCP folder records no architecture: it is read from the run's ``config.toml``,
 shapes (pass ``--rope-theta`` / ``--norm-eps`` / ``--attn-mask-type`` when the run changed them). The DCP output
 is a model-only checkpoint for ``checkpoint.initial_load_path``: the tool prints the train.py command that fine-tunes
 it with attnlab/configs/convert_finetune_parallax.toml, with the converted architecture (flavor and sizes, vocabulary,
-layer pattern, ``rope_on_rho``, ``rho_gate``, …) and the run's tokenizer as flags.
+layer pattern, ``rope_on_rho``, ``rho_gate``, …), the run's tokenizer, and the run's data, sizes and precision as
+flags, into a dump folder of its own (``DST-finetune``), so it runs on the machine that trained the source and never
+resumes another conversion's fine-tune.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from attnlab.checkpoint.hf import save_hf
 
 def build_parser():
     """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
-    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, add_conversion_arguments, new_path,
-                                      positive_float)
+    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, add_conversion_arguments,
+                                      add_tokenizer_argument, new_path, positive_float)
 
     ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap, "src")
@@ -48,13 +50,16 @@ def build_parser():
                     help="attention mask of a DCP source without attnlab.json (model.attn_mask_type of its run)")
     ap.add_argument("--tol", type=positive_float, default=1e-5, help="max |Δlogits| (float32) allowed before writing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_tokenizer_argument(ap, "folder with the tokenizer.json the weights were trained with, written beside a "
+                               "Hugging Face DST and named by the fine-tune command (default: the run's tokenizer/, "
+                               "the Hugging Face folder's own)")
     return ap
 
 
 def main(argv=None) -> int:
     from attnlab.checkpoint.layout import resolve
     from attnlab.checkpoint.load import load_tool_checkpoint
-    from attnlab.tools.common import convert_from_arguments
+    from attnlab.tools.common import checkpoint_tokenizer, convert_from_arguments
 
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -64,8 +69,9 @@ def main(argv=None) -> int:
         if dst.exists():
             raise CheckpointError(f"{dst} already exists; choose a new destination")
         src = resolve(a.src, a.step)
-        fmt, args, sd, _ = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta, norm_eps=a.norm_eps,
-                                                attn_mask_type=a.attn_mask_type)
+        fmt, args, sd, src_cfg = load_tool_checkpoint(src, progress=progress, rope_theta=a.rope_theta,
+                                                      norm_eps=a.norm_eps, attn_mask_type=a.attn_mask_type)
+        tok = checkpoint_tokenizer(src, src_cfg, a.tokenizer, args.vocab_size, required=False)
         layers, new_args, new_sd = convert_from_arguments(args, sd, a, progress)
         diff = max_logit_diff(args, sd, new_args, new_sd)
         if not diff <= a.tol:
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
             save_dcp_state(new_sd, dst, new_args)
         else:
             dtype = next(iter(sd.values())).dtype
-            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=src.path, progress=progress)
+            save_hf(new_sd, new_args, dst, dtype=dtype, tokenizer_dir=tok, progress=progress)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"convert_to_parallax: error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +89,7 @@ def main(argv=None) -> int:
           f"Parallax with W_R = 0; max |Δlogits| = {diff:.2e}")
     if fmt == "dcp":
         try:
-            print(f"fine-tune: {finetune_command(new_args, dst, src.tokenizer)}")
+            print(f"fine-tune: {finetune_command(new_args, dst, tok, src_cfg)}")
         except CheckpointError as e:  # no flavor has the checkpoint's RMSNorm eps
             print(f"fine-tune: no train.py command rebuilds this model ({e})")
     return 0

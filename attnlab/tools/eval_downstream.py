@@ -128,8 +128,8 @@ def check_tasks_offline(tasks: list[str], task_manager) -> None:
 
 def build_parser():
     """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
-    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, existing_dir, existing_file,
-                                      non_negative_int, out_file, positive_float, torch_device)
+    from attnlab.tools.common import (ToolParser, add_checkpoint_arguments, add_tokenizer_argument, existing_dir,
+                                      existing_file, non_negative_int, out_file, positive_float, torch_device)
 
     ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
@@ -147,6 +147,7 @@ def build_parser():
                     help="folder of extra task YAMLs (lm-eval's --include_path)")
     ap.add_argument("--config", type=existing_file,
                     help="training TOML giving the architecture (default: the run's config.toml)")
+    add_tokenizer_argument(ap)
     ap.add_argument("-o", "--out", type=out_file, default=None, help="write lm-eval's results (JSON) here")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run an HF folder's own remote code (auto_map) even when it is not this project's export")
@@ -155,6 +156,7 @@ def build_parser():
 
 def main(argv=None) -> dict | int:
     from attnlab.checkpoint.layout import resolve
+    from attnlab.tools.common import checkpoint_tokenizer
 
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -170,7 +172,7 @@ def main(argv=None) -> dict | int:
     from attnlab.checkpoint.dcp import CheckpointError
     from attnlab.checkpoint.hf import has_remote_code, is_plain_qwen3, save_hf
     from attnlab.checkpoint.layout import is_hf_folder
-    from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
+    from attnlab.checkpoint.load import load_tool_checkpoint
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = a.tasks.split(",")
@@ -181,17 +183,14 @@ def main(argv=None) -> dict | int:
             task_manager = TaskManager(include_path=a.include_path)
             if offline:
                 check_tasks_offline(tasks, task_manager)
-            if is_hf_folder(ckpt.path) and a.config is None:
+            if is_hf_folder(ckpt.path) and a.config is None and a.tokenizer is None and ckpt.tokenizer is not None:
                 folder = ckpt.path
             else:
                 fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config, progress=True)
                 if not (is_plain_qwen3(args) or has_remote_code(args)):
                     raise CheckpointError(f"mechanisms {sorted(set(args.layer_mechanisms()))}: transformers cannot run "
                                           "this model (the remote-code model implements softmax and Parallax)")
-                tok = tokenizer_folder(ckpt, cfg)
-                if tok is None:
-                    raise CheckpointError("the checkpoint has no tokenizer; export it with attnlab/tools/export_hf.py "
-                                          "--tokenizer DIR and pass that folder")
+                tok = checkpoint_tokenizer(ckpt, cfg, a.tokenizer, args.vocab_size)
                 folder = Path(tmp) / "hf"
                 save_hf(sd, args, folder, getattr(torch, a.dtype), tokenizer_dir=tok, progress=True)
             trust = trust_remote_code(folder, a.trust_remote_code)

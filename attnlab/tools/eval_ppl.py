@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
     res.update(checkpoint=str(step_dir), step=step_of(step_dir), data=args.data, seq_len=seq_len,
                attention=cfg.model.attention, attn_mask_type=cfg.model.attn_mask_type)
     if edges is not None:
+        if seq_len > cfg.training.seq_len:
+            print(f"eval_ppl: note: positions past the trained context of {cfg.training.seq_len} tokens (up to "
+                  f"--seq-len {seq_len}) test extrapolation", file=sys.stderr)
         print(f"loss by context position ({cfg.model.attn_mask_type} mask, seq_len {seq_len}):")
         print(position_table(res["by_position"]))
     emit(res, args.out)

@@ -26,16 +26,16 @@ import torch
 
 from attnlab.checkpoint.dcp import build_model, CheckpointError
 from attnlab.checkpoint.hf import has_remote_code, is_plain_qwen3, save_hf
-from attnlab.checkpoint.layout import check_tokenizer_fits, resolve
-from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
-from attnlab.tools.common import add_checkpoint_arguments
+from attnlab.checkpoint.layout import resolve
+from attnlab.checkpoint.load import load_tool_checkpoint
+from attnlab.tools.common import TOKENIZER_HELP, add_checkpoint_arguments, add_tokenizer_argument, checkpoint_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser():
     """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
-    from attnlab.tools.common import ToolParser, existing_dir, existing_file, new_path
+    from attnlab.tools.common import ToolParser, existing_file, new_path
 
     ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(ap)
@@ -43,9 +43,7 @@ def build_parser():
     ap.add_argument("--config", type=existing_file,
                     help="training TOML giving the architecture (default: the run's config.toml)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the written tensors")
-    ap.add_argument("--tokenizer", type=existing_dir,
-                    help="folder with tokenizer.json etc. to copy (default: the run's tokenizer, "
-                                        "else the config's model.hf_assets_path)")
+    add_tokenizer_argument(ap, TOKENIZER_HELP + "; copied into DST (none: the export has no tokenizer)")
     return ap
 
 
@@ -55,14 +53,10 @@ def main(argv=None) -> int:
     try:
         if Path(a.dst).exists():
             raise CheckpointError(f"{a.dst} already exists; choose a new destination")
-        if a.tokenizer and not (Path(a.tokenizer) / "tokenizer.json").is_file():
-            raise CheckpointError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
         ckpt = resolve(a.ckpt, a.step)
         fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config, progress=True)
         build_model(args, {k: v.float() for k, v in sd.items()})  # validates names and shapes before writing
-        tok = a.tokenizer or tokenizer_folder(ckpt, cfg)
-        if tok is not None and (Path(tok) / "tokenizer.json").is_file():
-            check_tokenizer_fits(tok, args.vocab_size)
+        tok = checkpoint_tokenizer(ckpt, cfg, a.tokenizer, args.vocab_size, required=False)
         save_hf(sd, args, a.dst, DTYPES[a.dtype], tokenizer_dir=tok, progress=True)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         print(f"export_hf: error: {e}", file=sys.stderr)

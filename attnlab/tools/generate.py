@@ -25,8 +25,8 @@ import torch
 from attnlab.models.decode import generate
 from attnlab.checkpoint.dcp import build_model, CheckpointError
 from attnlab.checkpoint.layout import resolve
-from attnlab.checkpoint.load import load_tool_checkpoint, tokenizer_folder
-from attnlab.tools.common import add_checkpoint_arguments
+from attnlab.checkpoint.load import load_tool_checkpoint
+from attnlab.tools.common import TOKENIZER_HELP, add_checkpoint_arguments, add_tokenizer_argument, checkpoint_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +77,7 @@ def build_parser():
     ap.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
     ap.add_argument("--config", type=existing_file,
                     help="training TOML giving the architecture (default: the run's config.toml)")
-    ap.add_argument("--tokenizer", help="folder with tokenizer.json, or 'ids' (default: the run's tokenizer)")
+    add_tokenizer_argument(ap, TOKENIZER_HELP + "; 'ids' reads the prompt as space-separated token ids")
     add_device_argument(ap)
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--impl", choices=IMPLS,
@@ -93,11 +93,8 @@ def main(argv=None) -> int:
         fmt, args, sd, cfg = load_tool_checkpoint(ckpt, a.config)
         if a.impl:
             args.attn_impl = a.impl
-        tok_dir = a.tokenizer or tokenizer_folder(ckpt, cfg)
-        if tok_dir is None:
-            raise CheckpointError("no tokenizer: the checkpoint has none; pass --tokenizer DIR (with tokenizer.json) "
-                                  "or --tokenizer ids")
-        tok = _Tok(str(tok_dir))
+        ids_only = a.tokenizer == "ids"
+        tok = _Tok("ids" if ids_only else str(checkpoint_tokenizer(ckpt, cfg, a.tokenizer, args.vocab_size)))
         dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
         model = build_model(args, {k: v.float() for k, v in sd.items()}, device=a.device, dtype=dtype)
         ids = tok.encode(a.prompt)

@@ -22,6 +22,8 @@ must rebuild exactly the imported architecture. Any failure writes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -49,8 +51,8 @@ def run_config(base: dict, args, step0: Path, tokenizer: Path, dump_folder: str)
 
 def build_parser():
     """The command line of this tool (the option harness, tests/test_option_harness.py, reads it)."""
-    from attnlab.tools.common import (ToolParser, add_conversion_arguments, dir_path, existing_dir, new_path, or_empty,
-                                      positive_float)
+    from attnlab.tools.common import (ToolParser, add_conversion_arguments, add_tokenizer_argument, dir_path,
+                                      existing_dir, new_path, or_empty, positive_float)
 
     ap = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=existing_dir, metavar="HF_DIR",
@@ -61,8 +63,7 @@ def build_parser():
                          "schedule and parallelism sections the run uses")
     ap.add_argument("--dump-folder", type=or_empty(dir_path), default="",
                     help="job.dump_folder of the run (default: OUT/run)")
-    ap.add_argument("--tokenizer", type=or_empty(existing_dir), default="",
-                    help="tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
+    add_tokenizer_argument(ap, "tokenizer folder (tokenizer.json) the weights were trained with; default: HF_DIR's own")
     ap.add_argument("--parallax", action="store_true", help="convert softmax layers to Parallax with W_R = 0")
     add_conversion_arguments(ap, "with --parallax")
     ap.add_argument("--tol", type=positive_float, default=1e-5,
@@ -77,10 +78,10 @@ def main(argv=None) -> int:
 
     from attnlab.checkpoint.convert import flavor_and_dims, max_logit_diff
     from attnlab.checkpoint.dcp import args_to_dict, save_dcp_state, CheckpointError
-    from attnlab.checkpoint.layout import (CONFIG_FILE, TOKENIZER_DIR, check_tokenizer_fits, is_hf_folder, new_folder,
-                                           save_tokenizer)
+    from attnlab.checkpoint.layout import (CONFIG_FILE, HF_SOURCE_CONFIG, TOKENIZER_DIR, check_tokenizer_fits,
+                                           is_hf_folder, new_folder, save_tokenizer)
     from attnlab.checkpoint.load import args_from_job_config, load_checkpoint
-    from attnlab.tools.common import conversion_options_given, convert_from_arguments
+    from attnlab.tools.common import MAKE_TOKENIZER, conversion_options_given, convert_from_arguments
 
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -106,12 +107,13 @@ def main(argv=None) -> int:
         tokenizer = Path(a.tokenizer or a.src)
         if not (tokenizer / "tokenizer.json").is_file():
             raise CheckpointError(f"{tokenizer}: no tokenizer.json; " + ("--tokenizer must name a tokenizer folder"
-                                  if a.tokenizer else "pass --tokenizer DIR, the tokenizer these weights were trained with"))
+                                  if a.tokenizer else "pass --tokenizer DIR, the tokenizer these weights were trained "
+                                  "with") + f" ({MAKE_TOKENIZER})")
         check_tokenizer_fits(tokenizer, args.vocab_size)
         flavor, dims = flavor_and_dims(args)
         with new_folder(out) as tmp:
-            save_dcp_state(sd, tmp / "step-0", args)
             save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+            shutil.copyfile(Path(a.src) / "config.json", tmp / TOKENIZER_DIR / HF_SOURCE_CONFIG)  # for an export
             cfg = run_config(base, args, out / "step-0", out / TOKENIZER_DIR, a.dump_folder or str(out / "run"))
             (tmp / CONFIG_FILE).write_text(tomli_w.dumps(cfg))
             # the written config must rebuild exactly this architecture (max_seq_len follows training.seq_len)
@@ -123,6 +125,9 @@ def main(argv=None) -> int:
             if diff_keys:
                 raise CheckpointError(f"--base {a.base}: the written config rebuilds a different model "
                                       f"({', '.join(f'{k}: {got[k]} vs {want[k]}' for k in diff_keys)})")
+            # the step's record is the run's model: the mask and context follow how the run packs its data
+            save_dcp_state(sd, tmp / "step-0", dataclasses.replace(
+                args, max_seq_len=rebuilt.max_seq_len, attn_mask_type=rebuilt.attn_mask_type))
     except (CheckpointError, OSError, ValueError) as e:
         print(f"import_hf: error: {e}", file=sys.stderr)
         return 2

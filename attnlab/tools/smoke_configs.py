@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import os
 import statistics
 import subprocess
 import sys

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     from attnlab.checkpoint.layout import new_folder
 
     out = Path(a.out)
+    made = [p for p in out.absolute().parents if not p.exists()]  # the folders above OUT this call creates
     try:
         if out.exists():
             raise ValueError(f"{out} already exists; choose a new folder")
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
         with new_folder(out) as tmp:
             train_bpe(docs, a.vocab_size, tmp, show_progress=not a.no_progress)
     except ValueError as e:
+        for folder in made:  # innermost first: a failed call leaves no empty folder behind
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         print(f"train_tokenizer: error: {e}", file=sys.stderr)
         return 2
     from tokenizers import Tokenizer

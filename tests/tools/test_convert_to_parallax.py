@@ -101,22 +101,31 @@ def test_convert_same_loss_then_finetune(trained, capsys, monkeypatch):
     # default paths (SDPA for softmax, the Parallax reference on CPU): equal to float32 rounding
     torch.testing.assert_close(_loss(a_sm, sd_sm, tokens, "auto"), _loss(a_px, sd_px, tokens, "auto"), rtol=0, atol=1e-6)
 
-    # fine-tune 10 steps from the converted folder with the printed command's model and checkpoint flags (the tiny
-    # corpus and CPU settings of debug_cpu.toml instead of the recipe's c4 and GPU settings), W_R with its own warmup
-    ft = root / "ft"
-    printed = flags[flags.index("--checkpoint.initial_load_path"):]
-    run_train(tiny_args(corpus, ft, 10, 16, 2, *printed, "--optimizer.lr_warmup_patterns", r"\.wr\.",
-                        "--optimizer.lr_warmup_steps", "5", "--checkpoint.interval", "10"))
-    sd_ft = load_dcp_state(ft / "checkpoint" / "step-10")
-    for i in range(a_px.n_layers):
-        assert torch.count_nonzero(sd_ft[f"layers.{i}.attention.wr.weight"]) > 0
-    assert not torch.equal(sd_ft["layers.0.attention.wq.weight"], sd_px["layers.0.attention.wq.weight"])
-    # the fine-tune started from the converted weights, not from a fresh init: its step-1 loss is the converted
-    # model's loss on its first batch (the first two documents), which differs from a fresh model's
-    first = json.loads((ft / "metrics.jsonl").read_text().splitlines()[0])
-    rows = _batch(corpus, 2)
+    # the printed command, run as printed from the user's folder, on this CPU: the source run's data, sizes and
+    # precision (not the recipe's c4, seq 4096, batch 480, bf16, compile, selective AC), its own dump folder. The
+    # only flag added stops it after step 2 as a preemption would (the schedule stays the recipe's 2000 steps).
+    assert (cfg.training.dataset_path, cfg.training.seq_len, cfg.training.local_batch_size) == (corpus["train"], 16, 2)
+    assert (cfg.training.mixed_precision_param, cfg.compile.enable, cfg.activation_checkpoint.mode) == \
+        ("float32", False, "none")
+    assert cfg.job.dump_folder == f"{dst}-finetune"
+    # a second conversion of the same run gets a folder of its own and never resumes the first one's fine-tune
+    dst2 = root / "converted" / "step-0-again"
+    assert _convert(src, dst2) == 0
+    flags2 = _finetune_flags(capsys)
+    rows = _batch(corpus, 2)  # the first batch: the first two documents
     converted = _loss(a_px, sd_px, rows, "auto").item()
-    assert abs(first["loss"] - converted) < 1e-4, (first["loss"], converted)
+    for printed, ckpt in ((flags, dst), (flags2, dst2)):
+        proc = run_train([*printed, "--training.stop_after_step", "2"], cwd=str(root))
+        log = proc.stdout + proc.stderr
+        assert "Training starts at step 1" in log and f"Loading the checkpoint from {ckpt}." in log, log[-3000:]
+        ft = Path(printed[printed.index("--job.dump_folder") + 1])
+        # it started from the converted weights, not from a fresh init nor another run: its step-1 loss is the
+        # converted model's loss on its first batch, which differs from a fresh model's
+        first = json.loads((ft / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 1 and abs(first["loss"] - converted) < 1e-4, (first, converted)
+        sd_ft = load_dcp_state(ft / "checkpoint" / "step-2")
+        assert all(torch.count_nonzero(sd_ft[f"layers.{i}.attention.wr.weight"]) > 0 for i in range(a_px.n_layers))
+    assert Path(flags2[flags2.index("--job.dump_folder") + 1]) == Path(f"{dst2}-finetune")
     fresh = build_model(a_px, None)
     assert abs(_loss(a_px, fresh.state_dict(), rows, "auto").item() - converted) > 0.1
 
@@ -190,7 +199,8 @@ def test_bad_inputs_fail_clearly_and_write_nothing(trained, tmp_path, capsys, mo
     cfg = json.loads((hf / "config.json").read_text())
     cfg.pop("attnlab")  # as a Qwen3 folder from elsewhere
     for name, change, match in [("llama", {"model_type": "llama"}, "only Qwen3"),
-                                ("mismatch", {"num_attention_heads": 8}, "do not fit the architecture")]:
+                                ("mismatch", {"num_attention_heads": 8},
+                                 "config.json num_attention_heads=8 disagrees with the weights")]:
         d = tmp_path / name
         shutil.copytree(hf, d)
         (d / "config.json").write_text(json.dumps({**cfg, **change}))

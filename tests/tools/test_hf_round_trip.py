@@ -3,6 +3,7 @@ one and ``--tokenizer DIR``) is imported as a run (``attnlab.tools.import_hf``),
 exported (``attnlab.tools.export_hf``) and loaded back by transformers, which gives our logits and tokenizes text as
 training does."""
 
+import json
 import warnings
 
 import pytest
@@ -27,7 +28,10 @@ def test_transformers_qwen3_imports_trains_and_exports_back(tmp_path, with_token
     hf_in = tmp_path / "qwen3"
     random_qwen3(hf_in, seed=7, jitter=0.05, vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                 bos_token_id=0, eos_token_id=1, pad_token_id=2, initializer_range=0.05)
+    source = json.loads((hf_in / "config.json").read_text())
+    (hf_in / "config.json").write_text(json.dumps({**source, "max_position_embeddings": 1024}))
     if with_tokenizer:  # the folder carries the tokenizer its weights go with
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (hf_in / name).write_bytes((tmp_path / "corpus" / name).read_bytes())
@@ -47,7 +51,24 @@ def test_transformers_qwen3_imports_trains_and_exports_back(tmp_path, with_token
 
     hf_out = tmp_path / "exported"
     assert export_hf.main([str(out / "run"), str(hf_out)]) == 0
-    tok = transformers.AutoTokenizer.from_pretrained(hf_out)
+    # every config.json field transformers reads comes back (the run trained at seq_len 16; the ids are the
+    # tokenizer's, <|bos|> 0 and <|eos|> 1), except those naming the format: remote-code class, dtype, version
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (hf_in, hf_out))
+    naming = {"dtype", "transformers_version"} | (set() if with_tokenizer else {"model_type", "architectures"})
+    assert {k: exported.get(k, "missing") for k in source if k not in naming} == \
+        {k: v for k, v in source.items() if k not in naming}
+    assert (exported["max_position_embeddings"], exported["bos_token_id"], exported["eos_token_id"]) == (1024, 0, 1)
+    # the tokenizer needs no remote code: with trust_remote_code=False (README) AutoTokenizer asks nothing, runs
+    # nothing (transformers 5 asks about the model config's remote code otherwise)
+    import builtins
+
+    asked = []
+    real_input, builtins.input = builtins.input, lambda prompt="": asked.append(prompt) or "n"
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(hf_out, trust_remote_code=False)
+    finally:
+        builtins.input = real_input
+    assert asked == []
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32,
                                                               trust_remote_code=not with_tokenizer).eval()
     assert type(model).__name__ == ("Qwen3ForCausalLM" if with_tokenizer else "AttnLabForCausalLM")
@@ -60,3 +81,10 @@ def test_transformers_qwen3_imports_trains_and_exports_back(tmp_path, with_token
     with torch.no_grad():
         x = torch.tensor([ids])
         torch.testing.assert_close(model(x).logits, build_model(args, trained)(x), rtol=1e-5, atol=1e-5)
+    # transformers' generate stops at the export's EOS: with a head that always predicts <|eos|> (id 1), one new token
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
+    torch.nn.init.zeros_(head.weight)
+    head.bias.data = torch.nn.functional.one_hot(torch.tensor(1), model.config.vocab_size).float() * 10
+    model.lm_head = head
+    out_ids = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert out_ids[0, len(ids):].tolist() == [1]

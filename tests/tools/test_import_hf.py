@@ -98,7 +98,9 @@ def test_a_folder_without_a_fitting_tokenizer_is_refused(tmp_path, capsys):
     random_qwen3(tmp_path / "hf", seed=3, vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "o1")]) == 2
-    assert "no tokenizer.json; pass --tokenizer DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no tokenizer.json; pass --tokenizer DIR" in err  # and how to make one
+    assert "attnlab train_tokenizer FILES -o DIR" in err and "attnlab fetch_tokenizer" in err
     from tokenizers import Tokenizer, models
 
     big = tmp_path / "big"
@@ -140,3 +142,55 @@ def test_a_config_field_that_changes_the_computation_is_one_line_and_writes_noth
     assert err == ["import_hf: error: config.json rope_parameters: rope_type 'yarn' is not supported (this model has "
                    "the default RoPE, base rope_theta, only)"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_size", 10 ** 9, "vocab_size=1000000000 disagrees with the weights: model.embed_tokens.weight [64, 128] "
+                            "gives 64"),
+    ("hidden_size", None, "hidden_size=4096 disagrees with the weights: model.embed_tokens.weight [64, 128] gives 128"),
+    ("num_hidden_layers", 8, "num_hidden_layers=8 disagrees with the weights: the tensors of layers 0-3 gives 4"),
+    ("num_hidden_layers", 2, "num_hidden_layers=2 disagrees with the weights: the tensors of layers 0-3 gives 4"),
+    ("intermediate_size", 512, "intermediate_size=512 disagrees with the weights: model.layers.0.mlp.gate_proj.weight "
+                               "[384, 128] gives 384"),
+    ("num_key_value_heads", 4, "num_key_value_heads=4 disagrees with the weights: model.layers.0.self_attn.k_proj."
+                               "weight [64, 128] with head_dim 32 gives 2"),
+], ids=["vocab_1e9", "hidden_size_missing", "layers_8_of_4", "layers_2_of_4", "intermediate", "kv_heads"])
+def test_a_config_json_that_disagrees_with_the_weights_is_refused_naming_the_field(qwen3, tmp_path, capsys, field,
+                                                                                    value, message):
+    """Every size comes from the tensors: config.json's vocab_size 10^9 imported (training then tried to allocate
+    512 GB), a missing hidden_size became transformers' 4096 beside 128-wide weights, num_hidden_layers 8 over 4
+    layers of weights imported."""
+    import json
+    import shutil
+
+    root, _, _ = qwen3
+    hf = tmp_path / "hf"
+    shutil.copytree(root / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.pop("layer_types")  # as the hub's Qwen3 config.json files: transformers derives it from num_hidden_layers
+    if value is None:
+        del cfg[field]
+    else:
+        cfg[field] = value
+    (hf / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert import_hf.main([str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"import_hf: error: {hf}/config.json {message}"  # after the read bar
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_embedded_corpus_log_does_not_claim_an_imported_run_trains_its_tokenizer(tmp_path, monkeypatch, caplog):
+    """An imported run on the embedded corpus logged "training a BPE tokenizer (vocab 4096)" though it trains with
+    its own tokenizer: the log now says whose tokenizer that is."""
+    import logging
+
+    from attnlab.data import embedded
+
+    monkeypatch.setattr(embedded, "_documents", lambda: [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)])
+    with caplog.at_level(logging.INFO):
+        embedded.build_embedded(str(tmp_path), 300)
+    text = " ".join(r.getMessage() for r in caplog.records if "Embedded corpus" in r.getMessage())
+    assert "training a BPE tokenizer" not in text
+    assert 'the one runs with model.hf_assets_path = "embedded" use; a run with a tokenizer of its own trains with' \
+           " its own" in text

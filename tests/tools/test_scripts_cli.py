@@ -187,3 +187,16 @@ def test_write_run_files_round_trips_the_configuration(tmp_path):
     ckpt = resolve(tmp_path / "run")
     assert ckpt.step == 5 and ckpt.config == tmp_path / "run" / CONFIG_FILE
     assert ckpt.tokenizer == tmp_path / "run" / "tokenizer"
+
+
+def test_slurm_script_help_and_outside_slurm_are_clean(tmp_path):
+    """`bash scripts/slurm_train.sh --help` failed with `SLURM_JOB_NODELIST: unbound variable`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    script = str(REPO / "scripts" / "slurm_train.sh")
+    proc = subprocess.run(["bash", script, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "sbatch --nodes=2" in proc.stdout and not proc.stderr, proc.stderr
+    assert "#SBATCH" not in proc.stdout
+    proc = subprocess.run(["bash", script, "--job.config_file", "x"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "SLURM_JOB_NODELIST is not set: run it with sbatch" in proc.stderr and not list(tmp_path.iterdir())

@@ -44,6 +44,15 @@ def test_train_tokenizer_on_own_files_gives_a_trainer_usable_folder(tmp_path, ca
     assert "no column 'text'" in capsys.readouterr().err and not (tmp_path / "t2").exists()
 
 
+def test_train_tokenizer_on_a_bad_input_leaves_no_folder(tmp_path, capsys):
+    """The README's `-o runs/my_tokenizer` with a bad input left an empty runs/ behind."""
+    for bad in (tmp_path / "missing.txt", tmp_path / "empty.txt"):
+        (tmp_path / "empty.txt").write_text("")
+        assert train_tokenizer.main([str(bad), "-o", str(tmp_path / "runs" / "deeper" / "tok"), "--no-progress"]) == 2
+        assert "train_tokenizer: error:" in capsys.readouterr().err
+        assert not (tmp_path / "runs").exists()
+
+
 def test_fetch_tokenizer_offline_error_is_clear_and_writes_nothing(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     proc = subprocess.run([sys.executable, "-m", "attnlab.tools.fetch_tokenizer", "-o", str(tmp_path / "q")], cwd=REPO,

@@ -120,7 +120,8 @@ def test_generating_past_the_trained_context_warns_once(runs, capsys):
 
 @pytest.fixture
 def exports(tmp_path):
-    """A Parallax export (this project's remote code) and a softmax one (plain Qwen3, no remote code)."""
+    """A Parallax export (this project's remote code) and a softmax one (plain Qwen3, no remote code), each with the
+    tokenizer lm-eval needs."""
     from attnlab import attention
     from attnlab.models.args import ModelArgs
     from attnlab.checkpoint.dcp import build_model as build
@@ -130,7 +131,7 @@ def exports(tmp_path):
         opts = {mech: attention.get_mechanism(mech).options()}
         args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=64, vocab_size=64,
                          max_seq_len=32, attention=mech, attention_options=opts)
-        save_hf(build(args).state_dict(), args, tmp_path / mech)
+        save_hf(build(args).state_dict(), args, tmp_path / mech, tokenizer_dir=make_corpus(tmp_path / "c")["tokenizer"])
         out[mech] = tmp_path / mech
     return out
 
