@@ -182,10 +182,16 @@ MAKE_TOKENIZER = ("`attnlab train_tokenizer FILES -o DIR` trains one on your tex
 """How a user without a tokenizer folder gets one, for the messages that ask for ``--tokenizer DIR``."""
 
 
-def add_tokenizer_argument(ap: argparse.ArgumentParser, help: str = TOKENIZER_HELP) -> None:
+@_valid("an existing folder, or 'ids' (the prompt as space-separated token ids)")
+def tokenizer_dir_or_ids(text: str) -> str:
+    return text if text == "ids" else existing_dir(text)
+
+
+def add_tokenizer_argument(ap: argparse.ArgumentParser, help: str = TOKENIZER_HELP, ids: bool = False) -> None:
     """``--tokenizer DIR``, the one way every tool that reads a model is given the tokenizer of its weights
-    (resolved by :func:`checkpoint_tokenizer`)."""
-    ap.add_argument("--tokenizer", metavar="DIR", default=None, help=help)
+    (resolved by :func:`checkpoint_tokenizer`); with ``ids`` it also takes "ids" (generate's token-id prompts)."""
+    ap.add_argument("--tokenizer", metavar="DIR", type=tokenizer_dir_or_ids if ids else existing_dir, default=None,
+                    help=help)
 
 
 def checkpoint_tokenizer(ckpt, cfg, given: str | None, vocab_size: int, required: bool = True):

@@ -77,7 +77,7 @@ def build_parser():
     ap.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
     ap.add_argument("--config", type=existing_file,
                     help="training TOML giving the architecture (default: the run's config.toml)")
-    add_tokenizer_argument(ap, TOKENIZER_HELP + "; 'ids' reads the prompt as space-separated token ids")
+    add_tokenizer_argument(ap, TOKENIZER_HELP + "; 'ids' reads the prompt as space-separated token ids", ids=True)
     add_device_argument(ap)
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--impl", choices=IMPLS,
