@@ -232,7 +232,7 @@ def test_run_folder_mistakes_are_one_line_before_the_trainer_starts(corpus, run4
     dump = tmp_path / "run"
     newest = run4 / "checkpoint" / "step-4"
     extra, message = {
-        "dump folder is a file": ((), f"job.dump_folder='{dump}': a file, not a folder"),
+        "dump folder is a file": ((), f"job.dump_folder='{dump}': must be non-empty and not a file"),
         "initial_load_path is a run folder": (
             ("--checkpoint.initial_load_path", str(run4)),
             f"checkpoint.initial_load_path='{run4}': a run folder, not a checkpoint; pass one of its step folders, "

@@ -387,7 +387,9 @@ class ReshardableDataloader(ParallelAwareDataloader):
     whole rows and ranks are in step, this is exactly the data order of an uninterrupted run. Streaming (iterable)
     datasets keep an opaque per-rank state and cannot be resharded: the load fails with one message naming the
     checkpoint and both world sizes.
-    ``resume_world_size`` is set by the trainer from the checkpoint's metadata before DCP loads it.
+    ``resume_world_size`` is set by the trainer from the checkpoint's metadata before DCP loads it, and cleared once
+    the state is loaded: until then :meth:`state_dict` is the old ranks' template DCP fills, afterwards this rank's
+    own state, which the run's next checkpoint saves.
     """
 
     resume_world_size: int | None = None
@@ -410,6 +412,7 @@ class ReshardableDataloader(ParallelAwareDataloader):
                 "reshard), or start a new run from it with checkpoint.initial_load_path (model only).")
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.resume_world_size = None  # loaded: later checkpoints save this rank's state, not the template
         old = state_dict.get("world_size") if state_dict else None
         if old is None or old == self.dp_world_size:
             if state_dict and self._rank_id in state_dict:

@@ -147,8 +147,10 @@ def check_run_files(job_config, resuming: bool, tokenizer_dir: str) -> None:
             found.append(f"{p} ({'changed since this run wrote it' if name in record else 'not written by this run'})")
     metrics = dump / METRICS_FILE
     steps = _metrics_steps(metrics)
-    if steps and (record is None or METRICS_FILE not in record):
-        found.append(f"{metrics} ({'an earlier run' if not resuming else 'not written by this run'}: {steps})")
+    if steps and not resuming and (record is None or METRICS_FILE not in record):
+        found.append(f"{metrics} (an earlier run: {steps})")
+    elif steps and resuming and record is not None and METRICS_FILE not in record:
+        found.append(f"{metrics} (not written by this run: {steps})")
     if not resuming:
         for name in TOKENIZER_FILES:
             mine, src = dump / TOKENIZER_DIR / name, Path(tokenizer_dir) / name

@@ -212,3 +212,31 @@ def test_one_worker_reads_what_no_worker_reads_and_its_state_reshards(corpus):
         new = loader(1, rank, 2)
         new.load_state_dict({**states[1], "world_size": 1})
         assert new.dataset._sample_idx == -(-(none["sample_idx"] - rank) // 2)
+
+
+def test_after_a_resharded_resume_the_next_checkpoint_saves_the_loaders_own_state(corpus):
+    """A run resumed from another data-parallel world size saved the old ranks' empty template (b"" per rank) in
+    every later checkpoint, so the position was lost and the next resume failed on it: once loaded, the loader's
+    state is its own again."""
+    import pickle
+
+    from attnlab.data.loader import ReshardableDataloader, dataset_state
+
+    def loader(rank, world):
+        ds, _ = _dataset(corpus, seq_len=10, rank=rank, world=world)
+        return ReshardableDataloader(ds, dp_rank=rank, dp_world_size=world, batch_size=2)
+
+    old = {"world_size": 2}
+    for rank in (0, 1):  # two ranks read three batches each
+        dl = loader(rank, 2)
+        it = iter(dl)
+        [next(it) for _ in range(3)]
+        old[f"dp_rank_{rank}"] = dl.state_dict()[f"dp_rank_{rank}"]
+    new = loader(0, 1)
+    new.resume_world_size = 2
+    assert new.state_dict() == {"dp_rank_0": b"", "dp_rank_1": b"", "world_size": 2}  # the template DCP fills
+    new.load_state_dict(old)
+    it = iter(new)
+    next(it)
+    state = new.state_dict()
+    assert state["world_size"] == 1 and dataset_state(pickle.loads(state["dp_rank_0"]))["sample_idx"] > 0

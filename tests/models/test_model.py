@@ -122,20 +122,25 @@ class _SyncSpy(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.parametrize("mask, reads", [("causal", []), ("block_causal", ["tolist"])])
-def test_context_reads_the_device_at_most_once(mask, reads):
-    """No host sync per step for causal rows; with packed documents one read (document count and longest
-    document: the size of cu_seqlens depends on the data)."""
+@pytest.mark.parametrize("mask, reads, host_documents", [
+    ("causal", [], False),
+    ("block_causal", ["nonzero", "__int__"], False),  # the document starts and the longest document
+    ("block_causal", [], True),  # the trainer's case: the offsets computed on the host (attnlab/trainer/step.py)
+])
+def test_context_reads_the_device_only_without_host_documents(mask, reads, host_documents):
+    """No host sync per step for causal rows, nor for packed documents whose offsets the trainer computed on the host
+    before the copy; without them, two reads (the size of cu_seqlens depends on the data)."""
     model = _tiny("softmax")
     model.model_args.attn_mask_type = mask
     T = 12
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
+    documents = AttentionContext.document_offsets(pos) if host_documents else None
     _SyncSpy.reads = []
-    ctx = model.context(torch.randint(0, 64, (2, T)).as_subclass(_SyncSpy), pos.as_subclass(_SyncSpy))
+    ctx = model.context(torch.randint(0, 64, (2, T)).as_subclass(_SyncSpy), pos.as_subclass(_SyncSpy), documents)
     ctx.rope(model.model_args.head_dim)
     assert _SyncSpy.reads == reads
     _SyncSpy.reads = []  # the causal case again with the spy as the positions themselves (the model makes its own)
-    ctx = AttentionContext.from_positions(pos.as_subclass(_SyncSpy), mask == "block_causal", 1e6)
+    ctx = AttentionContext.from_positions(pos.as_subclass(_SyncSpy), mask == "block_causal", 1e6, documents)
     ctx.use_rope_table(model.rope_table(model.model_args.head_dim, T, "cpu"))
     ctx.rope(model.model_args.head_dim)
     assert _SyncSpy.reads == reads
