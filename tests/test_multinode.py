@@ -15,6 +15,7 @@ import pytest
 from tests.utils import REPO, free_port, losses, make_corpus, read_metrics, run_train, tiny_args
 
 
+@pytest.mark.slow  # CI time: 20-30 s on 2 cores
 def test_two_nodes_through_c10d_rendezvous_then_resume_on_one(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     dump = tmp_path / "run"

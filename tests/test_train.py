@@ -54,6 +54,7 @@ def test_resume_is_bit_exact(corpus, straight, tmp_path):
     assert [b[s] for s in (1, 2, 3)] == [a[s] for s in (1, 2, 3)]
 
 
+@pytest.mark.slow  # CI time: 20-30 s on 2 cores
 def test_fsdp_two_process_gloo_matches_one_process(corpus, tmp_path):
     # Sharded initialisation draws different random numbers than unsharded, so both runs start from one seed
     # checkpoint (torchtitan's recipe); the data loader's interleaved shards give both the same global batch.
@@ -190,6 +191,7 @@ def test_plot_ppl_from_two_runs(straight, corpus, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+@pytest.mark.slow  # CI time: 20-30 s on 2 cores
 def test_hybrid_stack_trains_and_resumes_exactly(corpus, tmp_path):
     """A gdn/parallax hybrid (Qwen3-Next style pattern) trains and resumes bit-exactly like softmax does."""
     hybrid = ["--model.layer_pattern", "gdn,gdn,gdn,parallax", "--checkpoint.interval", "2", "--validation.no-enable"]

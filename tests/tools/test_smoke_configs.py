@@ -17,6 +17,7 @@ def test_selection():
         "qwen3_0.6b_parallax_wda0p5", "qwen3_0.6b_parallax_wda1", "qwen3_0.6b_parallax_wda2"]
 
 
+@pytest.mark.slow  # CI time: 20-30 s on 2 cores
 def test_two_configs_on_cpu(tmp_path, capsys):
     corpus = make_corpus(tmp_path / "corpus")
     common = ["--device", "cpu", "--flavor", "debug", "--seq", "16", "--steps", "3", "--local-batch", "2",

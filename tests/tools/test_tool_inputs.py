@@ -160,6 +160,7 @@ def test_remote_code_is_trusted_only_for_our_exports_or_with_the_flag(exports):
         eval_downstream.trust_remote_code(plain, False)
 
 
+@pytest.mark.slow  # CI time: 20-30 s on 2 cores
 def test_eval_downstream_refuses_foreign_remote_code_before_evaluating(exports, monkeypatch, capsys):
     lm_eval = pytest.importorskip("lm_eval")
     calls = []
