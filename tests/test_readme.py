@@ -265,12 +265,12 @@ def test_readme_own_text_block_prints_what_the_readme_says(tmp_path):
 
 @pytest.mark.slow
 def test_readme_synthetic_quick_cell_takes_what_the_readme_says():
-    """The README's `synthetic --sweep quick` line says one to several minutes per task and mechanism on a 2-core
-    CPU (it said "CPU minutes" for 21 cells, of which 9 took 590 s); one cell, timed by the tool itself, within the
-    6 minutes the README allows."""
+    """The README's `synthetic --sweep quick` line says under a minute to a few minutes per task and mechanism on a
+    2-core CPU (it said "CPU minutes" for 21 cells, of which 9 took 590 s); one cell, timed by the tool itself, within
+    a few minutes (6)."""
     from attnlab.tools import synthetic
 
-    assert "one to several minutes per task and mechanism on a 2-core CPU" in (REPO / "README.md").read_text()
+    assert "under a minute to a few minutes per task and mechanism on a 2-core" in (REPO / "README.md").read_text()
     torch = pytest.importorskip("torch")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

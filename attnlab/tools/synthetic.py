@@ -20,8 +20,8 @@ Tasks (targets are scored only where the answer is determined by the input; accu
 - ``memorization``: a fixed global key→value map (the same in every batch) must be stored in the weights.
 - ``mqar``: distinct key/value pairs first, then (key, value) queries; predict the value at each query key.
 
-Sweeps: ``quick`` (CPU-sized: vocab 16, length 64, 300 steps; one to several minutes per task and mechanism on a
-2-core CPU, so all 7 tasks of 3 mechanisms take half an hour or more), ``paper`` (MAD: vocab 16, length 128, more
+Sweeps: ``quick`` (CPU-sized: vocab 16, length 64, 300 steps; under a minute to a few minutes per task and
+mechanism on a 2-core CPU, so all 7 tasks of 3 mechanisms take about half an hour), ``paper`` (MAD: vocab 16, length 128, more
 steps),
 ``hard`` (recall tasks at vocabulary {128, 512} × length {512, 2048}). Prints an accuracy table.
 """
@@ -299,7 +299,7 @@ def build_parser():
     ap.add_argument("--attention", default="softmax,parallax", help="comma-separated registered mechanisms")
     ap.add_argument("--tasks", default="all", help=f"comma-separated subset of {list(TASKS)} or 'all'")
     ap.add_argument("--sweep", default="quick", choices=["quick", "paper", "hard"],
-                    help="task sizes: quick (one to several minutes per task and mechanism on a 2-core CPU), paper "
+                    help="task sizes: quick (under a minute to a few minutes per task and mechanism on a 2-core CPU), paper "
                          "(the paper's), hard")
     ap.add_argument("--steps", type=non_negative_int, default=0,
                     help="0 = the sweep's (quick 300, paper 3000, hard 4000)")
