@@ -71,19 +71,6 @@ def trust_remote_code(folder: Path, allowed: bool) -> bool:
                           "anyway")
 
 
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the Hugging Face Hub answers one HEAD request, through huggingface_hub's own HTTP session (its
-    endpoint, proxies and offline mode apply)."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import get_session
-
-    try:
-        get_session().head(constants.ENDPOINT, timeout=timeout)
-    except Exception:  # no network, DNS failure, proxy refusal, offline mode: the Hub cannot be used
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def hub_offline(enable: bool = True):
     """With ``enable``, ``datasets`` and ``huggingface_hub`` run in their offline mode inside the block, as if
@@ -176,6 +163,8 @@ def main(argv=None) -> dict | int:
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = a.tasks.split(",")
+    from attnlab.data.sources import hub_reachable
+
     offline = datasets.config.HF_HUB_OFFLINE or not hub_reachable()
     with tempfile.TemporaryDirectory(prefix="eval_downstream_") as tmp, hub_offline(offline):
         try:

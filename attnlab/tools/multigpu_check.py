@@ -133,11 +133,11 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    from attnlab.tools.common import split_train_flags
+
+    own, extra = split_train_flags(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = ap.parse_args(own)
     args.extra = extra
     cuda = args.device == "cuda"
     if not cuda:

@@ -126,11 +126,10 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    from attnlab.tools.common import split_train_flags
+
+    own, extra = split_train_flags(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
     args.extra = extra
     todo = configs(args.only)
     if args.list or not todo:
