@@ -9,10 +9,11 @@ Precedence, first match wins:
 1. declared by a module: attribute ``param_roles = {"<name relative to the module>": "<role>"}``, where a key names
    a parameter or a submodule (all its parameters; the longest key wins). Declared by name, a role survives FSDP2
    re-wrapping the parameters;
-2. ``embed_patterns``, ``head_patterns``, ``norm_patterns``, ``vector_patterns`` (``re.search`` on the name,
+2. a parameter of a normalisation layer (:data:`NORM_LAYERS`: its gain and bias) → "norm", whatever its name;
+3. ``embed_patterns``, ``head_patterns``, ``norm_patterns``, ``vector_patterns`` (``re.search`` on the name,
    with ``_orig_mod.`` / ``_checkpoint_wrapped_module.`` wrappers stripped);
-3. not 2-D → "vector"; 2-D with a side < ``muon_min_dim`` → "vector";
-4. otherwise "matrix".
+4. not 2-D → "vector"; 2-D with a side < ``muon_min_dim`` → "vector";
+5. otherwise "matrix".
 
 A parameter's param group is named after its role. Independently of the role, ``lr_mult_patterns`` ("REGEX=MULT",
 first match wins) give a parameter its own lr = optimizer.lr × MULT, in its own param group "<role>[REGEX]" (see
@@ -119,6 +120,10 @@ def _head_dim_of(model: nn.Module, raw_name: str) -> int | None:
     return None
 
 
+NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+"""Modules whose parameters have the role "norm" by their type (rule 2 of the module docstring)."""
+
+
 def route_parameters(model: nn.Module, cfg) -> list[Route]:
     """One :class:`Route` per trainable parameter of ``model`` (``cfg``: ``optim.config.Optimizer``)."""
     declared = _module_dicts(model, "param_roles")
@@ -131,6 +136,7 @@ def route_parameters(model: nn.Module, cfg) -> list[Route]:
     per_head = [re.compile(p) for p in cfg.muon_per_head_patterns]
     warm = [re.compile(p) for p in cfg.lr_warmup_patterns]
     mults = parse_lr_mults(cfg.lr_mult_patterns)
+    norm_layers = {name for name, m in model.named_modules() if isinstance(m, NORM_LAYERS)}
     routes, used = [], set()
     for raw, p in model.named_parameters():
         name = clean_name(raw)
@@ -140,6 +146,8 @@ def route_parameters(model: nn.Module, cfg) -> list[Route]:
             continue
         if key is not None:
             role, reason = declared[key][0], "declared"
+        elif raw.rpartition(".")[0] in norm_layers:
+            role, reason = "norm", "normalisation layer"
         else:
             role, reason = _route_by_rules(name, p, pats, cfg.muon_min_dim)
         blocks = None

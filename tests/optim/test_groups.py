@@ -256,3 +256,11 @@ def test_declared_role_survives_new_parameter_objects():
     assert roles["layers.0.attention.g_proj.0.weight"] == "vector"
     attn.param_roles = {}
     assert _roles(model)["layers.0.attention.g_proj.0.weight"] == "matrix"
+
+
+def test_normalisation_layers_are_norms_by_type():
+    """A LayerNorm's gain and bias are norms whatever the module calls them (CALA's q_ln / k_ln), so they train at
+    the norm group's lr and without weight decay like every other mechanism's norms."""
+    roles = _roles(TinyQwen([_mech("cala")]))
+    assert {k: v for k, v in roles.items() if "_ln." in k} == {
+        f"layers.0.attention.{n}.{w}": "norm" for n in ("q_ln", "k_ln") for w in ("weight", "bias")}
