@@ -2,7 +2,8 @@
 
     python -m benchmarks.replicate --corpus DIR --out DIR [--budget-s 520] [--runs all]
         [--steps 300 --batch 64 --seq-len 1024 --flavor repl-68M] [--val-tokens 0] [--no-analyze]
-    python -m benchmarks.replicate --corpus DIR --out DIR --suite dose|horizon|adamw|context [--seeds 0,1] [--runs ARMS]
+    python -m benchmarks.replicate --corpus DIR --out DIR --suite dose|horizon|adamw|context|registry|registry_long
+        [--seeds 0,1] [--runs ARMS] [--ood TEXT]
         [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3] [--gpus N]
 
 Suites (the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
@@ -19,7 +20,20 @@ arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/
   ``--adamw-lrs``, shorter than the horizon so that the sweep is affordable; the horizon's AdamW pair then runs at
   the lr it picks (``--suite horizon --adamw-lrs LR``);
 - ``context`` (160 steps, sequence 4096, batch 16: the same tokens per step as 64 × 1024): softmax, Parallax at
-  gain 1 and at ``--best-gain``, each with ``causal`` and ``block_causal`` masks.
+  gain 1 and at ``--best-gain``, each with ``causal`` and ``block_causal`` masks;
+- ``registry`` (160 steps = 10.5M tokens): every registered mechanism with its registered defaults, one arm named
+  after it, plus a second arm where its paper prescribes another init (``plan.PAPER_ARMS``); a mechanism registered
+  as reference-only (no fast path) is listed as not trained, with the registry's reason. A newly registered
+  mechanism joins without edits;
+- ``registry_long`` (1,600 steps = 105M tokens, validation and checkpoints every 200): the same for
+  ``plan.LONG_MECHANISMS`` (softmax, Parallax, LLA, HLA, CALA, GDN, KDA).
+
+The two registry suites also evaluate each finished run on its GPU (:mod:`benchmarks.replicate.evaluate`,
+``<run>/eval.json``): perplexity on ``--ood`` (an out-of-domain text kept out of training), the loss by context
+position out to 4× the training length, passkey retrieval at 1× and 2×, and for the first of ``--seeds`` of a mechanism's own arm the
+quick MQAR cell of ``attnlab.tools.synthetic``. Their table has a row per arm (mean and range over seeds, tokens/s,
+peak GiB, those columns) and flags what needs a write-up: more than 25 % worse than softmax, a loss spike, a run
+that did not finish.
 
 A suite run fits device calls of limited length: ``--budget-s`` is this call's wall time, a run trains in chunks
 of at most ``--chunk-steps`` steps (``training.stop_after_step``; a full checkpoint at each stop) sized to what fits

@@ -1,5 +1,6 @@
 """The command line of :mod:`benchmarks.replicate` (its docstring says what it runs): ``python -m
-benchmarks.replicate ...``; ``--train-one FLAGS`` is the child process that trains one run (train.py's main)."""
+benchmarks.replicate ...``; ``--train-one FLAGS`` is the child process that trains one run (train.py's main), ``--evaluate RUN ...`` the one that
+evaluates a finished run (:mod:`benchmarks.replicate.evaluate`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3", help="--suite horizon/adamw: the AdamW lrs")
     ap.add_argument("--adamw-warmup", type=int, default=0,
                     help="--suite horizon/adamw: linear lr warmup steps of the AdamW arms (0 = none; arms get _wu<N>)")
+    ap.add_argument("--ood", default="",
+                    help="--suite registry/registry_long: the out-of-domain text (file, folder or glob of "
+                         ".txt/.jsonl[.gz]/.parquet, kept out of training) of the ood_ppl column (empty = no column)")
     ap.add_argument("--gpus", type=int, default=1,
                     help="--suite: train this many runs at once, each on its own GPU (the first N visible ones)")
     ap.add_argument("--chunk-steps", type=int, default=0,
@@ -97,6 +101,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--report needs --suite")
     if not args.corpus and not args.report:
         ap.error("--corpus is required (a folder with val.jsonl.gz and train-*.jsonl.gz)")
+    if args.ood and not glob.glob(args.ood) and not os.path.exists(args.ood):
+        ap.error(f"--ood {args.ood!r}: no such file, folder or glob")
+    args.ood = os.path.abspath(args.ood) if os.path.exists(args.ood) else args.ood
     if args.gpus < 1 or (args.gpus > 1 and not args.suite):
         ap.error(f"--gpus {args.gpus}: 1, or with --suite any number up to the visible GPUs")
     return args
@@ -108,6 +115,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--train-one"]:
         return train_one(argv[1:])
+    if argv[:1] == ["--evaluate"]:
+        from benchmarks.replicate import evaluate
+
+        return evaluate.main(argv[1:])
     t0 = time.time()
     args = parse_args(argv)
     out = os.path.abspath(args.out)

@@ -9,6 +9,8 @@ import json
 import os
 import statistics
 
+from benchmarks.replicate.evaluate import columns as eval_columns
+
 
 def resumable_step(run_dir: str) -> int:
     """Highest ``step-N`` checkpoint under ``<run_dir>/checkpoint`` (0 if none)."""
@@ -33,7 +35,9 @@ def truncate_metrics(run_dir: str, step: int) -> None:
 
 
 def read_metrics(run_dir: str) -> dict:
-    """Last validation/training record and the median training tokens/s (log intervals after step 1)."""
+    """Last validation/training record, the median training tokens/s (log intervals after step 1), the peak
+    reserved GPU memory (``mem_gib``, None on the CPU) and ``spike``: the largest rise of a logged training loss over
+    the lowest one logged before it, past the first tenth of the steps (nats; a loss spike shows here)."""
     from attnlab.trainer.metrics import read_records
 
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -43,10 +47,13 @@ def read_metrics(run_dir: str) -> dict:
     val = [r for r in recs if "val_loss" in r]
     train = [r for r in recs if "loss" in r]
     tps = [r["tps"] for r in train if r["step"] > 1 and "tps" in r]
+    mem = [r["memory_gib"] for r in train if "memory_gib" in r]
+    late = [r["loss"] for r in train if r["step"] > train[-1]["step"] // 10 and r["loss"] is not None] if train else []
     return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
             "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
             "val_step": val[-1]["step"] if val else None,
-            "tps": statistics.median(tps) if tps else None}
+            "tps": statistics.median(tps) if tps else None, "mem_gib": max(mem) if mem else None,
+            "spike": max((max(0.0, b - min(late[:i])) for i, b in enumerate(late) if i), default=None)}
 
 
 def finished_at(metrics: dict, steps: int) -> bool:
@@ -119,6 +126,7 @@ def report_rows(out: str) -> list[dict]:
             row.update(paused=m.get("step") or 0, error=f"stopped near step {m.get('step') or 0}/{steps}; "
                        "the suite's command resumes it")
         read_analysis(row, dump)
+        row.update(eval_columns(dump))
         rows.append(row)
     found = {r["run"]: r for r in rows}  # summary.json's runs whose folder is not here (another machine's) stay
     return [found.pop(name, r) for name, r in old.items()] + list(found.values())

@@ -33,7 +33,24 @@ SUITES = {  # suite -> steps, validation.freq and checkpoint.interval (0 = none:
     "horizon": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
     "context": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=4096, batch=16),
     "adamw": dict(steps=400, val_freq=100, ckpt_every=0, seq_len=None, batch=None),
+    "registry": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=None, batch=None),
+    "registry_long": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
 }
+EVALUATED = ("registry", "registry_long")
+"""Suites whose runs also get the columns of :mod:`benchmarks.replicate.evaluate` (out-of-domain perplexity, loss
+by position, passkey, MQAR)."""
+LONG_MECHANISMS = ("softmax", "parallax", "lla", "hla", "cala", "gdn", "kda")
+"""The mechanisms of ``registry_long`` (105M tokens): the baselines and the papers this project exists for."""
+PAPER_ARMS: dict[str, dict[str, list[str]]] = {
+    # App. F.1: an RMSNorm on ρ at its usual gain 1 (the registered default starts it at 0.1)
+    "parallax": {"parallax_paper_g1": ["--attention.parallax.rho_norm_init", PAPER_GAIN]},
+    # eq. 27: λ per token from a sigmoid of the input (the registered default learns one λ per head)
+    "lla": {"lla_paper_token_lambda": ["--attention.lla.lambda_mode", "token"]},
+    # eq. 12: ρ = W_R x unscaled (the registered default scales it by head_dim^-1/2)
+    "affine_linear": {"affine_linear_paper_unscaled": ["--attention.affine_linear.rho_scale", "false"]},
+}
+"""Second arms of a mechanism whose paper prescribes another init or lr than its registered default: arm name ->
+the flags added to the mechanism's (the first arm is always the registered default)."""
 RHO_NORM_LR_1X = ["--optimizer.lr_mult_patterns", "\\.r_norm\\.=1"]  # ρ-norm gain at 1× optimizer.lr
 
 
@@ -61,6 +78,8 @@ def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list
             arms[f"softmax_adamw_lr{lr:g}{tag}"] = [*softmax, *adamw, *wu]
             arms[f"parallax_g1_adamw_lr{lr:g}{tag}"] = [*_gain(1.0), *adamw, *wu]
         return arms
+    if suite in EVALUATED:
+        return registry_arms(LONG_MECHANISMS if suite == "registry_long" else None)
     if suite == "context":
         arms = {}
         for mask in ("causal", "block_causal"):
@@ -71,9 +90,35 @@ def suite_arms(suite: str, gains: list[float], best_gain: float, adamw_lrs: list
     raise ValueError(f"--suite {suite!r}; choose from {list(SUITES)}")
 
 
-def mechanism(name: str) -> str:
-    """The attention of the run or arm ``name`` (from its prefix): gdn, softmax or parallax."""
-    return "gdn" if name.startswith("gdn") else "softmax" if name.startswith("softmax") else "parallax"
+def registry_arms(names: tuple[str, ...] | None = None) -> dict[str, list[str]]:
+    """Arm name -> flags of every registered mechanism (``names``: only these), in registry order: the mechanism
+    with its registered defaults, named after it, then its :data:`PAPER_ARMS`. A mechanism registered as
+    reference-only (no fast path) has no arm: :func:`excluded` says why."""
+    from attnlab.attention import REGISTRY
+
+    arms: dict[str, list[str]] = {}
+    for mech, entry in REGISTRY.items():
+        if (names is None or mech in names) and not entry.reference_only:
+            arms[mech] = ["--model.attention", mech]
+            arms.update({arm: ["--model.attention", mech, *flags] for arm, flags in PAPER_ARMS.get(mech, {}).items()})
+    return arms
+
+
+def excluded(suite: str) -> dict[str, str]:
+    """Registered mechanisms a registry suite does not train -> the reason the registry gives."""
+    from attnlab.attention import REGISTRY
+
+    if suite not in EVALUATED:
+        return {}
+    return {m: e.reference_only for m, e in REGISTRY.items()
+            if e.reference_only and (suite == "registry" or m in LONG_MECHANISMS)}
+
+
+def mechanism(flags: list[str]) -> str:
+    """The attention a run's train.py ``flags`` select (the last ``--model.attention``; softmax, the base config's,
+    without one)."""
+    where = [i for i, f in enumerate(flags) if f == "--model.attention"]
+    return flags[where[-1] + 1] if where else "softmax"
 
 
 def plan_steps(seconds: float, fixed: dict[str, float], tps: dict[str, float], tokens_per_step: int,
@@ -86,7 +131,7 @@ def plan_steps(seconds: float, fixed: dict[str, float], tps: dict[str, float], t
     names = list(RUNS) if names is None else names
     total_fixed, per_step = 0.0, 0.0
     for name in names:
-        mech = {"gdn": "parallax"}.get(mechanism(name), mechanism(name))
+        mech = {"gdn": "parallax"}.get(mechanism(RUNS[name]), mechanism(RUNS[name]))
         mech = mech if mech in tps else next(iter(tps))
         total_fixed += fixed[mech]
         per_step += tokens_per_step / tps[mech] / (CONVERTED_FRACTION if name == "converted" else 1)

@@ -8,6 +8,8 @@ import os
 import re
 import statistics
 
+from benchmarks.replicate.plan import EVALUATED
+
 
 def _recipe(arm: str) -> tuple[str, str, str]:
     """What an arm is compared within (``suite_arms`` names): its optimizer, warmup tag and mask suffix."""
@@ -32,6 +34,70 @@ def arm_rows(rows: list[dict]) -> list[dict]:
         a["delta"] = (None if a["arm"].startswith("softmax") or not base
                       else 100 * (a["mean"] / min(base) - 1))
     return out
+
+
+OUTLIER_DELTA = 25.0
+"""An arm more than this many % worse than softmax (validation perplexity, means over seeds) is an outlier."""
+SPIKE_NATS = 0.3
+"""A logged training loss this far above the lowest one before it (``metrics.read_metrics``'s ``spike``) flags an
+unstable run."""
+MEAN_KEYS = ("ood_ppl", "tps", "mem_gib", "passkey_1x", "passkey_2x", "mqar")
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def registry_rows(rows: list[dict]) -> list[dict]:
+    """:func:`arm_rows` with the registry suites' columns averaged over seeds (:data:`MEAN_KEYS`, and ``pos_ppl`` per
+    bucket), the largest ``spike``, the runs that did not finish, and ``flags``: why the arm needs a write-up
+    (:data:`OUTLIER_DELTA`, :data:`SPIKE_NATS`, failed runs)."""
+    arms = arm_rows(rows)
+    by_arm: dict[str, list[dict]] = {}
+    for r in rows:
+        by_arm.setdefault(r.get("arm") or r["run"].rpartition("_s")[0], []).append(r)
+    done = {a["arm"] for a in arms}
+    arms += [{"arm": arm, "seeds": [], "mean": None, "min": None, "max": None, "delta": None}
+             for arm in by_arm if arm not in done]
+    for a in arms:
+        runs = by_arm[a["arm"]]
+        ok = [r for r in runs if r.get("ok")]
+        a.update({k: _mean([r.get(k) for r in ok]) for k in MEAN_KEYS})
+        buckets = {b for r in ok for b in r.get("pos_ppl") or {}}
+        a["pos_ppl"] = {b: _mean([(r.get("pos_ppl") or {}).get(b) for r in ok]) for b in sorted(buckets, key=int)}
+        a["spike"] = max((r["spike"] for r in ok if r.get("spike") is not None), default=None)
+        a["failed"] = [r["run"] for r in runs if not r.get("ok")]
+        a["flags"] = ([f"{a['delta']:+.0f}% vs softmax"] if a["delta"] is not None and a["delta"] > OUTLIER_DELTA
+                      else []) + ([f"loss spike {a['spike']:.2f}"] if (a["spike"] or 0) > SPIKE_NATS else []) + \
+                     ([f"not finished: {','.join(a['failed'])}"] if a["failed"] else [])
+    return arms
+
+
+def format_registry(rows: list[dict], excluded: dict[str, str] | None = None) -> str:
+    """The registry suites' table: a line per arm (:func:`registry_rows`), then the mechanisms not trained and why."""
+    arms = registry_rows(rows)
+    buckets = list(dict.fromkeys(b for a in arms for b in a["pos_ppl"]))
+
+    def fmt(v, spec):
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width}}" if v is None else format(v, spec)
+
+    w = max([14, *(len(a["arm"]) + 1 for a in arms)])
+    head = (f"{'arm':<{w}}{'seeds':>6}{'val ppl':>9}{'min':>8}{'max':>8}{'vs sm':>7}{'ood ppl':>9}{'tok/s':>9}"
+            f"{'GiB':>6}" + "".join(f"{'pos' + b:>9}" for b in buckets)
+            + f"{'pk1x':>6}{'pk2x':>6}{'mqar':>6}{'spike':>6}  flags")
+    lines = [head, "-" * len(head)]
+    for a in arms:
+        delta = "-" if a["delta"] is None else f"{a['delta']:+.1f}%"
+        lines.append(f"{a['arm']:<{w}}{','.join(map(str, a['seeds'])) or '-':>6}{fmt(a['mean'], '9.2f')}"
+                     f"{fmt(a['min'], '8.2f')}{fmt(a['max'], '8.2f')}{delta:>7}{fmt(a['ood_ppl'], '9.2f')}"
+                     f"{fmt(a['tps'], '9.0f')}{fmt(a['mem_gib'], '6.1f')}"
+                     + "".join(fmt(a["pos_ppl"].get(b), "9.2f") for b in buckets)
+                     + f"{fmt(a['passkey_1x'], '6.2f')}{fmt(a['passkey_2x'], '6.2f')}{fmt(a['mqar'], '6.3f')}"
+                     f"{fmt(a['spike'], '6.2f')}  {'; '.join(a['flags'])}")
+    lines += [f"not trained: {m}: {why}" for m, why in (excluded or {}).items()]
+    return "\n".join(lines)
 
 
 def plot_diagnostics(out: str, names: list[str]) -> str | None:
@@ -92,7 +158,9 @@ def format_table(rows: list[dict], log: dict | None = None) -> str:
                      f"{fmt(r.get('probe_norm'), '7.2f')}{fmt(r.get('rho_gain'), '7.3f')}"
                      f"{fmt(r.get('srank_wr'), '8.2f')}{fmt(r.get('seconds'), '7.0f')}  {status}")
     arms = arm_rows(rows) if any("arm" in r for r in rows) else []
-    if any(len(a["seeds"]) > 1 for a in arms):  # seeds side by side: the mean and its spread per arm
+    if log and log.get("suite") in EVALUATED:  # the arms with every column
+        lines += ["", format_registry(rows, log.get("excluded"))]
+    elif any(len(a["seeds"]) > 1 for a in arms):  # seeds side by side: the mean and its spread per arm
         w = max([18, *(len(a["arm"]) + 1 for a in arms)])
         head = f"{'arm':<{w}}{'seeds':>8}{'ppl mean':>10}{'min':>8}{'max':>8}{'vs softmax':>12}"
         lines += ["", head, "-" * len(head)]

@@ -16,10 +16,12 @@ import threading
 import time
 
 from benchmarks.common import REPO
+from benchmarks.replicate.evaluate import EVAL_FILE
+from benchmarks.replicate.evaluate import columns as eval_columns
 from benchmarks.replicate.metrics import (finished_at, read_analysis, read_metrics, resumable_step, summary_rows,
                                           truncate_metrics, write_summary)
-from benchmarks.replicate.plan import (ANALYZED, CONVERTED_FRACTION, PAPER_GAIN, RUNS, SUITES, chunk_stop, fit_steps,
-                                       mechanism, plan_steps, suite_arms)
+from benchmarks.replicate.plan import (ANALYZED, CONVERTED_FRACTION, EVALUATED, PAPER_GAIN, RUNS, SUITES, chunk_stop,
+                                       excluded, fit_steps, mechanism, plan_steps, suite_arms)
 from benchmarks.replicate.report import format_table, plot_diagnostics
 
 
@@ -121,7 +123,7 @@ def run_replication(args, out: str, common: list[str], val_file: str, left, log:
     steps = args.steps
     if budget > 0:
         n = args.calib_steps
-        mechs = list(dict.fromkeys(mechanism(nm) for nm in names))
+        mechs = list(dict.fromkeys(mechanism(RUNS[nm]) for nm in names))
         if compile_on:  # softmax once more with a warm compile cache: scales the other (cold) fixed costs
             mechs.append("softmax_warm")
         for mech in mechs:
@@ -167,7 +169,7 @@ def run_replication(args, out: str, common: list[str], val_file: str, left, log:
     conv_dir = os.path.join(out, "converted_init")
     for name in names:
         dump = os.path.join(out, name)
-        mech = mechanism(name)
+        mech = mechanism(RUNS[name])
         n_steps = steps if name != "converted" else max(1, steps // CONVERTED_FRACTION)
         if name == "gdn_muon" and budget > 0:  # what is left, at most `steps`; nothing if its calibration failed
             n_steps = fit_steps(left() - args.margin_s, fixed["gdn"], tps["gdn"], k, steps) if "gdn" in tps else 0
@@ -240,7 +242,9 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
     ckpt_every = str(args.ckpt_every if args.ckpt_every is not None else spec["ckpt_every"] or 100000)
     est: dict[str, tuple[float, float]] = {}  # mechanism -> (fixed s per launch, training tokens/s), measured here
     earlier = {r["run"]: r for r in summary_rows(out)}  # earlier calls' rows (other seeds or arms) stay in the table
-    jobs = [(arm, seed) for arm in chosen for seed in args.seeds]
+    # seed-major: a mechanism's second seed starts once its first has filled the shared compile cache
+    jobs = [(arm, seed) for seed in args.seeds for arm in chosen]
+    evaluated = args.suite in EVALUATED
     background, cleanup = [], []
     lock = threading.Lock()  # background, cleanup, summary.json
     free_gpus: queue.Queue = queue.Queue()
@@ -249,7 +253,7 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
 
     def train(arm: str, seed: int, gpu: str | None) -> dict:
         """One run to its last step (or paused at the budget's end); the row of the table."""
-        name, mech = f"{arm}_s{seed}", mechanism(arm)
+        name, mech = f"{arm}_s{seed}", mechanism(arms[arm])
         dump = os.path.join(out, name)
         flags = [*common, *arms[arm], "--debug.seed", str(seed), "--job.dump_folder", dump,
                  "--training.steps", str(steps), "--metrics.log_freq", str(max(1, steps // 25)),
@@ -295,15 +299,33 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             current = stop
         return {**row, "ok": True, **read_metrics(dump)}
 
+    def evaluate(row: dict, arm: str, seed: int, gpu: str | None) -> None:
+        """The run's :mod:`~benchmarks.replicate.evaluate` columns on its GPU (once: ``eval.json`` stays with the
+        run); the MQAR cell rides on the first seed of the mechanism's own arm (registered defaults)."""
+        dump = os.path.join(out, row["run"])
+        if not os.path.isfile(os.path.join(dump, EVAL_FILE)):
+            mech = mechanism(arms[arm])
+            cmd = [sys.executable, "-m", "benchmarks.replicate", "--evaluate", dump, "--val", val_file,
+                   *(["--ood", args.ood] if args.ood else []),
+                   *(["--synthetic", mech, "--seed", str(seed)] if arm == mech and seed == args.seeds[0] else [])]
+            timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
+            ok, secs = _run(cmd, os.path.join(dump, "eval.log"), timeout, gpu=gpu)
+            row["eval_seconds"] = round(secs, 1)
+            if not ok:
+                row["eval_error"] = _tail(os.path.join(dump, "eval.log"), 200).replace("\n", " | ")
+        row.update(eval_columns(dump))
+
     def job(arm: str, seed: int) -> dict:
         gpu = free_gpus.get()
         try:
             row = train(arm, seed, gpu)
+            if row["ok"] and evaluated:
+                evaluate(row, arm, seed, gpu)
         finally:
             free_gpus.put(gpu)
         dump = os.path.join(out, row["run"])
         with lock:
-            if row["ok"] and not args.no_analyze:
+            if row["ok"] and not args.no_analyze and mechanism(arms[arm]) in ANALYZED:
                 if row.get("cached") and read_analysis(row, dump):
                     pass
                 elif os.path.isdir(os.path.join(dump, "checkpoint")):
@@ -314,7 +336,8 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             write_summary(out, [row], log, merge=True)
         return row
 
-    log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arms={a: arms[a] for a in chosen})
+    log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arms={a: arms[a] for a in chosen},
+               excluded=excluded(args.suite), ood=args.ood)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.gpus) as pool:
         rows = list(pool.map(lambda j: job(*j), jobs))  # in arm order, not finishing order
     return rows, background, cleanup

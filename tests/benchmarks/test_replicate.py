@@ -12,8 +12,10 @@ from benchmarks.replicate import run as replicate_run
 from benchmarks.replicate.__main__ import main, parse_args
 from benchmarks.replicate.metrics import (finished_at, read_metrics, resumable_step, summary_rows, truncate_metrics,
                                           write_summary)
-from benchmarks.replicate.plan import RHO_NORM_LR_1X, RUNS, chunk_stop, fit_steps, mechanism, plan_steps, suite_arms
-from benchmarks.replicate.report import arm_rows, format_table, plot_diagnostics
+from benchmarks.replicate.evaluate import EVAL_FILE, columns
+from benchmarks.replicate.plan import (LONG_MECHANISMS, PAPER_ARMS, RHO_NORM_LR_1X, RUNS, chunk_stop, excluded,
+                                       fit_steps, mechanism, plan_steps, suite_arms)
+from benchmarks.replicate.report import arm_rows, format_table, plot_diagnostics, registry_rows
 from benchmarks.replicate.run import train_tokenizer
 
 
@@ -39,14 +41,14 @@ def test_fit_steps_caps_and_floors():
 
 
 def test_mechanism_of_each_run():
-    assert {n: mechanism(n) for n in RUNS} == {
+    assert {n: mechanism(RUNS[n]) for n in RUNS} == {
         "softmax_muon": "softmax", "parallax_muon": "parallax", "softmax_adamw": "softmax",
         "parallax_adamw": "parallax", "parallax_muon_wd2": "parallax", "converted": "parallax", "gdn_muon": "gdn"}
     assert list(RUNS).index("softmax_muon") < list(RUNS).index("converted") < list(RUNS).index("gdn_muon")
     # the replication keeps the paper's ρ-norm gain whatever the framework default
     for name, flags in RUNS.items():
-        gain = flags[flags.index("--attention.parallax.rho_norm_init") + 1] if mechanism(name) == "parallax" else None
-        assert gain == ("1" if mechanism(name) == "parallax" else None), name
+        gain = flags[flags.index("--attention.parallax.rho_norm_init") + 1] if mechanism(flags) == "parallax" else None
+        assert gain == ("1" if mechanism(flags) == "parallax" else None), name
 
 
 def test_read_metrics_median_tps_skips_step_one(tmp_path):
@@ -56,7 +58,7 @@ def test_read_metrics_median_tps_skips_step_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     m = read_metrics(str(tmp_path))
     assert m == {"val_loss": 6.9, "val_ppl": math.exp(6.9), "train_loss": 6.5, "step": 15, "val_step": 15,
-                 "tps": 200.0}
+                 "tps": 200.0, "mem_gib": None, "spike": 0.0}
     assert read_metrics(str(tmp_path / "missing")) == {}
     # finished = validated at the last step, although the last logged training step can be earlier
     assert finished_at(m, 15) and not finished_at(m, 16) and not finished_at({"step": 15}, 15)
@@ -331,3 +333,69 @@ def test_seeds_table_mean_min_max_and_delta_of_means():
     assert lines[at + 3].split() == ["parallax_g0.1_muon", "0,1,2", "12.60", "12.30", "12.90", "-3.1%"]
     single = format_table([row("softmax_muon", 0, 13.0), row("parallax_g0.1_muon", 0, 12.6)])
     assert "ppl mean" not in single  # one seed per arm: the run table says it all
+
+
+def test_registry_suites_cover_the_registry():
+    """Every registered mechanism with a fast path has an arm named after it, with nothing but its attention set,
+    followed by its paper arms; a reference-only mechanism is listed as not trained, with the registry's reason."""
+    from attnlab.attention import REGISTRY
+    from attnlab.config import parse_config
+
+    arms = suite_arms("registry", [], 0.1, [])
+    fast = [m for m, e in REGISTRY.items() if not e.reference_only]
+    assert [a for a in arms if a in REGISTRY] == fast and all(arms[m] == ["--model.attention", m] for m in fast)
+    assert excluded("registry") == {m: e.reference_only for m, e in REGISTRY.items() if e.reference_only}
+    for mech, extra in PAPER_ARMS.items():
+        for arm, flags in extra.items():
+            assert arms[arm] == ["--model.attention", mech, *flags] and mechanism(arms[arm]) == mech
+            assert list(arms).index(arm) == list(arms).index(mech) + 1
+            parse_config(arms[arm])  # the flags name real options with valid values
+    long = suite_arms("registry_long", [], 0.1, [])
+    assert {mechanism(f) for f in long.values()} == set(LONG_MECHANISMS) and set(long) <= set(arms)
+
+
+def _eval_json(dump, trained=1024):
+    buckets = [{"start": a, "end": b, "tokens": 10, "loss": 1.0, "ppl": float(a + 1)}
+               for a, b in ((0, 512), (512, 1024), (1024, 2048), (2048, 4096))]
+    os.makedirs(dump, exist_ok=True)
+    json.dump({"train_seq_len": trained, "ood": {"ppl": 90.0}, "by_position": {"buckets": buckets},
+               "passkey": {"accuracy": {"1024": 0.8, "2048": 0.1}}, "synthetic": {"acc": 0.99}},
+              open(os.path.join(dump, EVAL_FILE), "w"))
+
+
+def test_eval_columns(tmp_path):
+    _eval_json(tmp_path / "run")
+    assert columns(str(tmp_path / "run")) == {"ood_ppl": 90.0, "pos_ppl": {"512": 513.0, "1024": 1025.0, "2048": 2049.0},
+                                              "passkey_1x": 0.8, "passkey_2x": 0.1, "mqar": 0.99}
+    assert columns(str(tmp_path / "none")) == {}
+
+
+def test_read_metrics_peak_memory_and_spike(tmp_path):
+    recs = [{"step": s, "loss": loss, "tps": 1.0, "memory_gib": mem}
+            for s, loss, mem in ((1, 9.0, 1.0), (10, 5.0, 3.0), (20, 4.0, 2.0), (30, 4.6, 2.0), (40, 3.9, 2.5))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    m = read_metrics(str(tmp_path))
+    assert m["mem_gib"] == 3.0 and m["spike"] == pytest.approx(0.6)  # 4.6 after 4.0; step 1 is in the first tenth
+
+
+def test_registry_table_flags_outliers_and_failures():
+    """Arms over seeds: val ppl mean/min/max against softmax, the other columns averaged, and the flags that call for
+    a write-up: > 25 % worse than softmax, a loss spike, a run that did not finish."""
+    def row(arm, seed, ppl, ok=True, spike=0.01, **cols):
+        return {"run": f"{arm}_s{seed}", "arm": arm, "seed": seed, "steps": 160, "tokens": 1, "ok": ok,
+                "val_ppl": ppl if ok else None, "spike": spike, "tps": 1000.0 * (seed + 1), "mem_gib": 2.0,
+                "ood_ppl": 2 * ppl if ok else None, "pos_ppl": {"512": ppl}, "passkey_1x": 1.0, "passkey_2x": 0.0,
+                "mqar": 0.5 + seed / 4, **({} if ok else {"error": "x"})}
+
+    rows = [row("softmax", 0, 80.0), row("softmax", 1, 82.0), row("gla", 0, 90.0), row("gla", 1, 92.0),
+            row("linear", 0, 110.0), row("linear", 1, 112.0), row("fox", 0, 80.0, spike=0.5),
+            row("mesa", 0, 0, ok=False)]
+    arms = {a["arm"]: a for a in registry_rows(rows)}
+    assert arms["gla"]["mean"] == pytest.approx(91.0) and arms["gla"]["delta"] == pytest.approx(100 * (91 / 81 - 1))
+    assert arms["gla"]["tps"] == pytest.approx(1500.0) and arms["gla"]["mqar"] == pytest.approx(0.625)
+    assert arms["gla"]["pos_ppl"] == {"512": pytest.approx(91.0)} and arms["gla"]["flags"] == []
+    assert arms["linear"]["flags"] == ["+37% vs softmax"]
+    assert arms["fox"]["flags"] == ["loss spike 0.50"]
+    assert arms["mesa"]["flags"] == ["not finished: mesa_s0"] and arms["mesa"]["mean"] is None
+    table = format_table(rows, {"suite": "registry", "excluded": {"affine_mesa": "no fast path"}})
+    assert "+37% vs softmax" in table and "not trained: affine_mesa: no fast path" in table

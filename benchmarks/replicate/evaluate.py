@@ -1,0 +1,112 @@
+"""The registry suites' columns beyond validation perplexity, for one finished run, in one process on its GPU:
+perplexity on an out-of-domain text, the loss by context position out to 4× the training length, passkey retrieval
+at 1× and 2× the training length (10 keys at each of 5 depths; a length shorter than the prompt's fixed text is
+left out), and (for the run that carries it) the synthetic MQAR quick sweep of its mechanism.
+
+    python -m benchmarks.replicate --evaluate RUN_DIR --val VAL [--ood PATH] [--synthetic MECH --seed S]
+
+Writes ``RUN_DIR/eval.json`` (:func:`columns` reads it back into the table's row). Every part goes through the
+tools' own functions (``attnlab.tools.eval_ppl``, ``passkey``, ``synthetic``), so a column means what that tool
+prints. The run's model is loaded once, in float32 (the trained weights; training ran under bf16 autocast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+EVAL_FILE = "eval.json"
+CONTEXT_MULTIPLE = 4
+"""The by-position loss runs out to this many times the training sequence length."""
+PASSKEY_MULTIPLES = (1, 2)
+"""Passkey prompt lengths, in training sequence lengths."""
+BATCH_ROWS = 8  # rows per forward pass; a 68M model at 4 × 1024 tokens fits many times over
+
+
+def evaluate_run(dump: str, val: str, ood: str | None, synthetic: str | None, seed: int, device: str) -> dict:
+    """The columns of the run folder ``dump`` (module docstring), also written to ``<dump>/eval.json``."""
+    from attnlab.data.loader import build_tokenizer
+    from attnlab.tools import eval_ppl, passkey
+    from attnlab.tools.common import load_run
+
+    ap = eval_ppl.build_parser()
+    args = ap.parse_args([dump, "--data", val, "--device", device])
+    t0 = time.time()
+    model, cfg, _ = load_run(ap, args, [])
+    tok = build_tokenizer(cfg)
+    trained = cfg.training.seq_len
+    res: dict = {"train_seq_len": trained, "attention": cfg.model.attention}
+    if ood:
+        r = eval_ppl.evaluate(model, eval_ppl.packed_rows(ood, cfg, tok, trained), BATCH_ROWS, device=device,
+                              progress=False)
+        res["ood"] = {"data": ood, "ppl": r["ppl"], "loss": r["loss"], "tokens": r["tokens"]}
+    long = CONTEXT_MULTIPLE * trained
+    r = eval_ppl.evaluate(model, eval_ppl.packed_rows(val, cfg, tok, long), BATCH_ROWS, device=device,
+                          progress=False, edges=eval_ppl.position_edges(long))
+    res["by_position"] = {"seq_len": long, "data": val, "buckets": r["by_position"]}
+    encode = lambda text: tok.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    keys = passkey.draw_keys(10, 0)
+    shortest = max(passkey.tokenize(encode, tok.bos_id, k).min_length for k in keys)
+    lengths = [m * trained for m in PASSKEY_MULTIPLES if m * trained >= shortest]  # a prompt needs its intro
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    cells = passkey.evaluate(model, encode, tok.bos_id, lengths, depths, keys, 4, device)
+    res["passkey"] = {"depths": depths, "samples": 10, "results": cells,
+                      "accuracy": {str(n): sum(c["accuracy"] for c in cells if c["length"] == n) / len(depths)
+                                   for n in lengths}}
+    res["eval_s"] = round(time.time() - t0, 1)
+    del model
+    if synthetic:
+        res["synthetic"] = mqar(synthetic, seed, device)
+    with open(os.path.join(dump, EVAL_FILE), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def mqar(mechanism: str, seed: int, device: str) -> dict:
+    """The quick sweep's MQAR cell (``attnlab.tools.synthetic``'s sizes, steps and lr) for ``mechanism``."""
+    from attnlab.tools import synthetic
+
+    os.environ["ATTNLAB_AUTOTUNE"] = "first"  # width-128 models, not timed: one tile per kernel, as the tool does
+    args = synthetic.build_parser().parse_args(["--attention", mechanism, "--tasks", "mqar", "--sweep", "quick",
+                                                "--seed", str(seed), "--device", device])
+    (task, spec), = synthetic.sweep_configs("quick", args)
+    r = synthetic.train_task(task, mechanism, spec, 300, 32, args.lr, device, seed)
+    return {"task": task, "mechanism": mechanism, "seed": seed, "acc": r["acc"], "vocab": spec.vocab,
+            "seq_len": spec.seq_len, "seconds": round(r["seconds"], 1)}
+
+
+def columns(dump: str) -> dict:
+    """The table's columns from ``<dump>/eval.json`` ({} when it has none): ``ood_ppl``; ``pos_ppl`` (the
+    perplexity of the by-position buckets from half the training length on: ``"512"`` for [512, 1024), ...);
+    ``passkey_1x`` / ``passkey_2x``; ``mqar``."""
+    path = os.path.join(dump, EVAL_FILE)
+    if not os.path.isfile(path):
+        return {}
+    e = json.load(open(path))
+    half = e["train_seq_len"] // 2
+    out = {"ood_ppl": e.get("ood", {}).get("ppl"),
+           "pos_ppl": {str(b["start"]): b["ppl"] for b in e["by_position"]["buckets"] if b["start"] >= half},
+           **{f"passkey_{m}x": e["passkey"]["accuracy"].get(str(m * e["train_seq_len"])) for m in PASSKEY_MULTIPLES}}
+    if "synthetic" in e:
+        out["mqar"] = e["synthetic"]["acc"]
+    return out
+
+
+def main(argv: list[str]) -> dict:
+    """``--evaluate RUN_DIR ...``: the child process the suite starts on the run's GPU."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.replicate --evaluate")
+    ap.add_argument("dump", help="a finished run folder")
+    ap.add_argument("--val", required=True, help="the validation text (the by-position loss)")
+    ap.add_argument("--ood", default=None, help="the out-of-domain text, a file, folder or glob")
+    ap.add_argument("--synthetic", default=None, help="also the MQAR quick sweep of this mechanism")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the MQAR run")
+    ap.add_argument("--device", default=None, help="torch device (default: cuda when there is one)")
+    a = ap.parse_args(argv)
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    res = evaluate_run(a.dump, a.val, a.ood, a.synthetic, a.seed, device)
+    print(json.dumps(columns(a.dump)), flush=True)
+    return res
