@@ -19,6 +19,7 @@ from torchtitan.tools.logging import logger
 
 from attnlab.attention.cp import ContextParallel
 from attnlab.attention.ops import sac_save_ops
+from attnlab.attention.ops.common import fla_importable
 
 
 def sac_save_list(attention_ops: bool = True) -> set:
@@ -45,6 +46,8 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                  op_sac_save_list=sac_save_list(job_config.attention.sac_save),
                  base_folder=job_config.job.dump_folder)
     if compile_model:
+        if torch.cuda.is_available():  # fla's first use imports and patches modules, which dynamo cannot trace
+            fla_importable()
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -71,3 +71,15 @@ def test_fullgraph_all_mechanisms(name, impl):
 def test_gpu_fullgraph(name):
     """impl="auto" on CUDA: Triton kernels, fla-core where installed (its entry points are compile-disabled)."""
     _check(name, "auto", device="cuda", dtype=torch.bfloat16, tol=3e-2)
+
+
+def test_fla_question_traces_once_asked():
+    """A compiled block's first fla path asks ``fla_importable`` inside the compiled region. Its first answer imports
+    and patches modules, which dynamo cannot trace; ``models.parallelize`` asks before compiling, and every later
+    ask is a read that traces with ``fullgraph``."""
+    from attnlab.attention.ops.common import fla_importable
+
+    expected = fla_importable()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + float(fla_importable()[0]), fullgraph=True, backend="eager")
+    assert f(torch.zeros(1)).item() == float(expected[0])

@@ -130,20 +130,31 @@ def fla_gated_backward_ok(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
+_FLA: tuple[bool, str] | None = None  # fla_importable's answer, once asked
+
+
 def fla_importable() -> tuple[bool, str]:
     """Whether ``fla`` (fla-core) imports; (ok, reason). Every fla path asks this first, so this is also where
     fla's kernels get their low-host-cost launchers (:func:`attention.ops.fla_launch.install`, idempotent):
     every fla op in the process launches the same way, whichever mechanism ran first. Under
     ``ATTNLAB_AUTOTUNE=first`` fla's kernels keep one autotune candidate
-    (:func:`attention.ops.autotune.first_config_for_fla`), in training and tools as in the tests."""
+    (:func:`attention.ops.autotune.first_config_for_fla`), in training and tools as in the tests.
+
+    The answer is kept: later calls only read it, which ``torch.compile`` traces. The first call imports and patches
+    modules, which it cannot, so a compiled model asks before compiling (``models.parallelize``)."""
+    global _FLA
+    if _FLA is not None:
+        return _FLA
     from attnlab.attention.ops.autotune import first_config_for_fla
 
     first_config_for_fla()
     try:
         import fla.ops  # noqa: F401  (imports all of fla's ops, so install() sees every kernel)
     except Exception as e:  # ImportError, or a Triton/driver error at import time
-        return False, f"fla-core not importable ({type(e).__name__}: {e})"
+        _FLA = False, f"fla-core not importable ({type(e).__name__}: {e})"
+        return _FLA
     from attnlab.attention.ops.fla_launch import install
 
     install()
-    return True, ""
+    _FLA = True, ""
+    return _FLA
