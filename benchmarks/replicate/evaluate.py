@@ -68,7 +68,6 @@ def mqar(mechanism: str, seed: int, device: str) -> dict:
     """The quick sweep's MQAR cell (``attnlab.tools.synthetic``'s sizes, steps and lr) for ``mechanism``."""
     from attnlab.tools import synthetic
 
-    os.environ["ATTNLAB_AUTOTUNE"] = "first"  # width-128 models, not timed: one tile per kernel, as the tool does
     args = synthetic.build_parser().parse_args(["--attention", mechanism, "--tasks", "mqar", "--sweep", "quick",
                                                 "--seed", str(seed), "--device", device])
     (task, spec), = synthetic.sweep_configs("quick", args)
@@ -80,18 +79,24 @@ def mqar(mechanism: str, seed: int, device: str) -> dict:
 def columns(dump: str) -> dict:
     """The table's columns from ``<dump>/eval.json`` ({} when it has none): ``ood_ppl``; ``pos_ppl`` (the
     perplexity of the by-position buckets from half the training length on: ``"512"`` for [512, 1024), ...);
-    ``passkey_1x`` / ``passkey_2x``; ``mqar``."""
+    ``passkey_1x`` / ``passkey_2x`` (accuracy) and ``passkey_logp`` (the key's mean log-probability at 1×); ``mqar``."""
     path = os.path.join(dump, EVAL_FILE)
     if not os.path.isfile(path):
         return {}
     e = json.load(open(path))
     half = e["train_seq_len"] // 2
-    out = {"ood_ppl": e.get("ood", {}).get("ppl"),
+    out = {"ood_ppl": e.get("ood", {}).get("ppl"), "passkey_logp": _mean_logp(e["passkey"], e["train_seq_len"]),
            "pos_ppl": {str(b["start"]): b["ppl"] for b in e["by_position"]["buckets"] if b["start"] >= half},
            **{f"passkey_{m}x": e["passkey"]["accuracy"].get(str(m * e["train_seq_len"])) for m in PASSKEY_MULTIPLES}}
     if "synthetic" in e:
         out["mqar"] = e["synthetic"]["acc"]
     return out
+
+
+def _mean_logp(passkey: dict, length: int) -> float | None:
+    """The mean log-probability of the key at prompt length ``length`` (a graded signal where accuracy is 0)."""
+    cells = [c["logprob"] for c in passkey.get("results", []) if c["length"] == length]
+    return sum(cells) / len(cells) if cells else None
 
 
 def main(argv: list[str]) -> dict:
@@ -104,6 +109,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="seed of the MQAR run")
     ap.add_argument("--device", default=None, help="torch device (default: cuda when there is one)")
     a = ap.parse_args(argv)
+    # not timed: one tile per kernel (ours and fla's) instead of autotuning every new shape (fp32, 4x the length)
+    os.environ["ATTNLAB_AUTOTUNE"] = "first"
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

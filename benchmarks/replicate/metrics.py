@@ -37,7 +37,8 @@ def truncate_metrics(run_dir: str, step: int) -> None:
 def read_metrics(run_dir: str) -> dict:
     """Last validation/training record, the median training tokens/s (log intervals after step 1), the peak
     reserved GPU memory (``mem_gib``, None on the CPU) and ``spike``: the largest rise of a logged training loss over
-    the lowest one logged before it, past the first tenth of the steps (nats; a loss spike shows here)."""
+    the median of the five logged before it, past the first tenth of the steps (nats). A logged loss is one step's
+    batch, and batches differ in difficulty by up to ~0.5 nats at the repl-68M scale; a spike shows above that."""
     from attnlab.trainer.metrics import read_records
 
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -53,7 +54,8 @@ def read_metrics(run_dir: str) -> dict:
             "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
             "val_step": val[-1]["step"] if val else None,
             "tps": statistics.median(tps) if tps else None, "mem_gib": max(mem) if mem else None,
-            "spike": max((max(0.0, b - min(late[:i])) for i, b in enumerate(late) if i), default=None)}
+            "spike": max((max(0.0, b - statistics.median(late[max(0, i - 5):i])) for i, b in enumerate(late) if i),
+                         default=None)}
 
 
 def finished_at(metrics: dict, steps: int) -> bool:

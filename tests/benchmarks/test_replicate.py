@@ -249,9 +249,9 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
 
     _tiny_corpus(tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
-    active, peak, seen, lock = [0], [0], {}, threading.Lock()
+    active, peak, seen, shares, lock = [0], [0], {}, {}, threading.Lock()
 
-    def fake_run(cmd, log, timeout, append=False, gpu=None):
+    def fake_run(cmd, log, timeout, append=False, gpu=None, cpus=None):
         if "--train-one" not in cmd:  # plot_ppl
             return True, 0.0
         dump = cmd[cmd.index("--job.dump_folder") + 1]
@@ -259,6 +259,7 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
             active[0] += 1
             peak[0] = max(peak[0], active[0])
             seen[os.path.basename(dump)] = gpu
+            shares[gpu] = cpus
         time.sleep(0.3 if "softmax" in dump else 0.05)  # the first arm finishes last
         with open(os.path.join(dump, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 4, "loss": 5.0, "tps": 100.0}) + "\n")
@@ -275,6 +276,7 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     assert peak[0] == 2
     assert [r["run"] for r in rows] == [f"{a}_s0" for a in runs.split(",")] and all(r["ok"] for r in rows)
     assert set(seen.values()) == {"5", "7"} and len(seen) == 3
+    assert sorted(shares.values()) == sorted(replicate_run.cpu_share(i, 2) for i in range(2))  # a share per GPU
     summary = json.load(open(tmp_path / "out" / "dose" / "summary.json"))
     assert [r["run"] for r in summary["runs"]] == [r["run"] for r in rows] and summary["gpus"] == 2
     with pytest.raises(SystemExit):
@@ -359,23 +361,26 @@ def _eval_json(dump, trained=1024):
                for a, b in ((0, 512), (512, 1024), (1024, 2048), (2048, 4096))]
     os.makedirs(dump, exist_ok=True)
     json.dump({"train_seq_len": trained, "ood": {"ppl": 90.0}, "by_position": {"buckets": buckets},
-               "passkey": {"accuracy": {"1024": 0.8, "2048": 0.1}}, "synthetic": {"acc": 0.99}},
+               "passkey": {"accuracy": {"1024": 0.8, "2048": 0.1},
+                           "results": [{"length": 1024, "logprob": -1.0}, {"length": 1024, "logprob": -2.0},
+                                       {"length": 2048, "logprob": -9.0}]}, "synthetic": {"acc": 0.99}},
               open(os.path.join(dump, EVAL_FILE), "w"))
 
 
 def test_eval_columns(tmp_path):
     _eval_json(tmp_path / "run")
     assert columns(str(tmp_path / "run")) == {"ood_ppl": 90.0, "pos_ppl": {"512": 513.0, "1024": 1025.0, "2048": 2049.0},
-                                              "passkey_1x": 0.8, "passkey_2x": 0.1, "mqar": 0.99}
+                                              "passkey_1x": 0.8, "passkey_2x": 0.1, "passkey_logp": -1.5, "mqar": 0.99}
     assert columns(str(tmp_path / "none")) == {}
 
 
 def test_read_metrics_peak_memory_and_spike(tmp_path):
     recs = [{"step": s, "loss": loss, "tps": 1.0, "memory_gib": mem}
-            for s, loss, mem in ((1, 9.0, 1.0), (10, 5.0, 3.0), (20, 4.0, 2.0), (30, 4.6, 2.0), (40, 3.9, 2.5))]
+            for s, loss, mem in ((1, 9.0, 1.0), (10, 5.0, 3.0), (20, 4.0, 2.0), (30, 4.2, 2.0), (40, 5.5, 2.5),
+                                 (50, 3.9, 2.0))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     m = read_metrics(str(tmp_path))
-    assert m["mem_gib"] == 3.0 and m["spike"] == pytest.approx(0.6)  # 4.6 after 4.0; step 1 is in the first tenth
+    assert m["mem_gib"] == 3.0 and m["spike"] == pytest.approx(1.3)  # 5.5 over 4.2; step 1 is in the first tenth
 
 
 def test_registry_table_flags_outliers_and_failures():
@@ -388,14 +393,22 @@ def test_registry_table_flags_outliers_and_failures():
                 "mqar": 0.5 + seed / 4, **({} if ok else {"error": "x"})}
 
     rows = [row("softmax", 0, 80.0), row("softmax", 1, 82.0), row("gla", 0, 90.0), row("gla", 1, 92.0),
-            row("linear", 0, 110.0), row("linear", 1, 112.0), row("fox", 0, 80.0, spike=0.5),
+            row("linear", 0, 110.0), row("linear", 1, 112.0), row("fox", 0, 80.0, spike=1.5),
             row("mesa", 0, 0, ok=False)]
     arms = {a["arm"]: a for a in registry_rows(rows)}
     assert arms["gla"]["mean"] == pytest.approx(91.0) and arms["gla"]["delta"] == pytest.approx(100 * (91 / 81 - 1))
     assert arms["gla"]["tps"] == pytest.approx(1500.0) and arms["gla"]["mqar"] == pytest.approx(0.625)
     assert arms["gla"]["pos_ppl"] == {"512": pytest.approx(91.0)} and arms["gla"]["flags"] == []
     assert arms["linear"]["flags"] == ["+37% vs softmax"]
-    assert arms["fox"]["flags"] == ["loss spike 0.50"]
+    assert arms["fox"]["flags"] == ["loss spike 1.50"]
     assert arms["mesa"]["flags"] == ["not finished: mesa_s0"] and arms["mesa"]["mean"] is None
     table = format_table(rows, {"suite": "registry", "excluded": {"affine_mesa": "no fast path"}})
     assert "+37% vs softmax" in table and "not trained: affine_mesa: no fast path" in table
+
+
+def test_cpu_share_splits_the_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [replicate_run.cpu_share(i, len(cores)) for i in range(len(cores))]
+    assert shares == [[c] for c in cores]  # disjoint, one core each
+    assert replicate_run.cpu_share(0, 1) == cores
+    assert replicate_run.cpu_share(0, 2 * len(cores)) == [cores[0]]  # more runs than cores: still one core
