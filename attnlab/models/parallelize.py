@@ -19,7 +19,7 @@ from torchtitan.tools.logging import logger
 
 from attnlab.attention.cp import ContextParallel
 from attnlab.attention.ops import sac_save_ops
-from attnlab.attention.ops.common import fla_importable
+from attnlab.attention.ops.common import fla_gated_backward_ok, fla_importable
 
 
 def sac_save_list(attention_ops: bool = True) -> set:
@@ -47,7 +47,7 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
                  base_folder=job_config.job.dump_folder)
     if compile_model:
         if torch.cuda.is_available():  # fla's first use imports and patches modules, which dynamo cannot trace
-            fla_importable()
+            log_fla_state(torch.device("cuda"))
         apply_compile(model, job_config.compile, ep_enabled=False)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
@@ -56,6 +56,17 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=compile_model)
     return model
+
+
+def log_fla_state(device: torch.device) -> None:
+    """Ask fla's state once, eagerly (the compiled blocks then only read it), and log the fallback the compiled
+    paths cannot log themselves: fla missing, or its gated backward unsafe on this GPU and Triton."""
+    ok, why = fla_importable()
+    if ok:
+        ok, why = fla_gated_backward_ok(device)
+    if not ok:
+        logger.warning(f"fla-core's training kernels are unavailable here ({why}): 'auto' paths that train "
+                       "through them take their fallbacks (docs/kernels.md)")
 
 
 def apply_fsdp(model: nn.Module, mesh, job_config) -> None:

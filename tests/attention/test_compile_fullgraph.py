@@ -83,3 +83,13 @@ def test_fla_question_traces_once_asked():
     torch._dynamo.reset()
     f = torch.compile(lambda x: x + float(fla_importable()[0]), fullgraph=True, backend="eager")
     assert f(torch.zeros(1)).item() == float(expected[0])
+
+
+def test_fallback_notice_traces():
+    """A fallback notice inside a compiled block (GLA on Hopper with Triton < 3.7.1 falls back from fla) traces."""
+    from attnlab.attention.ops.common import log_once
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (log_once("fallback notice from a compiled block"), x + 1)[1], fullgraph=True,
+                      backend="eager")
+    assert f(torch.zeros(1)).item() == 1.0

@@ -106,7 +106,11 @@ _LOGGED: set[str] = set()
 
 
 def log_once(msg: str) -> None:
-    """One-line log message, printed once per distinct text (fallback notices)."""
+    """One-line log message, printed once per distinct text (fallback notices). Not from code that
+    ``torch.compile`` traces, which cannot log: a compiled model's fla state is logged before compiling
+    (``models.parallelize``), and the eager paths (tools, tests, validation without compile) log here."""
+    if torch.compiler.is_compiling():
+        return
     if msg not in _LOGGED:
         _LOGGED.add(msg)
         logger.warning(msg)
