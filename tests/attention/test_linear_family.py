@@ -142,3 +142,19 @@ def test_triton_impl_matches_reference_with_packed_documents(name, kw):
 def test_gla_refuses_the_triton_impl():
     with pytest.raises(ValueError, match="attention.impl='triton' is not valid for gla"):
         build("gla", {}, impl="triton")
+
+
+def test_auto_without_fla_takes_the_triton_kernel_on_cuda(monkeypatch):
+    """Where fla cannot train (Hopper with Triton < 3.7.1), "auto" runs gated and plain linear attention on the
+    project's Triton kernel, and only what it does not cover (per-channel gates, states, other chunk sizes) on the
+    PyTorch chunk path."""
+    from attnlab.attention.ops import linear_attn
+
+    monkeypatch.setattr(linear_attn, "fla_usable", lambda device, needs_grad: (False, "Triton 3.6 on Hopper"))
+    cuda = torch.device("cuda")
+    assert linear_attn.resolve_impl("auto", cuda, True) == "triton"
+    assert linear_attn.resolve_impl("auto", cuda, True, per_channel=True) == "chunk"
+    assert linear_attn.resolve_impl("auto", cuda, True, stateful=True) == "chunk"
+    assert linear_attn.resolve_impl("auto", cuda, True, chunk_size=48) == "chunk"
+    assert linear_attn.resolve_impl("fla", cuda, True) == "chunk"
+    assert linear_attn.resolve_impl("auto", torch.device("cpu"), True) == "chunk"
