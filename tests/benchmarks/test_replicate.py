@@ -412,3 +412,26 @@ def test_cpu_share_splits_the_cores():
     assert shares == [[c] for c in cores]  # disjoint, one core each
     assert replicate_run.cpu_share(0, 1) == cores
     assert replicate_run.cpu_share(0, 2 * len(cores)) == [cores[0]]  # more runs than cores: still one core
+
+
+@pytest.mark.slow
+def test_registry_suite_evaluates_each_run_cpu(tmp_path):
+    """--suite registry on the debug flavor: a mechanism's own arm and a paper arm train, each is evaluated in its own
+    child (eval.json: out-of-domain ppl, loss by position to 4x the context, passkey, and MQAR for the mechanism's
+    own arm only), the checkpoint goes once eval.json exists, and the table carries the columns."""
+    _tiny_corpus(tmp_path)
+    ood = tmp_path / "ood.txt"
+    ood.write_text("Completely different words: ocean, harbour, lantern, orchard, violin. " * 40)
+    out = tmp_path / "out"
+    rows = main(["--corpus", str(tmp_path), "--out", str(out), "--flavor", "debug", "--steps", "3", "--batch", "2",
+                 "--seq-len", "64", "--vocab", "300", "--tokenizer-docs", "40", "--val-tokens", "128",
+                 "--suite", "registry", "--runs", "softmax,parallax_paper_g1", "--seeds", "0", "--ood", str(ood),
+                 "--timeout", "900"])
+    assert [r["run"] for r in rows] == ["softmax_s0", "parallax_paper_g1_s0"] and all(r["ok"] for r in rows), rows
+    for r in rows:
+        assert "eval_error" not in r, r
+        assert math.isfinite(r["ood_ppl"]) and set(r["pos_ppl"]) == {"32", "64", "128"}, r
+        assert not (out / "registry" / r["run"] / "checkpoint").exists()
+    assert 0 <= rows[0]["mqar"] <= 1 and "mqar" not in rows[1]
+    table = (out / "registry" / "table.txt").read_text()
+    assert "parallax_paper_g1" in table and "not trained: affine_mesa" in table
