@@ -1,7 +1,7 @@
 """Plot train and validation perplexity of several runs on one figure.
 
     python -m attnlab.tools.plot_ppl RUN_DIR [RUN_DIR ...] -o ppl.png [--labels a,b] [--smooth 0.9] [--x tokens]
-                               [--skip 50] [--bands]
+                               [--skip 50] [--bands] [--val-only]
 
 Each RUN_DIR is a run's ``job.dump_folder`` holding ``metrics.jsonl`` (written by the trainer). Runs are
 labelled by folder name unless ``--labels`` is given; training curves are drawn solid, validation points dashed
@@ -17,7 +17,8 @@ summed over ranks) when they have it, else the run's ``config.toml`` (``training
 
 ``--bands``: runs whose labels differ only in a ``_s<seed>`` suffix (``benchmarks.replicate``'s ``<arm>_s<seed>``) are
 one arm, drawn as the mean of their losses (at the steps every seed logged) with a band from the lowest to the
-highest seed, and validation points with min–max error bars.
+highest seed, and validation points with min–max error bars. ``--val-only`` draws the validation curves alone. More
+than 8 curves get 20 colours and a legend beside the axes.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def draw(ax, label: str, runs: list[str], color: str, args) -> None:
     loaded = [load(run) for run in runs]
     per_step = _x_scale(runs[0], loaded[0][0], args)
     exp = lambda v: math.exp(min(v, 50.0))  # noqa: E731
-    steps = sorted(set.intersection(*(set(t) for t, _ in loaded)))
+    steps = sorted(set.intersection(*(set(t) for t, _ in loaded))) if not args.val_only else []
     steps = [s for s in steps if s > args.skip]
     if steps:
         raw = [[t[s]["loss"] for s in steps] for t, _ in loaded]
@@ -144,6 +145,7 @@ def build_parser():
                     help="debiased EMA factor β in [0, 1) for the training loss (0 = none)")
     ap.add_argument("--x", choices=("step", "tokens"), default="step", help="horizontal axis")
     ap.add_argument("--skip", type=non_negative_int, default=0, help="leave out steps <= N")
+    ap.add_argument("--val-only", action="store_true", help="only the validation curves")
     ap.add_argument("--bands", action="store_true",
                     help="runs whose names differ only in a _s<seed> suffix are one arm: mean curve and min-max band")
     ap.add_argument("--tokens-per-step", type=non_negative_int, default=0,
@@ -165,12 +167,13 @@ def main(argv=None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
     groups: dict[str, list[str]] = {}  # label -> run folders (several: the seeds of one arm, with --bands)
     for run, label in zip(args.runs, labels):
         groups.setdefault(SEED.sub("", label) if args.bands else label, []).append(run)
+    many = len(groups) > 8  # a legend beside the axes, and 20 colours instead of 10
+    fig, ax = plt.subplots(figsize=(11 if many else 8, 5))
     for i, (label, runs) in enumerate(groups.items()):
-        draw(ax, label, runs, f"C{i}", args)
+        draw(ax, label, runs, plt.get_cmap("tab20")(i % 20) if many else f"C{i}", args)
     ax.set_xlabel("tokens" if args.x == "tokens" else "step")
     if args.x == "step":
         from matplotlib.ticker import MaxNLocator
@@ -179,7 +182,10 @@ def main(argv=None) -> None:
     ax.set_ylabel("perplexity" + (f" (train: debiased EMA of the loss, β={args.smooth:g})" if args.smooth else ""))
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if many:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")

@@ -21,7 +21,7 @@ arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/
   the lr it picks (``--suite horizon --adamw-lrs LR``);
 - ``context`` (160 steps, sequence 4096, batch 16: the same tokens per step as 64 × 1024): softmax, Parallax at
   gain 1 and at ``--best-gain``, each with ``causal`` and ``block_causal`` masks;
-- ``registry`` (160 steps = 10.5M tokens): every registered mechanism with its registered defaults, one arm named
+- ``registry`` (160 steps = 10.5M tokens, validation every 40): every registered mechanism with its registered defaults, one arm named
   after it, plus a second arm where its paper prescribes another init (``plan.PAPER_ARMS``); a mechanism registered
   as reference-only (no fast path) is listed as not trained, with the registry's reason. A newly registered
   mechanism joins without edits;

@@ -33,7 +33,7 @@ SUITES = {  # suite -> steps, validation.freq and checkpoint.interval (0 = none:
     "horizon": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
     "context": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=4096, batch=16),
     "adamw": dict(steps=400, val_freq=100, ckpt_every=0, seq_len=None, batch=None),
-    "registry": dict(steps=160, val_freq=0, ckpt_every=0, seq_len=None, batch=None),
+    "registry": dict(steps=160, val_freq=40, ckpt_every=0, seq_len=None, batch=None),
     "registry_long": dict(steps=1600, val_freq=200, ckpt_every=200, seq_len=None, batch=None),
 }
 EVALUATED = ("registry", "registry_long")

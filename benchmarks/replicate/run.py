@@ -372,9 +372,10 @@ def finish(out: str, results: list[dict], background, cleanup: list[str], log: d
         shutil.rmtree(path, ignore_errors=True)
     rows = write_summary(out, results, log, merge)
     ran = [os.path.join(out, r["run"]) for r in rows if os.path.isfile(os.path.join(out, r["run"], "metrics.jsonl"))]
-    if ran:
-        _run([sys.executable, "-m", "attnlab.tools.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png"), "--bands"],
-             os.path.join(out, "plot_ppl.log"), 120)
+    if ran:  # a registry suite's arms: their validation curves (the training batches are the same for every arm)
+        val_only = ["--val-only", "--skip", "1"] if log.get("suite") in EVALUATED else []
+        _run([sys.executable, "-m", "attnlab.tools.plot_ppl", *ran, "-o", os.path.join(out, "ppl.png"), "--bands",
+              *val_only], os.path.join(out, "plot_ppl.log"), 120)
     try:
         plot_diagnostics(out, [r["run"] for r in rows])
     except Exception as e:  # plotting must not lose the table
