@@ -21,11 +21,20 @@ slowest cold test takes about 2 minutes on an H200): past it the test fails with
 reads as a failure, not as a hang. A test may set its own with ``@pytest.mark.timeout(N)``."""
 
 
+GPU_MARKERS = {"gpu", "gpu_sweep"}
+"""The markers of tests that need CUDA, one per test: ``gpu``, the default GPU check (each kernel's default tile
+against its reference, every mechanism); ``gpu_sweep``, every autotune candidate of a kernel pinned in turn (slow),
+which ``-m gpu`` must not select."""
+
+
 def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()
     for item in items:
-        if "gpu" not in item.keywords:
+        marks = GPU_MARKERS.intersection(m.name for m in item.iter_markers())
+        if not marks:
             continue
+        if len(marks) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked both gpu and gpu_sweep: a sweep takes gpu_sweep only")
         if not cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         elif item.get_closest_marker("timeout") is None:

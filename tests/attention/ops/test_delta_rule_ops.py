@@ -16,7 +16,8 @@ forward, o / final state / every gradient match the float64 recurrent oracle, fa
 GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper + Triton < 3.7.1, fla elsewhere)
 against the chunk path in float32; KDA's saved-intermediate backward (no rerun) against the recurrent oracle;
 KDA with ``gate_lower_bound=-5`` (fla's safe_gate) against the chunk path in float32 and bf16; compiled GDN and KDA
-modules (impl "auto", inductor) forward + backward against eager.
+modules (impl "auto", inductor) forward + backward against eager. GPU sweep (``-m gpu_sweep``): each config
+``attention.ops.fla_launch`` adds to KDA's fused backward kernel on Hopper, forced alone, at the benchmark shape.
 """
 
 import os
@@ -495,7 +496,7 @@ def test_gpu_kda_bounded_gate_matches_chunk(dtype, tol_o, tol_grad, varlen, impl
         assert err < tol_grad, f"{backend} {dtype} d{name}: relative error {err:.2e}"
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sweep
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
 def test_gpu_kda_hopper_extra_configs_match_chunk(bounded):
     """Each config attention.ops.fla_launch adds to KDA's fused backward kernel on Hopper (8 warps, which fla's list

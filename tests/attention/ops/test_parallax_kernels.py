@@ -782,7 +782,7 @@ def gpu_segments(layout, D, probe):
     return q, k, v, r, dict(cu=cu, max_seqlen=1400, cu_k=cu_k, max_seqlen_k=1800)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sweep
 @pytest.mark.parametrize("layout", ["docs", "offsets"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_every_fwd_candidate(D, layout, monkeypatch):
@@ -833,7 +833,7 @@ def test_gpu_tma_launch_in_a_new_thread():
         assert torch.isfinite(a).all() and rel_err(a, c) < 1e-2 and torch.equal(a, b)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_sweep
 @pytest.mark.parametrize("layout", ["docs", "offsets"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_every_bwd_candidate(D, layout, monkeypatch):
