@@ -13,11 +13,12 @@ the op's backward calls fla's ``chunk_kda_bwd`` on the forward's saved (gk, Aqk,
 forward, o / final state / every gradient match the float64 recurrent oracle, fake outputs match real ones; with
 ``gate_lower_bound`` (gates from the bounded formula) fla's ``safe_gate`` kernels run, forward and backward.
 
-GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper + Triton < 3.7.1, fla elsewhere)
-against the chunk path in float32; KDA's saved-intermediate backward (no rerun) against the recurrent oracle;
-KDA with ``gate_lower_bound=-5`` (fla's safe_gate) against the chunk path in float32 and bf16; compiled GDN and KDA
-modules (impl "auto", inductor) forward + backward against eager. GPU sweep (``-m gpu_sweep``): each config
-``attention.ops.fla_launch`` adds to KDA's fused backward kernel on Hopper, forced alone, at the benchmark shape.
+GPU (``-m gpu``): the op with the backend "auto" picks (fla_hopper on Hopper + Triton < 3.7.1, fla elsewhere) and
+with "triton" (fla_hopper) against the chunk path in float32, dense and packed, with initial and final states;
+KDA's saved-intermediate backward (no rerun) against the recurrent oracle; KDA with ``gate_lower_bound=-5`` (fla's
+safe_gate) against the chunk path in float32 and bf16; compiled GDN and KDA modules (impl "auto", inductor)
+forward + backward against eager. GPU sweep (``-m gpu_sweep``): each config ``attention.ops.fla_launch`` adds to
+KDA's fused backward kernel on Hopper, forced alone, at the benchmark shape.
 """
 
 import os
