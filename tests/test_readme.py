@@ -87,6 +87,7 @@ NOT_CHECKED = {
     "pip install -e .[eval]": f"{NETWORK}; installs lm-eval",
     "python -m pytest -q": "the test suite itself, this file included",
     "python -m pytest -q -m gpu": "the GPU tests",
+    "python -m pytest -q -m gpu_sweep": "the GPU tests over every tile candidate",
     "python -m pytest -q -m slow": "the slow tests, this file's run-as-written test included",
     "scripts/wheelhouse.sh wheels 3.12 manylinux_2_28_x86_64 --cuda cu130":
         f"{NETWORK} (downloads wheels); tests/tools/test_wheelhouse.py checks the script",
