@@ -157,6 +157,8 @@ class ValueAveraging(nn.Module):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism: v all-gathered, the whole rows averaged (:func:`attention.base.mix_whole_rows`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     name = "value_avg"
 
@@ -200,6 +202,8 @@ class ValueAveraging(nn.Module):
 @register_attention("affine_linear", options=AffineLinearOptions, description="affine linear attention v̄ − S̃ρ with a learned probe ρ (affine family)")
 class AffineLinearAttention(_AffineBase):
     """o_i = v̄_i − S̃_i ρ_i with ρ_i = RMSNorm(W_q x_i) (Parallax at h → ∞)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     name = "affine_linear"
 
@@ -228,6 +232,8 @@ class _MesaBase(_AffineBase):
 @register_attention("mesa", options=MesaOptions, description="MesaNet (uniform weights): S H⁻¹ q with a CG ridge solve")
 class MesaAttention(_MesaBase):
     """o_i = S_i H_i⁻¹ q_i, means over the document, ridge λ learnable (Parallax paper eq. 5)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     name = "mesa"
 

@@ -68,6 +68,8 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism (:meth:`_mix_cp`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     def __init__(self, args: AttentionArgs, opts: CALAOptions):
         if opts.feature_map not in FEATURE_MAPS:

@@ -41,6 +41,8 @@ class LinearFamilyAttention(nn.Module):
     """``[attention] impl`` values this mechanism accepts (``--list-attention`` prints them)."""
     context_parallel = True
     """Runs under context parallelism (:meth:`_mix_cp`, :meth:`attention.linear_common.ShortConvolution.forward_cp`)."""
+    context_parallel_compiles = True
+    """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
     normalize: bool = False
 

@@ -105,6 +105,37 @@ def test_varlen_three_docs_no_leak():
     assert sum(lens) == 64
 
 
+@pytest.mark.parametrize("path", ["chunk", "fla"])
+def test_stateful_packed_documents_compile_as_one_graph_on_every_path(path, monkeypatch):
+    """Packed documents with a state each in and out (context parallelism's state passing) are one opaque op whose
+    fake matches its output (opcheck) and which compiles with fullgraph=True, with the eager values and gradients.
+    "fla": fla-core's entry points are torch.compiler.disable'd (CUDA only); a stand-in with that property (the
+    chunk path behind torch.compiler.disable) takes their place, so the test fails where the stateful fla call
+    is not behind the op (a graph break in a compiled block)."""
+    import attnlab.attention.ops.linear_attn as la
+
+    if path == "fla":
+        monkeypatch.setattr(la, "fla_usable", lambda device, needs_grad: (True, ""))
+        monkeypatch.setattr(la, "_fla_gla_calls", torch.compiler.disable(
+            lambda q, k, v, g, gk, scale, h0, final, cu: chunk_gla(q, k, v, g, gk, scale, h0, final, cu, 16)))
+    cu = torch.tensor([0, 5, 21, 30], dtype=torch.int32)
+    q, k, v, g, gk = (t.float() for t in make(1, 30, 2, 8, 4, "both", seed=5))
+    h0 = torch.randn(3, 2, 8, 4)
+    torch.library.opcheck(la._gla_varlen_state_op, (q, k, v, g, gk, 0.5, h0, cu, 16, path),
+                          test_utils=("test_schema", "test_faketensor"))
+    leaves = [t.requires_grad_(True) for t in (q, k, v, gk, h0)]
+
+    def f(q, k, v, gk, h0):
+        o, hT = gated_linear_attention(q, k, v, g, gk, 0.5, h0, True, cu, 16, impl=path)
+        return o.square().sum() + hT.square().sum()
+
+    ref = torch.autograd.grad(f(*leaves), leaves)
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves), leaves)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_extreme_gates_do_not_overflow():
     """Per-channel log gates down to -200 per token: chunk-local log space keeps every exponent <= 0."""
     q, k, v, _, _ = make(1, 70, 2, 8, 4, "none", seed=5)

@@ -228,6 +228,22 @@ def test_one_forward_per_training_step(compiled, monkeypatch):
         assert (g.double() - r).norm() / r.norm() < 1e-4
 
 
+def test_chunk_ops_outputs_have_the_layouts_their_fakes_promise():
+    """opcheck of the chunk path's op pair (schema, fake against real shapes, dtypes and strides, autograd): ρ and
+    the aux output were built from q's heads-first view, strided [B, T, H, D] where the fake says contiguous
+    [B, H, T, D]; an inductor-compiled step (context parallelism's gathered rows) failed at its first call."""
+    from attnlab.attention.ops.lla import lla_bwd, lla_fwd
+
+    torch.manual_seed(0)
+    q, k, v, lam = inputs(2, 11, 4, 2, 8, dtype=torch.float32)
+    cu = torch.tensor([0, 5, 11, 22], dtype=torch.int32)
+    args = (q, k, v, lam, cu, 8**-0.5, 4, False, 1e-6, False, 4, 4)
+    torch.library.opcheck(lla_fwd, args)
+    out, *stats = lla_fwd(*args)
+    torch.library.opcheck(lla_bwd, (torch.randn_like(out), q, k, v, lam, cu, None, *stats, *args[5:]),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_impl_validation():
     q, k, v, lam = inputs(1, 4, 1, 1, 2)
     with pytest.raises(ValueError, match="attention.impl"):

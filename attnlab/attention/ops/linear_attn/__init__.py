@@ -159,14 +159,14 @@ def gated_linear_attention(
         return o.reshape(B, T, *o.shape[2:]), final
     if path == "reference":
         return naive_recurrent_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
+    if cu_seqlens is not None and stateful:  # one state per document in and out (context parallelism's chunks)
+        o, final = unpack_state(_gla_varlen_state_op(q, k, v, g, gk, scale, initial_state, cu_seqlens, chunk_size,
+                                                     path), q, v)
+        return o, (final if output_final_state else None)
     if path == "fla":
         return fla_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens)
-    if cu_seqlens is not None and not stateful:
+    if cu_seqlens is not None:
         return _chunk_gla_varlen_op(q, k, v, g, gk, scale, cu_seqlens, chunk_size), None
-    if cu_seqlens is not None:  # one state per document in and out (context parallelism's chunks)
-        o, final = unpack_state(_chunk_gla_varlen_state_op(q, k, v, g, gk, scale, initial_state, cu_seqlens,
-                                                           chunk_size), q, v)
-        return o, (final if output_final_state else None)
     return chunk_gla(q, k, v, g, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
@@ -175,12 +175,19 @@ def _chunk_gla_varlen_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor]
     return chunk_gla(q, k, v, g, gk, scale, None, False, cu_seqlens, chunk_size)[0].contiguous()
 
 
-def _chunk_gla_varlen_state_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
-                                  scale: float, initial_state: Optional[Tensor], cu_seqlens: Tensor,
-                                  chunk_size: int) -> Tensor:
-    return pack_state(*chunk_gla(q, k, v, g, gk, scale, initial_state, True, cu_seqlens, chunk_size))
+def _gla_varlen_state_eager(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor], scale: float,
+                            initial_state: Optional[Tensor], cu_seqlens: Tensor, chunk_size: int, path: str) -> Tensor:
+    """Packed documents with one state each in and out (q, k, v: [1, T, H, ·]; initial_state [N, H, K, V] or None),
+    on ``path`` "fla" (fla-core's kernels; its final states are float32) or "chunk": :func:`pack_state` of (o, the
+    final states)."""
+    if path == "fla":
+        o, final = _fla_gla_calls(q, k, v, g, gk, scale, initial_state, True, cu_seqlens)
+    else:
+        o, final = chunk_gla(q, k, v, g, gk, scale, initial_state, True, cu_seqlens, chunk_size)
+    return pack_state(o, final)
 
 
-# the packed-document layout is built from cu_seqlens' values in Python: an opaque op inside compiled models
+# the packed-document layout is built from cu_seqlens' values in Python, and fla's entry points are
+# torch.compiler.disable'd: opaque ops inside compiled models, the stateful one the same on every path
 _chunk_gla_varlen_op = opaque_op("chunk_gla_varlen", _chunk_gla_varlen_eager, fake_attention_out)
-_chunk_gla_varlen_state_op = opaque_op("chunk_gla_varlen_state", _chunk_gla_varlen_state_eager, fake_packed_state)
+_gla_varlen_state_op = opaque_op("gla_varlen_state", _gla_varlen_state_eager, fake_packed_state)

@@ -52,10 +52,12 @@ def _solve(kbar, kb, w, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
 
 
 def lla_fwd_chunked(q, k, v, lam, doc_start, scale, cg_iters, jacobi, ridge_omega, rtol, block):
-    """q, k, v: [B, H, T, D]; lam: [B, H, T]. Returns o [B, H, T, D], rho [B, H, T, D], delta [B, H, T]."""
+    """q, k, v: [B, H, T, D] (any strides); lam: [B, H, T]. Returns o [B, H, T, D], rho [B, H, T, D], delta
+    [B, H, T], contiguous whatever q's strides (the ``lla_fwd`` op's fake promises that layout to the compiler)."""
     B, H, T, D = q.shape
     nan = float("nan")  # poisoned: every row must be written by exactly one block
-    o, rho, delta = torch.full_like(q, nan), torch.full_like(q, nan), q.new_full((B, H, T), nan)
+    o, rho = (torch.full_like(q, nan, memory_format=torch.contiguous_format) for _ in range(2))
+    delta = q.new_full((B, H, T), nan)
     for r0 in range(0, T, block):
         r1 = min(T, r0 + block)
         lo = int(doc_start[:, r0].min())
