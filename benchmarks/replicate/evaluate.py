@@ -1,7 +1,8 @@
 """The registry suites' columns beyond validation perplexity, for one finished run, in one process on its GPU:
 perplexity on an out-of-domain text, the loss by context position out to 4× the training length, passkey retrieval
 at 1× and 2× the training length (10 keys at each of 5 depths; a length shorter than the prompt's fixed text is
-left out), and (for the run that carries it) the synthetic MQAR quick sweep of its mechanism.
+left out), the trained weights on the mechanism's float64 reference against its own paths (:func:`reference_gap`),
+and (for the run that carries it) the synthetic MQAR quick sweep of its mechanism.
 
     python -m benchmarks.replicate --evaluate RUN_DIR --val VAL [--ood PATH] [--synthetic MECH --seed S]
 
@@ -17,12 +18,16 @@ import json
 import os
 import time
 
+import torch
+
 EVAL_FILE = "eval.json"
 CONTEXT_MULTIPLE = 4
 """The by-position loss runs out to this many times the training sequence length."""
 PASSKEY_MULTIPLES = (1, 2)
 """Passkey prompt lengths, in training sequence lengths."""
 BATCH_ROWS = 8  # rows per forward pass; a 68M model at 4 × 1024 tokens fits many times over
+REFERENCE_ROWS = 2
+"""Validation rows of the float64 reference check (the references are the slow, readable forms)."""
 
 
 def evaluate_run(dump: str, val: str, ood: str | None, synthetic: str | None, seed: int, device: str) -> dict:
@@ -55,6 +60,7 @@ def evaluate_run(dump: str, val: str, ood: str | None, synthetic: str | None, se
     res["passkey"] = {"depths": depths, "samples": 10, "results": cells,
                       "accuracy": {str(n): sum(c["accuracy"] for c in cells if c["length"] == n) / len(depths)
                                    for n in lengths}}
+    res["reference"] = reference_gap(dump, model, eval_ppl.packed_rows(val, cfg, tok, trained), device)
     res["eval_s"] = round(time.time() - t0, 1)
     del model
     if synthetic:
@@ -62,6 +68,25 @@ def evaluate_run(dump: str, val: str, ood: str | None, synthetic: str | None, se
     with open(os.path.join(dump, EVAL_FILE), "w") as f:
         json.dump(res, f, indent=1)
     return res
+
+
+@torch.no_grad()
+def reference_gap(dump: str, model, rows, device: str, n_rows: int = REFERENCE_ROWS) -> dict:
+    """The trained model on its own paths (``model``, float32) against the same weights on every mechanism's
+    readable PyTorch reference in float64 (``attention.impl = "reference"``), over the first ``n_rows`` validation
+    rows: the relative error of the logits and the loss difference. A kernel that is right on the tests' random
+    weights but wrong on trained ones (a gate range, a scale) shows here; float32 against float64 alone leaves
+    ~1e-5 to 1e-4."""
+    import torch.nn.functional as F
+
+    from attnlab.checkpoint.load import load_model
+
+    ref, _, _ = load_model(dump, ["--attention.impl", "reference"], device=device, dtype=torch.float64)
+    x, pos, y = (torch.stack(t).to(device) for t in zip(*[r for _, r in zip(range(n_rows), rows)]))
+    fast, slow = model(x, pos).double(), ref(x, pos)
+    loss = [F.cross_entropy(z.flatten(0, 1), y.flatten()).item() for z in (fast, slow)]
+    return {"rows": x.shape[0], "tokens": y.numel(), "rel_err": ((fast - slow).norm() / slow.norm()).item(),
+            "loss": loss[0], "loss_reference": loss[1]}
 
 
 def mqar(mechanism: str, seed: int, device: str) -> dict:
@@ -79,7 +104,8 @@ def mqar(mechanism: str, seed: int, device: str) -> dict:
 def columns(dump: str) -> dict:
     """The table's columns from ``<dump>/eval.json`` ({} when it has none): ``ood_ppl``; ``pos_ppl`` (the
     perplexity of the by-position buckets from half the training length on: ``"512"`` for [512, 1024), ...);
-    ``passkey_1x`` / ``passkey_2x`` (accuracy) and ``passkey_logp`` (the key's mean log-probability at 1×); ``mqar``."""
+    ``passkey_1x`` / ``passkey_2x`` (accuracy) and ``passkey_logp`` (the key's mean log-probability at 1×); ``mqar``;
+    ``ref_err`` (:func:`reference_gap`'s relative error of the logits)."""
     path = os.path.join(dump, EVAL_FILE)
     if not os.path.isfile(path):
         return {}
@@ -90,6 +116,8 @@ def columns(dump: str) -> dict:
            **{f"passkey_{m}x": e["passkey"]["accuracy"].get(str(m * e["train_seq_len"])) for m in PASSKEY_MULTIPLES}}
     if "synthetic" in e:
         out["mqar"] = e["synthetic"]["acc"]
+    if "reference" in e:
+        out["ref_err"] = e["reference"]["rel_err"]
     return out
 
 
@@ -111,7 +139,6 @@ def main(argv: list[str]) -> dict:
     a = ap.parse_args(argv)
     # not timed: one tile per kernel (ours and fla's) instead of autotuning every new shape (fp32, 4x the length)
     os.environ["ATTNLAB_AUTOTUNE"] = "first"
-    import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = evaluate_run(a.dump, a.val, a.ood, a.synthetic, a.seed, device)

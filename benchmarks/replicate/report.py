@@ -41,7 +41,7 @@ OUTLIER_DELTA = 25.0
 SPIKE_NATS = 1.0
 """A logged training loss this far above the median of the ones before it (``metrics.read_metrics``'s ``spike``)
 flags an unstable run: twice the batch-to-batch spread of a stable repl-68M run (0.34-0.43 nats)."""
-MEAN_KEYS = ("ood_ppl", "tps", "mem_gib", "passkey_1x", "passkey_2x", "passkey_logp", "mqar")
+MEAN_KEYS = ("ood_ppl", "tps", "mem_gib", "passkey_1x", "passkey_2x", "passkey_logp", "mqar", "ref_err")
 
 
 def _mean(values: list) -> float | None:
@@ -86,7 +86,7 @@ def format_registry(rows: list[dict], excluded: dict[str, str] | None = None) ->
     w = max([14, *(len(a["arm"]) + 1 for a in arms)])
     head = (f"{'arm':<{w}}{'seeds':>6}{'val ppl':>9}{'min':>8}{'max':>8}{'vs sm':>7}{'ood ppl':>9}{'tok/s':>9}"
             f"{'GiB':>6}" + "".join(f"{'pos' + b:>9}" for b in buckets)
-            + f"{'pk1x':>6}{'pk2x':>6}{'pk_lp':>7}{'mqar':>6}{'spike':>6}  flags")
+            + f"{'pk1x':>6}{'pk2x':>6}{'pk_lp':>7}{'mqar':>6}{'ref err':>9}{'spike':>6}  flags")
     lines = [head, "-" * len(head)]
     for a in arms:
         delta = "-" if a["delta"] is None else f"{a['delta']:+.1f}%"
@@ -95,7 +95,7 @@ def format_registry(rows: list[dict], excluded: dict[str, str] | None = None) ->
                      f"{fmt(a['tps'], '9.0f')}{fmt(a['mem_gib'], '6.1f')}"
                      + "".join(fmt(a["pos_ppl"].get(b), "9.2f") for b in buckets)
                      + f"{fmt(a['passkey_1x'], '6.2f')}{fmt(a['passkey_2x'], '6.2f')}{fmt(a['passkey_logp'], '7.2f')}"
-                     f"{fmt(a['mqar'], '6.3f')}"
+                     f"{fmt(a['mqar'], '6.3f')}{fmt(a['ref_err'], '9.1e')}"
                      f"{fmt(a['spike'], '6.2f')}  {'; '.join(a['flags'])}")
     lines += [f"not trained: {m}: {why}" for m, why in (excluded or {}).items()]
     return "\n".join(lines)

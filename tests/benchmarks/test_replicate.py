@@ -363,14 +363,16 @@ def _eval_json(dump, trained=1024):
     json.dump({"train_seq_len": trained, "ood": {"ppl": 90.0}, "by_position": {"buckets": buckets},
                "passkey": {"accuracy": {"1024": 0.8, "2048": 0.1},
                            "results": [{"length": 1024, "logprob": -1.0}, {"length": 1024, "logprob": -2.0},
-                                       {"length": 2048, "logprob": -9.0}]}, "synthetic": {"acc": 0.99}},
+                                       {"length": 2048, "logprob": -9.0}]}, "synthetic": {"acc": 0.99},
+               "reference": {"rel_err": 2e-5}},
               open(os.path.join(dump, EVAL_FILE), "w"))
 
 
 def test_eval_columns(tmp_path):
     _eval_json(tmp_path / "run")
     assert columns(str(tmp_path / "run")) == {"ood_ppl": 90.0, "pos_ppl": {"512": 513.0, "1024": 1025.0, "2048": 2049.0},
-                                              "passkey_1x": 0.8, "passkey_2x": 0.1, "passkey_logp": -1.5, "mqar": 0.99}
+                                              "passkey_1x": 0.8, "passkey_2x": 0.1, "passkey_logp": -1.5, "mqar": 0.99,
+                                              "ref_err": 2e-5}
     assert columns(str(tmp_path / "none")) == {}
 
 
@@ -431,6 +433,7 @@ def test_registry_suite_evaluates_each_run_cpu(tmp_path):
     for r in rows:
         assert "eval_error" not in r, r
         assert math.isfinite(r["ood_ppl"]) and set(r["pos_ppl"]) == {"32", "64", "128"}, r
+        assert r["ref_err"] < 1e-4, r  # the CPU paths against the float64 references on the trained weights
         assert not (out / "registry" / r["run"] / "checkpoint").exists()
     assert 0 <= rows[0]["mqar"] <= 1 and "mqar" not in rows[1]
     table = (out / "registry" / "table.txt").read_text()
