@@ -41,68 +41,39 @@ def _valid(text: str):
     return wrap
 
 
-def _number(kind, text: str, ok) -> float:
-    try:
-        v = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if isinstance(v, float) and not math.isfinite(v) or not ok(v):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be {'an integer' if kind is int else 'a number'} "
-                                         f"{ok.__doc__}")
-    return v
+def number_type(name: str, kind: type, rule: str, ok, valid: str = ""):
+    """An argparse ``type=`` named ``name`` that parses ``kind`` (int or float; a float must be finite) and accepts
+    the values ``ok`` holds for, ``rule`` saying which in words (its error: "'0': must be an integer >= 1");
+    ``valid`` (default: the noun and ``rule``) is what :func:`_valid` records."""
+    noun = "an integer" if kind is int else "a number"
+
+    @_valid(valid or f"{noun} {rule}".strip())
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if isinstance(v, float) and not math.isfinite(v) or not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {noun} {rule}")
+        return v
+
+    parse.__name__ = parse.__qualname__ = name
+    return parse
 
 
-def _rule(doc: str, fn):
-    fn.__doc__ = doc
-    return fn
-
-
-@_valid("an integer >= 1")
-def positive_int(text: str) -> int:
-    return _number(int, text, _rule(">= 1", lambda v: v >= 1))
-
-
-@_valid("an integer >= 0")
-def non_negative_int(text: str) -> int:
-    return _number(int, text, _rule(">= 0", lambda v: v >= 0))
-
-
-@_valid("an integer")
-def any_int(text: str) -> int:
-    return _number(int, text, _rule("", lambda v: True))
-
-
-@_valid("a number > 0")
-def positive_float(text: str) -> float:
-    return _number(float, text, _rule("> 0", lambda v: v > 0))
-
-
-@_valid("a number >= 0")
-def non_negative_float(text: str) -> float:
-    return _number(float, text, _rule(">= 0", lambda v: v >= 0))
-
-
-@_valid("a finite number")
-def finite_float(text: str) -> float:
-    return _number(float, text, _rule("(finite)", lambda v: True))
-
-
-@_valid("a number in [0, 1)")
-def unit_float(text: str) -> float:
-    return _number(float, text, _rule("in [0, 1)", lambda v: 0 <= v < 1))
-
-
-@_valid("a number in (0, 1]")
-def probability(text: str) -> float:
-    return _number(float, text, _rule("in (0, 1]", lambda v: 0 < v <= 1))
+positive_int = number_type("positive_int", int, ">= 1", lambda v: v >= 1)
+non_negative_int = number_type("non_negative_int", int, ">= 0", lambda v: v >= 0)
+any_int = number_type("any_int", int, "", lambda v: True)
+positive_float = number_type("positive_float", float, "> 0", lambda v: v > 0)
+non_negative_float = number_type("non_negative_float", float, ">= 0", lambda v: v >= 0)
+finite_float = number_type("finite_float", float, "(finite)", lambda v: True, valid="a finite number")
+unit_float = number_type("unit_float", float, "in [0, 1)", lambda v: 0 <= v < 1)
+probability = number_type("probability", float, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
 def at_least(n: int):
     """An argparse ``type=``: an integer >= ``n``."""
-    @_valid(f"an integer >= {n}")
-    def check(text: str) -> int:
-        return _number(int, text, _rule(f">= {n}", lambda v: v >= n))
-    return check
+    return number_type("at_least", int, f">= {n}", lambda v: v >= n)
 
 
 def or_empty(fn):
