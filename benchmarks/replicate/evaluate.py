@@ -90,15 +90,14 @@ def reference_gap(dump: str, model, rows, device: str, n_rows: int = REFERENCE_R
 
 
 def mqar(mechanism: str, seed: int, device: str) -> dict:
-    """The quick sweep's MQAR cell (``attnlab.tools.synthetic``'s sizes, steps and lr) for ``mechanism``."""
+    """The quick sweep's MQAR cell of ``attnlab.tools.synthetic`` (its sizes, steps, batch and lr) for
+    ``mechanism``."""
     from attnlab.tools import synthetic
 
-    args = synthetic.build_parser().parse_args(["--attention", mechanism, "--tasks", "mqar", "--sweep", "quick",
-                                                "--seed", str(seed), "--device", device])
-    (task, spec), = synthetic.sweep_configs("quick", args)
-    r = synthetic.train_task(task, mechanism, spec, 300, 32, args.lr, device, seed)
-    return {"task": task, "mechanism": mechanism, "seed": seed, "acc": r["acc"], "vocab": spec.vocab,
-            "seq_len": spec.seq_len, "seconds": round(r["seconds"], 1)}
+    r, = synthetic.main(["--attention", mechanism, "--tasks", "mqar", "--sweep", "quick", "--seed", str(seed),
+                         "--device", device])
+    return {"task": r["task"], "mechanism": mechanism, "seed": seed, "acc": r["acc"], "vocab": r["vocab"],
+            "seq_len": r["seq_len"], "seconds": round(r["seconds"], 1)}
 
 
 def columns(dump: str) -> dict:
@@ -129,18 +128,18 @@ def _mean_logp(passkey: dict, length: int) -> float | None:
 
 def main(argv: list[str]) -> dict:
     """``--evaluate RUN_DIR ...``: the child process the suite starts on the run's GPU."""
+    from attnlab.tools.common import add_device_argument
+
     ap = argparse.ArgumentParser(prog="python -m benchmarks.replicate --evaluate")
     ap.add_argument("dump", help="a finished run folder")
     ap.add_argument("--val", required=True, help="the validation text (the by-position loss)")
     ap.add_argument("--ood", default=None, help="the out-of-domain text, a file, folder or glob")
     ap.add_argument("--synthetic", default=None, help="also the MQAR quick sweep of this mechanism")
     ap.add_argument("--seed", type=int, default=0, help="seed of the MQAR run")
-    ap.add_argument("--device", default=None, help="torch device (default: cuda when there is one)")
+    add_device_argument(ap)
     a = ap.parse_args(argv)
     # not timed: one tile per kernel (ours and fla's) instead of autotuning every new shape (fp32, 4x the length)
     os.environ["ATTNLAB_AUTOTUNE"] = "first"
-
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    res = evaluate_run(a.dump, a.val, a.ood, a.synthetic, a.seed, device)
+    res = evaluate_run(a.dump, a.val, a.ood, a.synthetic, a.seed, a.device)
     print(json.dumps(columns(a.dump)), flush=True)
     return res
