@@ -106,6 +106,19 @@ def test_varlen_three_docs_equal_separate_runs():
         torch.testing.assert_close(pth[:, s:e], naive_path_attn(*map(sl, (q, k, v, w, beta, g))), rtol=1e-10, atol=1e-10)
 
 
+def test_varlen_over_rows_matches_chunk():
+    """B = 2 rows with cu_seqlens over the flattened B*T tokens (as the model passes them: every row starts a
+    document): the reference equals the chunk path and, per document, itself on that document alone."""
+    cu = torch.tensor([0, 5, 35, 42, 70], dtype=torch.int32)
+    q, k, v, g, w, beta = inputs(2, 35, 4, 2, 8, seed=2)
+    ref = naive_path_attn(q, k, v, w, beta, g, cu_seqlens=cu)
+    torch.testing.assert_close(chunk_path_attn(q, k, v, w, beta, g, cu_seqlens=cu, block_size=16), ref,
+                               rtol=1e-10, atol=1e-10)
+    for b, s, e in ((0, 0, 5), (0, 5, 35), (1, 0, 7), (1, 7, 35)):
+        one = naive_path_attn(*(t[b:b + 1, s:e] for t in (q, k, v, w, beta, g)))
+        torch.testing.assert_close(ref[b:b + 1, s:e], one, rtol=1e-10, atol=1e-10)
+
+
 def test_path_decode_key_update_matches_scores():
     """Transformed-key cache after t steps holds P_{i+1:t}^T k_i: its scores equal the path scores."""
     _, k, _, _, w, beta = inputs(1, 12, 2, 2, 6, seed=2)

@@ -28,8 +28,12 @@ def naive_path_attn(
 ) -> torch.Tensor:
     """q: [B, T, HQ, D]; k, w: [B, T, H, D] (w = ν, L2-normalised by the caller); v: [B, T, H, DV];
     beta: [B, T, H] in (0, 2); g: [B, T, HQ] log forget gate or None. GQA: q head h uses kv head
-    h // (HQ / H). scale defaults to D**-0.5. Returns o: [B, T, HQ, DV] in q's dtype."""
+    h // (HQ / H). scale defaults to D**-0.5. cu_seqlens: [N+1] document offsets over the flattened B*T
+    tokens (every row starts a document). Returns o: [B, T, HQ, DV] in q's dtype."""
     B, T, HQ, D = q.shape
+    if cu_seqlens is not None and B > 1:  # documents index the flattened B*T tokens: one row of B*T
+        flat = [None if t is None else t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, w, beta, g)]
+        return naive_path_attn(*flat, scale=scale, cu_seqlens=cu_seqlens).view(B, T, HQ, -1)
     G = HQ // k.shape[2]
     scale = D**-0.5 if scale is None else scale
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
