@@ -5,10 +5,12 @@
     python -m benchmarks.replicate --corpus DIR --out DIR --suite dose|horizon|adamw|context|registry|registry_long
         [--seeds 0,1] [--runs ARMS] [--ood TEXT]
         [--budget-s 540] [--chunk-steps N] [--best-gain 0.1] [--gains 1,0.3,0.1] [--adamw-lrs 5e-4,1e-3,2e-3] [--gpus N]
+        [--arm-gpus ARM=N,...]
 
 Suites (the probe's starting strength, the horizon, the mask) are named arm sets at fixed steps, each
 arm run once per seed (``<arm>_s<seed>``, ``--debug.seed``), in ``<out>/<suite>/`` with the tokenizer shared in
-``<out>/tokenizer`` (see :func:`benchmarks.replicate.plan.suite_arms`); ``--gpus N`` trains N runs at once, one per GPU:
+``<out>/tokenizer`` (see :func:`benchmarks.replicate.plan.suite_arms`); ``--gpus N`` trains N runs at once, one per GPU
+(``--arm-gpus ARM=N``: that arm data-parallel over N of them, for an arm too slow to finish in one call):
 
 - ``dose`` (160 steps, Muon): softmax; Parallax at each ``--gains`` starting ρ-norm gain
   (``attention.parallax.rho_norm_init``); Parallax at ``--best-gain`` with the ρ-norm lr at 1× optimizer.lr

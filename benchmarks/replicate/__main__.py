@@ -51,6 +51,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          ".txt/.jsonl[.gz]/.parquet, kept out of training) of the ood_ppl column (empty = no column)")
     ap.add_argument("--gpus", type=int, default=1,
                     help="--suite: train this many runs at once, each on its own GPU (the first N visible ones)")
+    ap.add_argument("--arm-gpus", default="",
+                    help="--suite: ARM=N,...: train these arms data-parallel over N GPUs each, for arms too slow to finish "
+                         "within one call on one GPU (the same global batch and documents, but each rank packs its "
+                         "own share of the documents into rows); N divides --batch, N <= --gpus")
     ap.add_argument("--chunk-steps", type=int, default=0,
                     help="--suite: at most this many steps per train.py launch (0 = as many as fit the budget)")
     ap.add_argument("--ckpt-every", type=int, default=None,
@@ -97,6 +101,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [] if args.runs == "all" else [n for n in args.runs.split(",") if n not in valid]
     if bad:
         ap.error(f"--runs: unknown {bad}; choose from {valid}")
+    try:
+        args.arm_gpus = {a: int(n) for a, _, n in (x.partition("=") for x in args.arm_gpus.split(",") if x)}
+    except ValueError:
+        ap.error(f"--arm-gpus {args.arm_gpus!r}: ARM=N,... expected (N a whole number)")
+    for arm, n in args.arm_gpus.items():
+        if not args.suite or arm not in valid:
+            ap.error(f"--arm-gpus: {arm!r} is not an arm of --suite {args.suite!r}; choose from {valid}")
+        if not 1 <= n <= args.gpus or args.batch % n:
+            ap.error(f"--arm-gpus {arm}={n}: N must divide --batch {args.batch} and be 1..--gpus {args.gpus}")
     if args.report and not args.suite:
         ap.error("--report needs --suite")
     if not args.corpus and not args.report:

@@ -120,9 +120,10 @@ def report_rows(out: str) -> list[dict]:
         steps = flag("--training.steps")
         arm, _, seed = name.rpartition("_s")
         m = read_metrics(dump)
-        row = {"run": name, "arm": arm, "seed": int(seed), "steps": steps,
-               "tokens": steps * flag("--training.local_batch_size") * flag("--training.seq_len"),
-               "seconds": old.get(name, {}).get("seconds"), **m}
+        batch = int(flags[flags.index("--training.local_batch_size") + 1])  # the suite's; a data-parallel arm's
+        gpus = batch // flag("--training.local_batch_size")  # runs repeat it with its share (run.run_suite)
+        row = {"run": name, "arm": arm, "seed": int(seed), "steps": steps, "gpus": gpus,
+               "tokens": steps * batch * flag("--training.seq_len"), "seconds": old.get(name, {}).get("seconds"), **m}
         row["ok"] = finished_at(m, steps)
         if not row["ok"]:
             row.update(paused=m.get("step") or 0, error=f"stopped near step {m.get('step') or 0}/{steps}; "

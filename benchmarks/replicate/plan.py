@@ -114,6 +114,24 @@ def excluded(suite: str) -> dict[str, str]:
             if e.reference_only and (suite == "registry" or m in LONG_MECHANISMS)}
 
 
+OBSERVATION_FLAGS = ("--validation.freq", "--metrics.log_freq", "--checkpoint.interval")
+"""train.py flags that change what a run records, not what it trains: a run whose flags differ from a suite's
+only in these is the same run (it is not retrained, and resumes where it stopped)."""
+
+
+def training_flags(flags: list[str]) -> list[str]:
+    """``flags`` without the :data:`OBSERVATION_FLAGS` and their values: what identifies a run's training."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in OBSERVATION_FLAGS:
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
 def mechanism(flags: list[str]) -> str:
     """The attention a run's train.py ``flags`` select (the last ``--model.attention``; softmax, the base config's,
     without one)."""

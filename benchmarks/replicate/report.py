@@ -68,8 +68,10 @@ def registry_rows(rows: list[dict]) -> list[dict]:
         a["pos_ppl"] = {b: _mean([(r.get("pos_ppl") or {}).get(b) for r in ok]) for b in sorted(buckets, key=int)}
         a["spike"] = max((r["spike"] for r in ok if r.get("spike") is not None), default=None)
         a["failed"] = [r["run"] for r in runs if not r.get("ok")]
+        wide = max((r.get("gpus") or 1 for r in ok), default=1)
         a["flags"] = ([f"{a['delta']:+.0f}% vs softmax"] if a["delta"] is not None and a["delta"] > OUTLIER_DELTA
                       else []) + ([f"loss spike {a['spike']:.2f}"] if (a["spike"] or 0) > SPIKE_NATS else []) + \
+                     ([f"{wide} GPUs data-parallel: tok/s per GPU, documents packed per rank"] if wide > 1 else []) + \
                      ([f"not finished: {','.join(a['failed'])}"] if a["failed"] else [])
     return arms
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import threading
 import time
 
+from attnlab.tools.launch import train_command
 from benchmarks.common import REPO
 from benchmarks.replicate.evaluate import EVAL_FILE
 from benchmarks.replicate.evaluate import columns as eval_columns
 from benchmarks.replicate.metrics import (finished_at, read_analysis, read_metrics, resumable_step, summary_rows,
                                           truncate_metrics, write_summary)
 from benchmarks.replicate.plan import (ANALYZED, CONVERTED_FRACTION, EVALUATED, PAPER_GAIN, RUNS, SUITES, chunk_stop,
-                                       excluded, fit_steps, mechanism, plan_steps, suite_arms)
+                                       excluded, fit_steps, mechanism, plan_steps, suite_arms, training_flags)
 from benchmarks.replicate.report import format_table, plot_diagnostics
 
 
@@ -118,6 +118,25 @@ def visible_gpus(n: int) -> list[str]:
     (entries of its own ``CUDA_VISIBLE_DEVICES`` when that is set)."""
     seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return (seen or [str(i) for i in range(n)])[:n]
+
+
+class GpuSlots:
+    """The GPUs a suite may use, each with its share of the cores: a run takes the n it needs at once (so two
+    data-parallel runs waiting for GPUs never hold one each) and gives them back when it ends."""
+
+    def __init__(self, free: list[tuple[str | None, list[int] | None]]):
+        self.free, self.cond = list(free), threading.Condition()
+
+    def take(self, n: int) -> list[tuple[str | None, list[int] | None]]:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.free) >= n)
+            taken, self.free = self.free[:n], self.free[n:]
+            return taken
+
+    def give(self, taken: list[tuple[str | None, list[int] | None]]) -> None:
+        with self.cond:
+            self.free += taken
+            self.cond.notify_all()
 
 
 def run_replication(args, out: str, common: list[str], val_file: str, left, log: dict):
@@ -245,8 +264,10 @@ def run_replication(args, out: str, common: list[str], val_file: str, left, log:
 
 def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict):
     """Train ``args.suite``'s arms × seeds in ``out`` (module docstring), resuming unfinished runs in chunks, up to
-    ``args.gpus`` runs at once (each on its own GPU, in arm order); ``left``: seconds left in this call (None = no
-    budget). Returns (rows, background analyses, paths to delete at the end)."""
+    ``args.gpus`` GPUs busy at once: a run on one GPU, or an arm of ``args.arm_gpus`` data-parallel over its N GPUs
+    (the same global batch, N × less local batch; each rank packs its interleaved share of the documents, so the
+    rows differ from a one-GPU run's), in arm order with those first; ``left``: seconds left in this
+    call (None = no budget). Returns (rows, background analyses, paths to delete at the end)."""
     spec = SUITES[args.suite]
     arms = suite_arms(args.suite, args.gains, args.best_gain, args.adamw_lrs, args.adamw_warmup)
     chosen = list(arms) if args.runs == "all" else args.runs.split(",")
@@ -254,27 +275,33 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
     val_freq = str(spec["val_freq"] or 100000)  # 100000: only steps 1 and `steps` validate
     # periodic full checkpoints: a launch killed at the end of a call loses at most ckpt_every steps
     ckpt_every = str(args.ckpt_every if args.ckpt_every is not None else spec["ckpt_every"] or 100000)
-    est: dict[str, tuple[float, float]] = {}  # mechanism -> (fixed s per launch, training tokens/s), measured here
+    # (mechanism, GPUs) -> (fixed s per launch, training tokens/s over its GPUs), measured here
+    est: dict[tuple[str, int], tuple[float, float]] = {}
     earlier = {r["run"]: r for r in summary_rows(out)}  # earlier calls' rows (other seeds or arms) stay in the table
-    # seed-major: a mechanism's second seed starts once its first has filled the shared compile cache
-    jobs = [(arm, seed) for seed in args.seeds for arm in chosen]
+    # seed-major: a mechanism's second seed starts once its first has filled the shared compile cache; the wide
+    # (slowest) arms first, so that they start at the beginning of a call
+    jobs = [(arm, seed) for seed in args.seeds for arm in sorted(chosen, key=lambda a: -args.arm_gpus.get(a, 1))]
     evaluated = args.suite in EVALUATED
     background, cleanup = [], []
     lock = threading.Lock()  # background, cleanup, summary.json
-    free_gpus: queue.Queue = queue.Queue()  # (CUDA_VISIBLE_DEVICES value, its cores)
-    for i, gpu in enumerate(visible_gpus(args.gpus) if args.gpus > 1 else [None]):
-        free_gpus.put((gpu, cpu_share(i, args.gpus) if gpu is not None else None))
+    slots = GpuSlots([(gpu, cpu_share(i, args.gpus) if gpu is not None else None)
+                      for i, gpu in enumerate(visible_gpus(args.gpus) if args.gpus > 1 else [None])])
 
     def train(arm: str, seed: int, gpu: str | None, cpus: list[int] | None) -> dict:
-        """One run to its last step (or paused at the budget's end); the row of the table."""
-        name, mech = f"{arm}_s{seed}", mechanism(arms[arm])
+        """One run to its last step (or paused at the budget's end) on ``gpu`` (one device, or a comma list of
+        ``args.arm_gpus[arm]`` for a data-parallel run); the row of the table."""
+        name, mech, n = f"{arm}_s{seed}", mechanism(arms[arm]), args.arm_gpus.get(arm, 1)
         dump = os.path.join(out, name)
         flags = [*common, *arms[arm], "--debug.seed", str(seed), "--job.dump_folder", dump,
                  "--training.steps", str(steps), "--metrics.log_freq", str(max(1, steps // 25)),
                  "--validation.freq", val_freq, "--checkpoint.interval", ckpt_every]
-        row = {"run": name, "arm": arm, "seed": seed, "steps": steps, "tokens": steps * k, "seconds": 0.0}
+        if n > 1:  # the last occurrence wins: the same global batch over n data-parallel ranks
+            flags += ["--training.local_batch_size", str(args.batch // n),
+                      "--validation.local_batch_size", str(args.batch // n)]
+        row = {"run": name, "arm": arm, "seed": seed, "steps": steps, "tokens": steps * k, "seconds": 0.0, "gpus": n}
         args_file = os.path.join(dump, "train_args.json")
-        same = not args.fresh and os.path.isfile(args_file) and json.load(open(args_file)) == flags
+        same = (not args.fresh and os.path.isfile(args_file)
+                and training_flags(json.load(open(args_file))) == training_flags(flags))
         done = read_metrics(dump) if same else {}
         if finished_at(done, steps):
             return {**row, **done, "ok": True, "cached": True, "seconds": earlier.get(name, {}).get("seconds", 0.0)}
@@ -289,7 +316,7 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
         row["resumed_from"] = current
         while current < steps:
             # this mechanism's launch cost and speed, else another's at half the speed (Parallax is slower)
-            fixed, tps = est.get(mech) or next(((f, t / 2) for f, t in list(est.values())), (0.0, 0.0))
+            fixed, tps = est.get((mech, n)) or next(((f, t / 2) for f, t in list(est.values())), (0.0, 0.0))
             seconds = left() - args.margin_s if left is not None and tps else None
             stop = chunk_stop(current, steps, args.chunk_steps, seconds, fixed, tps, k)
             if stop <= current or (left is not None and left() <= args.margin_s):
@@ -297,7 +324,8 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
                         "error": f"paused at step {current}/{steps} (no time left); the same command resumes it"}
             chunk = ["--training.stop_after_step", str(stop)] if stop < steps else []
             timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
-            ok, secs = _run([sys.executable, "-m", "benchmarks.replicate", "--train-one", *flags, *chunk],
+            ok, secs = _run([sys.executable, "-m", "benchmarks.replicate", "--train-one", *flags, *chunk] if n == 1
+                            else train_command([*flags, *chunk], n),
                             os.path.join(dump, "train.log"), timeout, append=True, gpu=gpu, cpus=cpus)
             row["seconds"] = round(row["seconds"] + secs, 1)
             m = read_metrics(dump)
@@ -308,8 +336,8 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             if not ok:
                 return {**row, "ok": False,
                         "error": "see train.log: " + _tail(os.path.join(dump, "train.log"), 200).replace("\n", " | ")}
-            if m.get("tps"):
-                est[mech] = (max(0.0, secs - (stop - current) * k / m["tps"]) + 3.0, m["tps"])
+            if m.get("tps"):  # train.py's tokens/s is per GPU
+                est[(mech, n)] = (max(0.0, secs - (stop - current) * k / (n * m["tps"])) + 3.0, n * m["tps"])
             current = stop
         return {**row, "ok": True, **read_metrics(dump)}
 
@@ -325,20 +353,22 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
                    *(["--ood", args.ood] if args.ood else []),
                    *(["--synthetic", mech, "--seed", str(seed)] if arm == mech and seed == args.seeds[0] else [])]
             timeout = min(args.timeout, left() - 10) if left is not None else args.timeout
-            ok, secs = _run(cmd, os.path.join(dump, "eval.log"), timeout, gpu=gpu, cpus=cpus)
+            ok, secs = _run(cmd, os.path.join(dump, "eval.log"), timeout, gpu=gpu and gpu.split(",")[0], cpus=cpus)
             row["eval_seconds"] = round(secs, 1)
             if not ok:
                 row["eval_error"] = _tail(os.path.join(dump, "eval.log"), 200).replace("\n", " | ")
         row.update(eval_columns(dump))
 
     def job(arm: str, seed: int) -> dict:
-        gpu, cpus = slot = free_gpus.get()
+        taken = slots.take(args.arm_gpus.get(arm, 1))
+        gpu = None if taken[0][0] is None else ",".join(g for g, _ in taken)
+        cpus = None if taken[0][1] is None else [c for _, cs in taken for c in cs]
         try:
             row = train(arm, seed, gpu, cpus)
             if row["ok"] and evaluated:
                 evaluate(row, arm, seed, gpu, cpus)
         finally:
-            free_gpus.put(slot)
+            slots.give(taken)
         dump = os.path.join(out, row["run"])
         with lock:
             if row["ok"] and not args.no_analyze and mechanism(arms[arm]) in ANALYZED:
@@ -353,11 +383,12 @@ def run_suite(args, out: str, common: list[str], val_file: str, left, log: dict)
             write_summary(out, [row], log, merge=True)
         return row
 
-    log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arms={a: arms[a] for a in chosen},
+    log.update(seeds=args.seeds, steps=steps, gpus=args.gpus, arm_gpus=args.arm_gpus, arms={a: arms[a] for a in chosen},
                excluded=excluded(args.suite), ood=args.ood)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.gpus) as pool:
-        rows = list(pool.map(lambda j: job(*j), jobs))  # in arm order, not finishing order
-    return rows, background, cleanup
+        rows = list(pool.map(lambda j: job(*j), jobs))
+    order = [f"{arm}_s{seed}" for seed in args.seeds for arm in chosen]
+    return sorted(rows, key=lambda r: order.index(r["run"])), background, cleanup  # arm order, not finishing order
 
 
 def finish(out: str, results: list[dict], background, cleanup: list[str], log: dict, left, t0: float,

@@ -302,6 +302,71 @@ def test_suite_runs_in_parallel_one_gpu_each(tmp_path, monkeypatch):
     assert arm_rows(report)[0]["mean"] == pytest.approx(1.5 * math.exp(5.1))
 
 
+def test_suite_wide_arm_takes_its_gpus_and_observation_flags_keep_a_run(tmp_path, monkeypatch):
+    """--arm-gpus: the wide arm starts first, on 2 of the 3 GPUs at once through torchrun with half the local batch
+    (the same global batch), while the others take one GPU each, never more than 3 busy. A finished run whose
+    flags differ only in what it records (validation.freq) is kept; one whose training differs is retrained."""
+    import threading
+    import time
+
+    _tiny_corpus(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    busy, peak, launches, lock = [0], [0], {}, threading.Lock()
+
+    def fake_run(cmd, log, timeout, append=False, gpu=None, cpus=None):
+        if "--job.dump_folder" not in cmd:  # plot_ppl
+            return True, 0.0
+        dump = cmd[cmd.index("--job.dump_folder") + 1]
+        n = len(gpu.split(","))
+        with lock:
+            busy[0] += n
+            peak[0] = max(peak[0], busy[0])
+            launches.setdefault(os.path.basename(dump), []).append((time.monotonic(), gpu, cmd, len(cpus)))
+        time.sleep(0.2)
+        with open(os.path.join(dump, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 4, "loss": 5.0, "tps": 100.0}) + "\n")
+            f.write(json.dumps({"step": 4, "val_loss": 5.1, "val_ppl": math.exp(5.1)}) + "\n")
+        with lock:
+            busy[0] -= n
+        return True, 0.1
+
+    monkeypatch.setattr(replicate_run, "_run", fake_run)
+    runs = "softmax_muon,parallax_g1_muon,parallax_g0.1_muon"
+    argv = ["--corpus", str(tmp_path), "--out", str(tmp_path / "out"), "--flavor", "debug", "--steps", "4",
+            "--batch", "4", "--vocab", "300", "--tokenizer-docs", "40", "--suite", "dose", "--runs", runs,
+            "--seeds", "0", "--gpus", "3", "--arm-gpus", "parallax_g0.1_muon=2", "--no-analyze", "--compile", "off"]
+    rows = main(argv)
+    assert all(r["ok"] for r in rows) and peak[0] == 3
+    assert [r["gpus"] for r in rows] == [1, 1, 2] and rows[2]["tokens"] == rows[0]["tokens"]
+    (t_wide, gpu, cmd, ncpu), = launches["parallax_g0.1_muon_s0"]
+    assert t_wide <= min(t for name, ls in launches.items() for t, *_ in ls)  # the wide arm started first
+    assert gpu == "4,5" and ncpu == 2 * len(replicate_run.cpu_share(0, 3))
+    assert "torch.distributed.run" in cmd and "--nproc_per_node=2" in cmd
+    i = len(cmd) - cmd[::-1].index("--training.local_batch_size")
+    assert cmd[i] == "2"  # the last occurrence wins: 2 per rank, 4 in all
+    assert all(ls[0][1] in ("4", "5", "6") and "--train-one" in ls[0][2]
+               for name, ls in launches.items() if name != "parallax_g0.1_muon_s0")
+    report = main(["--out", str(tmp_path / "out"), "--suite", "dose", "--report"])
+    assert [r["gpus"] for r in report] == [1, 1, 2] and report[2]["tokens"] == report[0]["tokens"]
+
+    # validation.freq changes what a run records, not what it trains: the finished run stays
+    dump = tmp_path / "out" / "dose" / "softmax_muon_s0"
+    recorded = json.load(open(dump / "train_args.json"))
+    j = recorded.index("--validation.freq")
+    json.dump(recorded[:j + 1] + ["7"] + recorded[j + 2:], open(dump / "train_args.json", "w"))
+    launches.clear()
+    again = main(argv)
+    assert again[0].get("cached") and "softmax_muon_s0" not in launches
+    j = recorded.index("--debug.seed")  # a training flag: retrained
+    json.dump(recorded[:j + 1] + ["9"] + recorded[j + 2:], open(dump / "train_args.json", "w"))
+    launches.clear()
+    main(argv)
+    assert "softmax_muon_s0" in launches
+    for bad in ("nope=2", "parallax_g1_muon=4", "parallax_g1_muon=x", "parallax_g1_muon=3"):
+        with pytest.raises(SystemExit):  # not an arm; more than --gpus; not a number; does not divide --batch
+            parse_args(["--corpus", "c", "--suite", "dose", "--gpus", "3", "--batch", "4", "--arm-gpus", bad])
+
+
 def test_write_summary_merges_rows_of_other_processes(tmp_path):
     write_summary(str(tmp_path), [{"run": "a", "v": 1}, {"run": "b", "v": 1}], {"x": 1}, merge=True)
     write_summary(str(tmp_path), [{"run": "c", "v": 2}], {"x": 2}, merge=True)  # another process, another run
