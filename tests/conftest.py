@@ -9,10 +9,10 @@ if not torch.cuda.is_available():
 # Correctness needs one compiled tile per autotune key, not the fastest: without this the GPU tests spent minutes
 # autotuning on a cold machine (attnlab/attention/ops/autotune.py). Benchmarks do not go through pytest.
 os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
-if torch.cuda.is_available():  # the same for fla-core's kernels (imported later, inside the tests)
-    from attnlab.attention.ops.autotune import first_config_for_fla
+if torch.cuda.is_available():  # fla-core (where installed) imported once, its autotuners pinned the same way, before
+    from attnlab.attention.ops.common import fla_importable  # any test imports an fla module of its own
 
-    first_config_for_fla()
+    fla_importable()
 
 
 GPU_TEST_TIMEOUT = 300

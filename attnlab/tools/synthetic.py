@@ -321,10 +321,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # width-128 models: kernel speed is irrelevant, cold autotuning is not (minutes before the first task);
     # one config per kernel, ours and fla's (ATTNLAB_AUTOTUNE=all to override)
     os.environ.setdefault("ATTNLAB_AUTOTUNE", "first")
-    if torch.cuda.is_available():
-        from attnlab.attention.ops.autotune import first_config_for_fla
-
-        first_config_for_fla()
     steps = args.steps or dict(quick=300, paper=3000, hard=4000)[args.sweep]
     batch = args.batch or dict(quick=32, paper=64, hard=64)[args.sweep]
     import attnlab.attention as registry

@@ -141,24 +141,23 @@ def fla_importable() -> tuple[bool, str]:
     """Whether ``fla`` (fla-core) imports; (ok, reason). Every fla path asks this first, so this is also where
     fla's kernels get their low-host-cost launchers (:func:`attention.ops.fla_launch.install`, idempotent):
     every fla op in the process launches the same way, whichever mechanism ran first. Under
-    ``ATTNLAB_AUTOTUNE=first`` fla's kernels keep one autotune candidate
-    (:func:`attention.ops.autotune.first_config_for_fla`), in training and tools as in the tests.
+    ``ATTNLAB_AUTOTUNE=first`` fla's autotuners run one config per key, untimed
+    (:func:`attention.ops.autotune.pin_fla_autotuners`), in training and tools as in the tests.
 
     The answer is kept: later calls only read it, which ``torch.compile`` traces. The first call imports and patches
     modules, which it cannot, so a compiled model asks before compiling (``models.parallelize``)."""
     global _FLA
     if _FLA is not None:
         return _FLA
-    from attnlab.attention.ops.autotune import first_config_for_fla
-
-    first_config_for_fla()
     try:
         import fla.ops  # noqa: F401  (imports all of fla's ops, so install() sees every kernel)
     except Exception as e:  # ImportError, or a Triton/driver error at import time
         _FLA = False, f"fla-core not importable ({type(e).__name__}: {e})"
         return _FLA
+    from attnlab.attention.ops.autotune import pin_fla_autotuners
     from attnlab.attention.ops.fla_launch import install
 
+    pin_fla_autotuners()
     install()
     _FLA = True, ""
     return _FLA

@@ -23,7 +23,8 @@ and independent of the batch size.
 - At the first launch of a key, :class:`FastLaunch` puts the shipped autotune pick for it, if there is one
   (:mod:`attention.ops.autotune_picks`: the config the autotuner chose at that key on this GPU, Triton and
   fla-core), into the autotuner's cache: the autotuner then compiles only that config and times nothing. Without a
-  pick it searches, and ``ATTNLAB_RECORD_PICKS`` records its choice.
+  pick it searches, and ``ATTNLAB_RECORD_PICKS`` records its choice; an autotuner pinned by
+  ``ATTNLAB_AUTOTUNE=first`` (:func:`attention.ops.autotune.pin_first`) runs its first config instead, not recorded.
 - :class:`FastLaunch` itself is generic (any heuristics/autotune/jit chain): our KDA intra-chunk backward kernel
   (:mod:`attention.ops.delta_rule.triton.kda_intra`) and the softmax/Parallax kernels
   (:mod:`attention.ops.parallax.triton.ops`) launch through it too.
@@ -94,7 +95,8 @@ class FastLaunch:
             cfg = self.configs.get(key)
             if cfg is None or cfg.pre_hook is not None:  # first launch at this key: the normal path (autotunes)
                 tkey = autotune_key(at, kw) if cfg is None else None  # Triton's own cache key
-                searched = tkey is not None and not self._seed(at, tkey, args, kw)
+                searched = (tkey is not None and not self._seed(at, tkey, args, kw)
+                            and not getattr(at, "pinned_first", False))  # pinned: one config, untimed
                 if searched and first_launch is not None:
                     first_launch()
                 out = self.kernel[grid](*args, **kwargs)
