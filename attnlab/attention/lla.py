@@ -108,6 +108,8 @@ class LocalLinearAttention(QKVAttentionBase):
     context_parallel = True
     """Runs under context parallelism: q, k, v (and a per-token λ) all-gathered, the whole rows attended
     (:func:`attention.base.mix_whole_rows`)."""
+    context_parallel_compiles = True
+    """Compiled CP matches eager CP (docs/context_parallel.md, "Compiling")."""
 
     def __init__(self, args: AttentionArgs, opts: LLAOptions):
         super().__init__(args, opts.qk_norm)

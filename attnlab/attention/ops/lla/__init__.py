@@ -55,12 +55,11 @@ def _fwd_fake(q, k, v, lam, cu_seqlens, scale, cg_iters, jacobi, rtol, use_trito
     B, T, HQ, D = q.shape
     ct = _compute_dtype(q, use_triton)
     if use_triton:
-        big, small, none = (B, T, HQ, D), (B, T, HQ), (B, T, HQ)
+        aux, big, small = (1 + bool(jacobi), B, T, HQ, D), (B, T, HQ, D), (B, T, HQ)
     else:
-        big, small, none = (B, HQ, T, D), (B, HQ, T), (0,)
-    aux = (1 + bool(jacobi), *big) if use_triton else big
+        aux, big, small = (0,), (B, HQ, T, D), (0,)
     return (q.new_empty(B, T, HQ, D), q.new_empty(aux, dtype=ct), q.new_empty(big, dtype=ct),
-            q.new_empty(small, dtype=ct), q.new_empty(none, dtype=ct), q.new_empty(none, dtype=ct))
+            q.new_empty(small, dtype=ct), q.new_empty(small, dtype=ct), q.new_empty(small, dtype=ct))
 
 
 @attnlab_op("lla_fwd", _fwd_fake, keep_under_sac=True)
@@ -70,8 +69,8 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
     """(o in q's dtype [B, T, HQ, D], then for the backward: aux, ρ, δ, m, ω).
 
     Triton (:func:`triton.lla_fwd_triton`): aux = k̄ and the Jacobi diagonal [1 + jacobi, B, T, HQ, D], ρ
-    [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunk: aux = o_c, ρ [B, HQ, T, D] and δ [B, HQ, T] in fp32
-    (float64 for float64 inputs); m and ω empty."""
+    [B, T, HQ, D] fp32; δ, m, ω [B, T, HQ] fp32. Chunk: the k̄-centred ρ_c [B, HQ, T, D] in fp32 (float64 for
+    float64 inputs), its backward's only statistic (``chunk.py``); aux, δ, m and ω empty."""
     B, T, HQ, D = q.shape
     ds, _ = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
@@ -82,11 +81,10 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
                                                    jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
-        o, rho, delta = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
-                                        lam.to(ct).permute(0, 2, 1), ds, scale, cg_iters, jacobi, True, rtol,
-                                        block_r)
+        o, rho = lla_fwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
+                                 lam.to(ct).permute(0, 2, 1), ds, scale, cg_iters, jacobi, rtol, block_r)
         out = o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format, copy=True)
-        m, om = q.new_empty(0, dtype=ct), q.new_empty(0, dtype=ct)
+        o, delta, m, om = (q.new_empty(0, dtype=ct) for _ in range(4))
     return out, o, rho, delta, m, om
 
 
@@ -113,8 +111,8 @@ def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
         dq, dk, dv, dlam = lla_bwd_chunked(_heads_first(q, ct), _heads_first(k, ct, G), _heads_first(v, ct, G),
-                                           lam.to(ct).permute(0, 2, 1), ds, o, rho, delta, _heads_first(do, ct),
-                                           scale, cg_iters, jacobi, True, rtol, block_r)
+                                           lam.to(ct).permute(0, 2, 1), ds, rho, _heads_first(do, ct), scale,
+                                           cg_iters, jacobi, rtol, block_r)
         dq = dq.transpose(1, 2)
         dk = dk.unflatten(1, (-1, G)).sum(2).transpose(1, 2)
         dv = dv.unflatten(1, (-1, G)).sum(2).transpose(1, 2)

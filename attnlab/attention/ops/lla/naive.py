@@ -56,11 +56,6 @@ def from_centred(rho_c: torch.Tensor, mu: torch.Tensor, omega: torch.Tensor) -> 
     return rho_c / (1 + t)[..., None], omega / (1 + t)
 
 
-def solve_via_centred(a: torch.Tensor, rho: torch.Tensor, mu: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    """Σ_i⁻¹ b from a = Σ_c⁻¹ b (Sherman–Morrison, see :func:`from_centred`): a − ρ (μᵀa)/ω."""
-    return a - rho * ((mu * a).sum(-1, keepdim=True) / omega[..., None])
-
-
 def cg_solve(
     matvec: Callable[[torch.Tensor], torch.Tensor],
     b: torch.Tensor,
