@@ -86,3 +86,20 @@ def test_softmax_training_steps_stay_within_their_host_syncs(tmp_path, monkeypat
         kind = "log step" if step % 2 == 0 else "step"
         record = steps[step]
         assert record["count"] <= MAX_SYNCS[kind], f"{kind} {step}: {record['count']} host syncs: {record['syncs']}"
+
+
+def test_the_guard_decides_nothing_per_step_and_names_the_first_bad_step_at_the_log_step():
+    """``nonfinite_skips = 0``: a NaN loss at step 3 is noted on the device, the optimizer step is not held up (no
+    sync), and the log step's check (``first_bad`` read with the metrics) stops the run naming step 3."""
+    from attnlab.trainer.nonfinite import NonFiniteError, NonFiniteGuard
+
+    model = torch.nn.Linear(2, 2)
+    guard = NonFiniteGuard([model], None, torch.device("cpu"), 0, None)
+    with CpuSyncs() as counter:
+        for step, loss in ((2, 1.0), (3, float("nan")), (4, 1.0)):
+            guard.note_loss(model.weight.sum() * loss)
+            assert guard.step_is_finite(step)
+        assert counter.take() == []
+        first = guard.first_bad().tolist()
+    with pytest.raises(NonFiniteError, match=r"first at step 3\).*training stopped at step 4"):
+        guard.check(4, 1.0, 1.0, first_bad=first)
