@@ -43,6 +43,7 @@ from attnlab.trainer.nonfinite import NonFiniteGuard
 from attnlab.trainer.preemption import StopSignals
 from attnlab.trainer.run_guard import RunGuard
 from attnlab.trainer.step import run_step
+from attnlab.trainer.syncs import StepSyncs
 from attnlab.trainer.spec import register_train_spec
 from attnlab.trainer.teardown import destroy_process_groups
 
@@ -57,7 +58,10 @@ class AttnTrainer(Trainer):
         self.run_guard = RunGuard(job_config)  # locks and checks the run folder before anything is built
         self.stop_signals = StopSignals()
         self.stop_signal = 0
+        self.syncs = StepSyncs.from_env(job_config)  # ATTNLAB_COUNT_SYNCS: host syncs counted per step
         try:
+            if self.syncs:
+                self.syncs.__enter__()
             super().__init__(job_config)
             self.stop_signals.use_process_group()
             self.nonfinite = NonFiniteGuard(self.model_parts, self.optimizers, self.device,
@@ -82,6 +86,9 @@ class AttnTrainer(Trainer):
     def _release(self) -> None:
         self.run_guard.release()
         self.stop_signals.restore()
+        if self.syncs:
+            self.syncs.__exit__(None, None, None)
+            self.syncs = None
 
     def close(self) -> None:
         try:
@@ -119,12 +126,13 @@ class AttnTrainer(Trainer):
         # the lr/wd this step runs at (torchtitan steps the scheduler before it logs)
         self.metrics_processor.lr_wd = self.optimizers.lr_wd()
         documents = self.job_config.model.attn_mask_type == "block_causal" and self.model_parts[0].cp is None
-        run_step(self, self.metrics_processor.counted(data_iterator), documents)
-        if self.metrics_processor.should_log(self.step):  # torchtitan synchronised: check the logged values
-            logged = self.metrics_processor.logged
-            self.nonfinite.check(self.step, logged["loss_metrics/global_avg_loss"], logged["grad_norm"])
+        if self.syncs:
+            data_iterator = self.syncs.host_batches(data_iterator)
+        run_step(self, self.metrics_processor.counted(data_iterator), documents)  # a log step checks the guard
 
     def should_continue_training(self) -> bool:
+        if self.syncs:  # the top of the loop: one step's syncs end here
+            self.syncs.end_step(self.step)
         stop = self.job_config.training.stop_after_step
         if not super().should_continue_training() or 0 < stop <= self.step:
             return False
@@ -133,6 +141,7 @@ class AttnTrainer(Trainer):
 
     def train(self):
         super().train()
+        self.stop_signals.wait()
         self.nonfinite.check(self.step)  # a run without a log step or save since the last check ends loudly too
         if not (0 < self.job_config.training.stop_after_step == self.step or self.stop_signal):
             return

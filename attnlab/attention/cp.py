@@ -113,7 +113,8 @@ class ContextParallel:
         bound[torch.arange(B, device=d.device), first] = True
         starts = bound.reshape(-1).nonzero().flatten()  # segment starts over the B·hi keys
         row, key = starts // hi, starts % hi
-        end_k, end_q = starts.new_tensor([B * hi]), starts.new_tensor([B * c])
+        # python ints enter the fill kernel as arguments: no host-to-device copy
+        end_k, end_q = (torch.full((1,), n, dtype=starts.dtype, device=starts.device) for n in (B * hi, B * c))
         cu_k = torch.cat([starts, end_k]).to(torch.int32)
         cu_q = torch.cat([row * c + (key - lo).clamp(min=0), end_q]).to(torch.int32)
         lens = torch.stack([cu_q.diff(), cu_k.diff()]).amax(1).tolist()  # one host sync per forward
@@ -132,7 +133,8 @@ class ContextParallel:
         chunks = x.view(B, 2, c, *x.shape[2:])
         tails = self.gather(chunks[:, :, c - width:], dim=1)  # [B, 2N, width, ...]: the last tokens of every chunk
         before = torch.cat([tails.new_zeros(B, 1, *tails.shape[2:]), tails[:, :-1]], 1)  # the tokens before each
-        return torch.cat([before[:, list(self.chunks())], chunks], 2)
+        a, b = self.chunks()
+        return torch.cat([torch.stack([before[:, a], before[:, b]], 1), chunks], 2)  # slices: no index copied
 
     def halo_segments(self, docs: torch.Tensor, width: int) -> torch.Tensor:
         """cu_seqlens [S + 1] int32 over the B·2·(width + c) tokens of :meth:`halo` (flattened): a segment per
@@ -152,11 +154,12 @@ class ContextParallel:
         of every token of the row."""
         c = positions.shape[1] // 2
         starts = positions == 0
-        starts[:, [0, c]] = True  # each chunk is its own stretch of the row
+        starts[:, 0] = starts[:, c] = True  # each chunk is its own stretch of the row
         cu, seg = _segments(starts)
         begins = torch.arange(1, 2 * self.size, device=docs.device) * c  # first token of chunks 1..2N-1
         continues = docs[:, begins] == docs[:, begins - 1]
-        return ChunkSegments(cu, seg[:, [0, c]].reshape(-1), seg[:, [c - 1, 2 * c - 1]].reshape(-1), continues)
+        first, last = (torch.stack([seg[:, i], seg[:, j]], 1).reshape(-1) for i, j in ((0, c), (c - 1, 2 * c - 1)))
+        return ChunkSegments(cu, first, last, continues)
 
     def row_segments(self, docs: torch.Tensor) -> torch.Tensor:
         """cu_seqlens [S + 1] int32 over the B·T tokens of the whole rows (:meth:`gather` of every token, flattened):
@@ -251,5 +254,5 @@ def _segments(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     int32 over the R·L flattened tokens, [R, L] int64 segment index of every token)."""
     flat = starts.reshape(-1)
     first = flat.nonzero().flatten()
-    cu = torch.cat([first, first.new_tensor([flat.numel()])]).to(torch.int32)
+    cu = torch.cat([first, torch.full((1,), flat.numel(), dtype=first.dtype, device=first.device)]).to(torch.int32)
     return cu, (flat.cumsum(0) - 1).view_as(starts)

@@ -3,13 +3,19 @@ or weight before anything non-finite is written, so the newest checkpoint is alw
 rotation never removes the last good one.
 
 Every micro-batch's loss is checked on the device (``isfinite``, no host sync) into the first step that went bad;
-that flag is read only where torchtitan already synchronises (log steps, which also check the logged global loss
-and gradient norm), before every checkpoint save, which additionally checks every weight and optimizer-state
-tensor, and at the end of training. A non-finite step therefore stops the run at the next log step or save at the
-latest. A NaN gradient turns the weights NaN and the next loss NaN, so the loss check sees it one step later (the
-log-step and pre-save checks see it directly). With ``nonfinite_skips = N > 0`` the decision is needed before each
-optimizer step: loss and gradients are checked and all-reduced every step (one host sync per step), a bad step is
-skipped (no update; the schedule and data move on) and the N+1-th stops the run.
+that flag is read only at log steps (in the one read of the logged metrics, which also checks the logged global
+loss and gradient norm: ``trainer.step.log_step``), before every checkpoint save, which additionally checks every
+weight and optimizer-state tensor, and at the end of training. A step between two log steps never syncs.
+
+What ``nonfinite_skips = 0`` guarantees: a non-finite step's update is applied (no host decision is made before
+the optimizer step), so the weights and optimizer state in memory may turn non-finite; the run then raises
+:class:`NonFiniteError` at the next log step, save or the end of training, whichever comes first (at most
+``metrics.log_freq`` steps later), naming the first bad step; no checkpoint is written after it, so the newest
+checkpoint is finite. A NaN gradient turns the weights NaN and the next loss NaN, so the loss check sees it one
+step later (the log-step and pre-save checks see it directly). With ``nonfinite_skips = N > 0`` the decision is
+needed before each optimizer step: loss and gradients are checked and all-reduced every step (one host sync per
+step), a bad step is never applied (no update of weights or optimizer state; the schedule and data move on) and
+the N+1-th stops the run.
 """
 
 from __future__ import annotations
@@ -88,11 +94,18 @@ class NonFiniteGuard:
                        f"({self._skips}/{self.limit} allowed by training.nonfinite_skips)")
         return False
 
-    def check(self, step: int, loss: float | None = None, grad_norm: float | None = None) -> None:
+    def first_bad(self) -> torch.Tensor:
+        """The first step with a non-finite loss on any rank ([] int64 on the device, :data:`NO_BAD_STEP` while
+        none): an all-reduce queued on the device, nothing read back."""
+        return _all_ranks(self._first_bad.clone(), dist.ReduceOp.MIN)
+
+    def check(self, step: int, loss: float | None = None, grad_norm: float | None = None,
+              first_bad: int | None = None) -> None:
         """Raise :class:`NonFiniteError` when any rank saw a non-finite loss since the start, or when the (global)
-        ``loss`` / ``grad_norm`` given are non-finite. Synchronises the device flag (log steps, checkpoint saves and
-        the end of training only)."""
-        first = int(_all_ranks(self._first_bad.clone(), dist.ReduceOp.MIN).item())
+        ``loss`` / ``grad_norm`` given are non-finite. ``first_bad``: :meth:`first_bad` as read back by the caller
+        with its other values (a log step's metrics); else it is read here (checkpoint saves, the end of
+        training): one host sync."""
+        first = int(self.first_bad().item()) if first_bad is None else first_bad
         values = {"loss": loss, "grad norm": grad_norm}
         bad_now = {k: v for k, v in values.items() if v is not None and not math.isfinite(v)}
         if self._skipped_step == step:

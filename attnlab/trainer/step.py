@@ -28,11 +28,9 @@ from attnlab.attention.base import AttentionContext
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (on the host) on ``device``: pinned and non-blocking to a GPU (the host does not wait), a plain copy
-    otherwise. The pinned buffer stays reserved until the copy ran (torch's caching host allocator)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """``t`` (on the host) on ``device`` without the host waiting: from pinned memory to a GPU (the pinned buffer
+    stays reserved until the copy ran: torch's caching host allocator); on the CPU ``t`` itself."""
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def batch_to_device(input_dict: dict, labels: torch.Tensor, device: torch.device, documents: bool):
@@ -77,17 +75,21 @@ def run_step(trainer, data_iterator, documents: bool) -> None:
 
 def log_step(trainer, loss, global_valid_tokens, local_valid_tokens, grad_norm, lr) -> None:
     """torchtitan's metrics of a log step: the global mean loss, the largest rank-mean loss and the tokens seen
-    (reduced over the data-parallel and context-parallel ranks), the gradient norm and the lr."""
+    (reduced over the data-parallel and context-parallel ranks), the gradient norm and the lr; then the non-finite
+    guard's check of them and of the first bad step any rank saw (``NonFiniteGuard.first_bad``). All of it is read
+    back in one host sync (torchtitan reads each with its own ``.item()``)."""
     dims = trainer.parallel_dims
+    seen = trainer.ntokens_seen
+    values = [loss, loss, grad_norm, trainer.nonfinite.first_bad()]
     if dims.dp_cp_enabled:
         mesh = dims.get_optional_mesh("loss")
         local_avg_loss = loss * global_valid_tokens / local_valid_tokens
-        seen = torch.tensor(trainer.ntokens_seen, dtype=torch.int64, device=trainer.device)
-        global_avg_loss, global_max_loss, ntokens_seen = (dist_utils.dist_sum(loss, mesh),
-                                                          dist_utils.dist_max(local_avg_loss, mesh),
-                                                          dist_utils.dist_sum(seen, mesh))
-    else:
-        global_avg_loss = global_max_loss = loss.item()
-        ntokens_seen = trainer.ntokens_seen
-    trainer.metrics_processor.log(trainer.step, global_avg_loss, global_max_loss, grad_norm.item(),
-                                  extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
+        tokens = torch.full((), seen, dtype=torch.int64, device=loss.device)  # no host-to-device copy
+        values[:2] = funcol.all_reduce(loss, "sum", mesh), funcol.all_reduce(local_avg_loss, "max", mesh)
+        values.append(funcol.all_reduce(tokens, "sum", mesh))
+    read = torch.stack([v.to(torch.float64).reshape(()) for v in values]).tolist()  # the step's one host sync
+    global_avg_loss, global_max_loss, norm, first_bad = read[:4]
+    trainer.metrics_processor.log(trainer.step, global_avg_loss, global_max_loss, norm,
+                                  extra_metrics={"n_tokens_seen": int(read[4]) if dims.dp_cp_enabled else seen,
+                                                 "lr": lr})
+    trainer.nonfinite.check(trainer.step, global_avg_loss, norm, first_bad=int(first_bad))
