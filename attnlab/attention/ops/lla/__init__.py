@@ -88,25 +88,24 @@ def lla_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[T
     return out, o, rho, delta, m, om
 
 
-def _bwd_fake(do, q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton,
+def _bwd_fake(do, q, k, v, lam, cu_seqlens, o, rho, delta, m, om, scale, cg_iters, jacobi, rtol, use_triton,
               block_r, block_c):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lam))
 
 
 @attnlab_op("lla_bwd", _bwd_fake)
-def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor],
-            out: Optional[Tensor], o: Tensor, rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float,
-            cg_iters: int, jacobi: bool, rtol: float, use_triton: bool, block_r: Optional[int],
-            block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def lla_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, cu_seqlens: Optional[Tensor], o: Tensor,
+            rho: Tensor, delta: Tensor, m: Tensor, om: Tensor, scale: float, cg_iters: int, jacobi: bool, rtol: float,
+            use_triton: bool, block_r: Optional[int], block_c: Optional[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dλ) in the dtypes and shapes of q, k, v, λ: the adjoint solve on the forward's statistics (o:
-    the forward's aux; out: its output, Triton only)."""
+    the forward's aux); both paths in the k̄-centred variables (``chunk.py``)."""
     B, T, HQ, D = q.shape
     ds, de = doc_bounds(cu_seqlens, B, T, q.device)
     if use_triton:
         from attnlab.attention.ops.lla.triton import lla_bwd_triton
 
         dq, dk, dv, dlam = lla_bwd_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          lam.to(torch.float32).contiguous(), ds, de, out, o, do, rho,
+                                          lam.to(torch.float32).contiguous(), ds, de, o, do, rho,
                                           delta, m, om, scale, cg_iters, jacobi, rtol, block_r, block_c)
     else:
         ct, G = _compute_dtype(q, False), HQ // k.shape[2]
@@ -124,8 +123,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, lam, cu_seqlens, *args = inputs
     out, o, rho, delta, m, om = output
     ctx.mark_non_differentiable(o, rho, delta, m, om)
-    out = out if args[4] else None  # use_triton: the Triton backward reads the output (β = dO·o)
-    ctx.save_for_backward(q, k, v, lam, cu_seqlens, out, o, rho, delta, m, om)
+    ctx.save_for_backward(q, k, v, lam, cu_seqlens, o, rho, delta, m, om)
     ctx.args = args
 
 

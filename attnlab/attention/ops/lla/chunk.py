@@ -16,9 +16,8 @@ matrix). With g = dL/do_i, γ_j = g·v_j, s_j = p_j (1 − y_j·ρ_c) (the score
     dk_j = Σ_i [p_ij (y_ij·u_i − γ_ij + ḡ_i) ρ_c,i − s_ij u_i + scale·dℓ_ij q_i],   dv_j = Σ_i s_ij g_i
 
 Nothing here divides by δ = ω/(1 + (k̄ − q)·ρ_c), which is small for RMS-normed q, k (‖k̄ − q‖² ≫ λ): the same
-gradient written in the q-centred ρ = Σ⁻¹μ and δ (the Triton kernels' form, docs/kernels.md) cancels terms of
-size 1/δ and in fp32 was 1000x less accurate than softmax's (tests/attention/ops/test_lla.py). The two forms agree
-once CG has converged.
+gradient written in the q-centred ρ = Σ⁻¹μ and δ cancels terms of size 1/δ and in fp32 was 1000x less accurate
+than softmax's (tests/attention/ops/test_lla.py). The Triton backward (``triton/bwd.py``) is this same math.
 
 Tensors here are [B, H, T, D] (heads before time) in the compute dtype; ``doc_start`` [B, T] gives
 the first visible key of every query (0, or its document's start).

@@ -29,9 +29,10 @@ PRECISE = False
 the output pass. bf16 roundings of the score numerators are amplified by Σ|a|/δ on ill-conditioned rows; this
 switch measures how much (tests compare both). Read at call time; part of the autotune key."""
 
-# row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ from pass A,
-# and what pass B hands the dk/dv kernel (λ·tr, ρ̂·q, û·q with ρ̂, û the operand-dtype vectors)
-_RZ, _THR, _QP, _BN, _RID, _TAU, _LT, _RQ, _UQ = (tl.constexpr(i) for i in range(9))
+# row-scalar slots of the [N_ROWS, B, T, HQ] state tensor: the CG's (rz, threshold, k̄·p, ‖b‖, λω), τ = Σ w γ from
+# pass A, and what pass B hands the dk/dv kernel (S = Σ_j p_j ∂L/∂p_j, k̄·ρ̂_c, k̄·û with ρ̂_c, û the operand-dtype
+# vectors)
+_RZ, _THR, _QP, _BN, _RID, _TAU, _DPS, _RQ, _UQ = (tl.constexpr(i) for i in range(9))
 N_ROWS = 9
 
 
@@ -132,13 +133,13 @@ def _out_tiles(acc, den, q, rho, rq, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
 
 
 @triton.jit
-def _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
+def _bwd_a_tiles(tau, ck, q, g, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T, D: tl.constexpr,
                  PRECISE: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     for start in range(a, b, BC):
         o_c, k, v = _kv_rows(K, V, start, s_kt, T, D, MASK, BC, BD)
         c = tl.dot(g, tl.trans(v))  # issued before the exponentials, which it overlaps
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        c = c * w * inv_d[:, None]
+        c = c * w
         if PRECISE:
             kf = k.to(tl.float32)
         else:
@@ -150,20 +151,18 @@ def _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, 
 
 
 @triton.jit
-def _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
+def _bwd_b_tiles(acc, sw, q, g, rc_b, u_b, rq, uq, gv, m2, K, V, s_kt, o_r, ds, a, b, qk_scale, T,
                  D: tl.constexpr, MASK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     for start in range(a, b, BC):
         o_c, k, v = _kv_rows(K, V, start, s_kt, T, D, MASK, BC, BD)
         w = _w(q, k, qk_scale, m2, o_r, o_c, ds, T, MASK)
-        zr = tl.dot(rho_b, tl.trans(k)) - rq[:, None]
-        zu = tl.dot(u_b, tl.trans(k)) - uq[:, None]
+        yr = tl.dot(rc_b, tl.trans(k)) - rq[:, None]  # y·ρ_c
+        yu = tl.dot(u_b, tl.trans(k)) - uq[:, None]  # y·u
         gam = tl.dot(g, tl.trans(v))
-        # z·Δμ = 2β z·ρ − z·u
-        f = w * (gam * (1 - zr) * inv_d[:, None] + 2 * beta[:, None] * zr - zu + zu * zr
-                 - beta[:, None] * (1 + zr * zr) + lt[:, None])
-        acc += tl.dot(f.to(k.dtype), k)
-        umu += tl.sum(w * zu, 1)
-    return acc, umu
+        t = (w * (gam * (1 - yr) + (yu + gv[:, None]) * yr - yu)).to(k.dtype)  # w_j ∂L/∂p_j
+        acc += tl.dot(t, k)
+        sw += tl.sum(t.to(tl.float32), 1)  # the rounded t: acc − sw·k̄ is then exactly Σ_j t_j y_j
+    return acc, sw
 
 
 @triton.jit
@@ -209,33 +208,30 @@ def _out_pass(q, rho, rq, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale,
 
 
 @triton.jit
-def _bwd_a_pass(q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
+def _bwd_a_pass(q, g, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T, D: tl.constexpr,
                 PRECISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Backward pass A: τ = Σ_j c_j and Σ_j c_j k_j with c_j = w_j (dO·v_j)/δ."""
+    """Backward pass A: τ = Σ_j c_j and Σ_j c_j k_j with c_j = w_j (dO·v_j)."""
     tau = tl.zeros([BR], tl.float32)
     ck = tl.zeros([BR, BD], tl.float32)
-    tau, ck = _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True,
-                           BC, BD)
-    tau, ck = _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False,
-                           BC, BD)
-    tau, ck = _bwd_a_tiles(tau, ck, q, g, inv_d, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True,
-                           BC, BD)
+    tau, ck = _bwd_a_tiles(tau, ck, q, g, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D, PRECISE, True, BC, BD)
+    tau, ck = _bwd_a_tiles(tau, ck, q, g, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D, PRECISE, False, BC, BD)
+    tau, ck = _bwd_a_tiles(tau, ck, q, g, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D, PRECISE, True, BC, BD)
     return tau, ck
 
 
 @triton.jit
-def _bwd_b_pass(q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T,
+def _bwd_b_pass(q, g, rc_b, u_b, rq, uq, gv, m2, K, V, s_kt, o_r, ds, lo, mid1, mid2, hi, qk_scale, T,
                 D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
-    """Backward pass B: Σ_j F_ij k_j and u·μ."""
+    """Backward pass B: Σ_j w_j (∂L/∂p_j) k_j and Σ_j w_j ∂L/∂p_j."""
     acc = tl.zeros([BR, BD], tl.float32)
-    umu = tl.zeros([BR], tl.float32)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, lo, mid1,
-                            qk_scale, T, D, True, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid1,
-                            mid2, qk_scale, T, D, False, BC, BD)
-    acc, umu = _bwd_b_tiles(acc, umu, q, g, rho_b, u_b, rq, uq, beta, inv_d, lt, m2, K, V, s_kt, o_r, ds, mid2, hi,
-                            qk_scale, T, D, True, BC, BD)
-    return acc, umu
+    sw = tl.zeros([BR], tl.float32)
+    acc, sw = _bwd_b_tiles(acc, sw, q, g, rc_b, u_b, rq, uq, gv, m2, K, V, s_kt, o_r, ds, lo, mid1, qk_scale, T, D,
+                           True, BC, BD)
+    acc, sw = _bwd_b_tiles(acc, sw, q, g, rc_b, u_b, rq, uq, gv, m2, K, V, s_kt, o_r, ds, mid1, mid2, qk_scale, T, D,
+                           False, BC, BD)
+    acc, sw = _bwd_b_tiles(acc, sw, q, g, rc_b, u_b, rq, uq, gv, m2, K, V, s_kt, o_r, ds, mid2, hi, qk_scale, T, D,
+                           True, BC, BD)
+    return acc, sw
 
 
 @triton.jit

@@ -94,16 +94,16 @@ def lla_fwd_triton(q, k, v, lam, doc_start, scale, cg_iters, jacobi, rtol, block
     return out, centre, rho, delta, m, om
 
 
-def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta, m, om, scale, cg_iters, jacobi,
-                   rtol, block_r=None, block_c=None):
-    """The forward's inputs and outputs (out: its output in q's dtype) and do [B, T, HQ, D]. Returns
-    dq [B, T, HQ, D], dk, dv [B, T, HKV, D] in the dtypes of q, k, v and dlam [B, T, HQ] fp32."""
+def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, centre, do, rho, delta, m, om, scale, cg_iters, jacobi, rtol,
+                   block_r=None, block_c=None):
+    """The forward's inputs and statistics and do [B, T, HQ, D]. Returns dq [B, T, HQ, D], dk, dv [B, T, HKV, D] in
+    the dtypes of q, k, v and dlam [B, T, HQ] fp32. The gradient is the k̄-centred one of ``chunk.py`` (``bwd.py``)."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     do = do.to(q.dtype).contiguous()
     dq = empty_like(q)
     u = torch.empty_like(rho)
-    beta, dlam = rho.new_empty(B, T, HQ), empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    dlam = empty(B, T, HQ, device=q.device, dtype=torch.float32)
     r, p, alpha, rows, cb = _cg_buffers(q, cg_iters)
     ctr, diag = _centre_views(centre)
     block = None if block_r is None else (block_r, block_c)
@@ -113,18 +113,16 @@ def lla_bwd_triton(q, k, v, lam, doc_start, doc_end, out, centre, do, rho, delta
     grid = lambda br, bc: tile_grid(triton.cdiv(T, br), B * HQ)  # noqa: E731
     # the solve's x goes into u's buffer
     _launch(_bwd_a_tuned, _bwd_a_kernel, grid, block,
-            (q, k, v, lam, doc_start, out, do, delta, m, om, r, p, ctr, cb, diag, rows, beta, *strides,
-             T, HQ, qk_scale, rtol**2),
+            (q, k, v, lam, doc_start, do, m, om, r, p, ctr, cb, diag, rows, *strides, T, HQ, qk_scale, rtol**2),
             {**const, "JACOBI": jacobi, "PRECISE": common.PRECISE})
     _solve(q, k, doc_start, m, u, r, p, alpha, cb, diag, rows, strides, qk_scale, cg_iters, jacobi, block,
            {**const, "PRECISE": common.PRECISE})
-    p = p[0]  # Δμ goes into the first direction slot
-    rb, ub = cb, torch.empty_like(p)  # ρ, u in the operand dtype (the solve's centre is free now)
+    rb, ub = cb, p[0]  # ρ_c, u in the operand dtype (the solve's centre and first direction are free now)
     _launch(_bwd_b_tuned, _bwd_b_kernel, grid, block,
-            (q, k, v, lam, doc_start, do, rho, delta, m, om, ctr, rows, beta, dq, u, dlam, rb, ub, p, *strides,
+            (q, k, v, doc_start, do, rho, delta, m, om, ctr, rows, dq, u, dlam, rb, ub, *strides[:6],
              T, HQ, scale, qk_scale), const)
     dk, dv = empty_like(k), empty_like(v)
     _launch(_kv_tuned, _bwd_kv_kernel, lambda br, bc: tile_grid(triton.cdiv(T, bc), B * HKV), block,
-            (q, k, v, doc_start, doc_end, do, m, delta, beta, rows, rb, ub, p, dk, dv, *strides[:6],
-             T, HQ, HKV, scale, qk_scale), const)
+            (q, k, v, doc_start, doc_end, do, m, om, rows, rb, ub, dk, dv, *strides[:6], T, HQ, HKV, scale, qk_scale),
+            const)
     return dq, dk, dv, dlam
