@@ -48,6 +48,13 @@ PAPER_ARMS: dict[str, dict[str, list[str]]] = {
     "lla": {"lla_paper_token_lambda": ["--attention.lla.lambda_mode", "token"]},
     # eq. 12: ρ = W_R x unscaled (the registered default scales it by head_dim^-1/2)
     "affine_linear": {"affine_linear_paper_unscaled": ["--attention.affine_linear.rho_scale", "false"]},
+    # §5.2 (drop-in use): the baseline's positional encodings, RoPE on q and k (the registered default has none)
+    "hla": {"hla_paper_rope": ["--attention.hla.rope", "true"]},
+    # step 5: a kernel-approximating global feature map, e.g. FAVOR+ (the registered default is elu+1)
+    "cala": {"cala_paper_favor": ["--attention.cala.feature_map", "favor"]},
+    # Katharopoulos et al.: the denominator φ(q)·Σφ(k), no output norm (registered default: fla's RMSNorm instead)
+    "linear": {"linear_paper_normalized": ["--attention.linear.normalize", "true", "--attention.linear.output_norm",
+                                           "none"]},
 }
 """Second arms of a mechanism whose paper prescribes another init or lr than its registered default: arm name ->
 the flags added to the mechanism's (the first arm is always the registered default)."""
