@@ -6,6 +6,8 @@ one process on rows whose documents cross the shards (token throughput, the chun
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -123,6 +125,66 @@ def test_segments_give_each_chunk_the_full_masks_rows():
                     assert (seg.max_q, seg.max_k) == (int(seg.cu_q.diff().max()), int(seg.cu_k.diff().max()))
                     got = _segment_mask(seg, B, c, T, window)
                     assert torch.equal(got, rows[:, half * c:(half + 1) * c]), (window, n, r, half)
+
+
+def _random_positions(rng: torch.Generator, B: int, T: int) -> torch.Tensor:
+    """[B, T] per-document positions of documents of 1..T tokens packed into rows, a row starting inside a document
+    (its positions not starting at 0) half of the time: boundaries land anywhere, on and across the chunks."""
+    rows = []
+    for _ in range(B):
+        row = torch.cat([torch.arange(m) for m in torch.randint(1, T + 1, (2 * T,), generator=rng).tolist()])
+        offset = int(torch.randint(0, T, (1,), generator=rng)) * int(torch.randint(0, 2, (1,), generator=rng))
+        rows.append(row[offset:offset + T])
+    return torch.stack(rows)
+
+
+def _fields(x) -> list:
+    return [x] if isinstance(x, torch.Tensor) else [getattr(x, f) for f in x.__dataclass_fields__]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_segments_built_on_the_host_equal_those_the_layers_build_on_the_device(n):
+    """The trainer's layouts (:meth:`BatchSegments.on_host` from the whole rows' positions, copied over) equal the
+    ones a layer builds from the context's device tensors (the document index from every rank's shard of the
+    positions, as the model's context gathers them), on random document layouts and on causal rows; once copied,
+    the layers read nothing back (no host sync: the CPU counter of attnlab/trainer/syncs.py)."""
+    from attnlab.attention.cp import BatchSegments
+    from attnlab.trainer.syncs import CpuSyncs
+
+    rng = torch.Generator().manual_seed(n)
+    to_device = functools.partial(torch.Tensor.to, device=torch.zeros(1).device, non_blocking=True)  # a device's
+    widths = (1, 3, 7)  # a window wider than a chunk included
+    for trial in range(6):
+        B, c = int(torch.randint(1, 4, (1,), generator=rng)), int(torch.randint(1, 6, (1,), generator=rng))
+        T = 2 * n * c
+        positions = _random_positions(rng, B, T)
+        ranks = [ContextParallel(None, n, r) for r in range(n)]
+        for cp in ranks:
+            for pos in (positions, None):
+                with CpuSyncs() as counter:
+                    counter.mark_host(pos)
+                    host = BatchSegments.on_host(cp, pos, (B, T)).build(widths)
+                    moved = host.to(to_device)
+                    assert counter.take() == []
+                    if pos is None:
+                        docs, local = torch.zeros(B, T, dtype=torch.int64), cp.global_index(T // n, "cpu").expand(B, -1)
+                    else:
+                        docs = documents(cp.assemble([q.shard(pos) for q in ranks], 1))
+                        local = cp.shard(pos)
+                    device = BatchSegments(cp, to_device(docs), to_device(local))
+                    built = [moved.segments(0), moved.segments(1), moved.chunk_segments(), moved.row_segments(),
+                             *(moved.halo_segments(w) for w in widths)]
+                    assert counter.take() == []  # the layers' reads of the copied layouts
+                    want = [device.segments(0), device.segments(1), device.chunk_segments(), device.row_segments(),
+                            *(device.halo_segments(w) for w in widths)]
+                    assert counter.take(), "the device-built layouts read back (the test would see a sync)"
+                for got, exp in zip(built, want):
+                    assert type(got) is type(exp)
+                    for a, b in zip(_fields(got), _fields(exp)):
+                        if isinstance(b, torch.Tensor):
+                            assert a.dtype == b.dtype and torch.equal(a, b), (trial, cp.rank, pos, a, b)
+                        else:
+                            assert a == b, (trial, cp.rank, pos, a, b)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

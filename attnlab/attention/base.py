@@ -36,8 +36,10 @@ attribute ``context_parallel = True`` (the configuration refuses the others). Th
 - it communicates only through the primitives of ``ContextParallel``, each differentiable (the backward sums every
   token's gradient back to the rank holding it): ``gather`` with ``segments`` (the whole row, attention over it as
   variable-length segments), ``halo`` with ``halo_segments`` (the tokens before each chunk), ``states_entering``
-  with ``chunk_segments`` (a chunked affine recurrence's state entering each chunk). What depends only on the batch
-  (segments) is built once per forward through ``ctx.once``. A pattern none of them covers is added there, named
+  with ``chunk_segments`` (a chunked affine recurrence's state entering each chunk). The segments depend only on the
+  batch: a mechanism takes them from ``ctx.cp_segments`` (:class:`attention.cp.BatchSegments`, built once per step on
+  the host by the trainer); a module whose CP path takes ``halo_segments(width)`` names that width in its attribute
+  ``cp_halo_width``, so the trainer builds those too. A pattern none of them covers is added there, named
   for what it communicates, not for the mechanism;
 - its algorithm lives with it, a ``*_cp`` method beside the one-process path it replaces, chosen on ``ctx.cp``:
   ``SoftmaxAttention.mix_cp``, ``DeltaRuleAttention._mix_cp``, and ``ShortConvolution.forward_cp`` for the
@@ -60,6 +62,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.qwen3.model.model import precompute_rope_cache, rotate_half
 from torchtitan.models.utils import trunc_normal_
+
+from attnlab.attention.cp import BatchSegments
 
 
 @dataclass
@@ -93,6 +97,8 @@ class AttentionContext:
     cp:         under context parallelism (:mod:`attention.cp`), this rank's :class:`attention.cp.ContextParallel`:
                 ``positions`` are then the local tokens' (T / N of each row) and ``cu_seqlens`` is None.
     cp_docs:    with ``cp``: [B, T] int64 document index of every token of the whole row, in global order.
+    cp_segments: with ``cp``: the batch's segment layouts (:class:`attention.cp.BatchSegments`): given (the trainer
+                builds them on the host), or built from ``cp_docs`` on first use.
     """
 
     positions: torch.Tensor
@@ -103,8 +109,12 @@ class AttentionContext:
     max_position: int = 0
     cp: Any = None
     cp_docs: torch.Tensor | None = None
+    cp_segments: Any = None
     _rope: dict = field(default_factory=dict, repr=False)
-    _once: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.cp is not None and self.cp_segments is None:
+            self.cp_segments = BatchSegments(self.cp, self.cp_docs, self.positions)
 
     @property
     def batch_size(self) -> int:
@@ -123,13 +133,6 @@ class AttentionContext:
         if not torch.compiler.is_compiling():
             self._rope[head_dim] = cos_sin
         return cos_sin
-
-    def once(self, key, build):
-        """``build()`` computed for the first layer that asks under ``key`` and kept for the others: what depends
-        only on the batch (masks, document segments) is built once per forward, not once per layer."""
-        if key not in self._once:
-            self._once[key] = build()
-        return self._once[key]
 
     def use_rope_table(self, table: torch.Tensor) -> None:
         """Fill the cos/sin of head dim ``table.shape[-1] // 2`` from a precomputed table (torchtitan's
@@ -177,7 +180,7 @@ def mix_whole_rows(ctx: AttentionContext, mix, *xs: torch.Tensor | None) -> torc
     [B, 2c, ...]. Exact for any causal mixer; each rank computes the mixing of the whole row (the projections,
     MLPs and loss around it stay divided over the ranks)."""
     cp = ctx.cp
-    cu = ctx.once("cp_row_segments", lambda: cp.row_segments(ctx.cp_docs))
+    cu = ctx.cp_segments.row_segments()
     rows = [None if x is None else cp.gather(x, 1) for x in xs]
     return cp.shard(mix(*rows, cu_seqlens=cu), 1)
 

@@ -71,6 +71,11 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
     context_parallel_compiles = True
     """Its CP path compiles (``compile.enable``) into the blocks' single graphs (docs/context_parallel.md)."""
 
+    @property
+    def cp_halo_width(self) -> int:
+        """Tokens of history :meth:`_mix_cp` puts before each chunk (``BatchSegments.halo_segments``' width)."""
+        return self.opts.window_size
+
     def __init__(self, args: AttentionArgs, opts: CALAOptions):
         if opts.feature_map not in FEATURE_MAPS:
             raise ValueError(f"attention.cala.feature_map={opts.feature_map!r}; choose from {list(FEATURE_MAPS)}")
@@ -145,7 +150,7 @@ class ContextAggregatedLinearAttention(QKVAttentionBase):
         cp, w = ctx.cp, self.opts.window_size
         B, L, H, D = q.shape
         c = L // 2
-        cu = ctx.once(("cp_halo_segments", w), lambda: cp.halo_segments(ctx.cp_docs, w))
+        cu = ctx.cp_segments.halo_segments(w)
         ext = lambda t: cp.halo(t, w).reshape(1, 2 * B * (w + c), H, D)  # noqa: E731
         cq, ck = local_context(ext(q), ext(k), w, cu_seqlens=cu, max_seqlen=w + c,
                                local_map=self.opts.local_feature_map, impl=s_impl)

@@ -21,11 +21,17 @@ that used them):
 - :meth:`~ContextParallel.states_entering`: every chunk's affine state transition all-gathered and composed in
   chunk order into the state entering each local chunk, with :meth:`~ContextParallel.chunk_segments` the local
   chunks' document pieces and which chunk continues the previous one's document (the delta-rule family).
+
+The segment layouts depend only on the batch's documents, and each needs its segment count and (for
+:meth:`~ContextParallel.segments`) its longest lengths on the host. :class:`BatchSegments` keeps them for every layer
+of a forward; the trainer builds them on the host from the batch's positions before the batch's copy
+(:meth:`BatchSegments.on_host`, :meth:`BatchSegments.to`), so no layer reads a device tensor back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,8 +89,9 @@ class ContextParallel:
 
     def shard_batch(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
         """torchtitan's ``post_dataloading_process`` result for this rank: (tokens, labels, the other inputs such
-        as the document positions, no keyword arguments), each [B, T] cut to this rank's [B, T / N]."""
-        inputs = {k: self.shard(v) for k, v in input_dict.items()}
+        as the document positions, no keyword arguments), each [B, T] tensor cut to this rank's [B, T / N] (the
+        others, such as the batch's :class:`BatchSegments`, pass as they are)."""
+        inputs = {k: self.shard(v) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
         return inputs.pop("input"), self.shard(labels), inputs, {}
 
     def segments(self, docs: torch.Tensor, half: int) -> "Segments":
@@ -186,6 +193,77 @@ class ContextParallel:
             b_prev, m_prev = maps[:, i - 1, ..., :V], maps[:, i - 1, ..., V:]
             states.append(keep[:, i - 1] * (m_prev @ states[-1] + b_prev))
         return torch.stack([states[i] for i in self.chunks()], 1)
+
+
+class BatchSegments:
+    """The segment layouts of one batch under context parallelism, each built on first use and kept: one object serves
+    every layer of a forward (a plain object, so FSDP's per-block copy of the context's dataclass fields hands every
+    block this one). ``docs``: [B, T] int64 document index of every token of the whole row (:func:`documents`);
+    ``positions``: [B, 2c] the local tokens' positions in their documents.
+
+    Built from device tensors, each layout reads its segment count back (``nonzero``) and :meth:`segments` its
+    longest lengths (``tolist``): host syncs, once per forward. The trainer instead builds every layout on the host
+    from the batch's positions (:meth:`on_host`, :meth:`build`) and copies them over (:meth:`to`): the offsets travel
+    as int32 tensors, only the longest lengths the kernels take as Python ints."""
+
+    def __init__(self, cp: ContextParallel, docs: torch.Tensor, positions: torch.Tensor):
+        self.cp, self.docs, self.positions = cp, docs, positions
+        self._built: dict = {}
+
+    @staticmethod
+    def on_host(cp: ContextParallel, positions: torch.Tensor | None, shape: tuple[int, int]) -> "BatchSegments":
+        """The layouts of a batch of ``shape`` [B, T] (whole rows) from its per-document ``positions`` [B, T] on the
+        host (None: one causal sequence per row), for this rank; nothing built yet."""
+        B, T = shape
+        if positions is None:
+            local = cp.global_index(T // cp.size, "cpu").expand(B, T // cp.size)
+            return BatchSegments(cp, torch.zeros(B, T, dtype=torch.int64), local)
+        return BatchSegments(cp, documents(positions), cp.shard(positions))
+
+    def segments(self, half: int) -> "Segments":
+        """:meth:`ContextParallel.segments` of chunk ``half``."""
+        return self._get(("segments", half), lambda: self.cp.segments(self.docs, half))
+
+    def halo_segments(self, width: int) -> torch.Tensor:
+        """:meth:`ContextParallel.halo_segments` of ``width`` tokens of history."""
+        return self._get(("halo", width), lambda: self.cp.halo_segments(self.docs, width))
+
+    def chunk_segments(self) -> "ChunkSegments":
+        """:meth:`ContextParallel.chunk_segments`."""
+        return self._get("chunks", lambda: self.cp.chunk_segments(self.positions, self.docs))
+
+    def row_segments(self) -> torch.Tensor:
+        """:meth:`ContextParallel.row_segments`."""
+        return self._get("rows", lambda: self.cp.row_segments(self.docs))
+
+    def build(self, halo_widths=()) -> "BatchSegments":
+        """Every layout: both chunks' :meth:`segments`, :meth:`chunk_segments`, :meth:`row_segments` and the
+        :meth:`halo_segments` of each of ``halo_widths``. Returns self."""
+        for half in (0, 1):
+            self.segments(half)
+        self.chunk_segments()
+        self.row_segments()
+        for width in halo_widths:
+            self.halo_segments(width)
+        return self
+
+    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "BatchSegments":
+        """A copy with every tensor, the built layouts' included, replaced by ``move(tensor)`` (the host's copied to
+        the device); the Python ints stay."""
+        def moved(v):
+            if isinstance(v, torch.Tensor):
+                return move(v)
+            return replace(v, **{f.name: move(getattr(v, f.name)) for f in fields(v)
+                                 if isinstance(getattr(v, f.name), torch.Tensor)})
+
+        out = BatchSegments(self.cp, move(self.docs), move(self.positions))
+        out._built = {k: moved(v) for k, v in self._built.items()}
+        return out
+
+    def _get(self, key, build):
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
 
 
 @dataclass

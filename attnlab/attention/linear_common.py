@@ -92,7 +92,7 @@ def linear_recurrence_cp(run, v: torch.Tensor, key_dim: int, ctx) -> torch.Tenso
     cp = ctx.cp
     B, L, H, V = v.shape
     K = key_dim
-    seg = ctx.once("cp_chunk_segments", lambda: cp.chunk_segments(ctx.positions, ctx.cp_docs))
+    seg = ctx.cp_segments.chunk_segments()
     segments, acc = seg.cu_seqlens.numel() - 1, acc_dtype(v)
     h0 = torch.zeros(segments, H, K, V + K, device=v.device, dtype=acc)
     h0[seg.first, :, :, V:] = torch.eye(K, device=v.device, dtype=acc)
@@ -161,6 +161,11 @@ class ShortConvolution(nn.Module):
         """
         return short_conv(x, self.weight, cu_seqlens, state, self.activation is not None)
 
+    @property
+    def cp_halo_width(self) -> int:
+        """Inputs of history :meth:`forward_cp` puts before each chunk (``BatchSegments.halo_segments``' width)."""
+        return self.kernel_size - 1
+
     def forward_cp(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The convolution of this rank's two chunks x [B, 2c, C] under context parallelism (``ctx.cp``,
         :mod:`attention.cp`): each chunk extended by the K − 1 inputs before it in the row
@@ -169,7 +174,7 @@ class ShortConvolution(nn.Module):
         B, L, C = x.shape
         c, k1 = L // 2, self.kernel_size - 1
         ext = ctx.cp.halo(x, k1)  # [B, 2, K-1+c, C]
-        cu = ctx.once(("cp_halo_segments", k1), lambda: ctx.cp.halo_segments(ctx.cp_docs, k1))
+        cu = ctx.cp_segments.halo_segments(k1)
         y, _ = self(ext.reshape(1, 2 * B * (k1 + c), C), cu_seqlens=cu)
         return y.view(B, 2, k1 + c, C)[:, :, k1:].reshape(B, L, C)
 

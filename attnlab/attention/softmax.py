@@ -93,11 +93,10 @@ def attend_chunks(q, k, v, r, ctx: AttentionContext, window: int | None, scale: 
     kernels on CUDA, the reference on CPU), softmax included: on an H100 its GQA-aware Triton kernel trains softmax
     under CP faster than torch's flash varlen (FA2, which in torch 2.11 also needs the KV heads repeated; numbers in
     benchmarks/README.md). Returns [B, 2c, HQ, D]."""
-    cp = ctx.cp
     B, c = q.shape[0], q.shape[1] // 2
     out = []
     for half in (0, 1):
-        seg = ctx.once(("cp_segments", half), lambda half=half: cp.segments(ctx.cp_docs, half))
+        seg = ctx.cp_segments.segments(half)
         qh, rh = (None if t is None else t[:, half * c:(half + 1) * c].reshape(B * c, *t.shape[2:]) for t in (q, r))
         kh, vh = (t[:, :seg.keys].reshape(B * seg.keys, *t.shape[2:]) for t in (k, v))
         o = parallax_attention(qh[None], kh[None], vh[None], None if rh is None else rh[None], scale=scale,

@@ -18,7 +18,7 @@ from torchtitan.protocols.train_spec import ModelProtocol
 
 from attnlab.attention import build_attention
 from attnlab.attention.base import AttentionArgs, AttentionContext
-from attnlab.attention.cp import documents
+from attnlab.attention.cp import BatchSegments, documents
 from attnlab.models.args import ModelArgs
 from attnlab.models.loss import linear_cross_entropy
 
@@ -96,13 +96,15 @@ class Transformer(ModelProtocol):
         trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def context(self, tokens: torch.Tensor, positions: torch.Tensor | None,
-                documents: tuple[torch.Tensor, int] | None = None) -> AttentionContext:
+                documents: tuple[torch.Tensor, int] | None = None,
+                cp_segments: BatchSegments | None = None) -> AttentionContext:
         """Positions restart at every document when ``attn_mask_type = "block_causal"``; otherwise each row
         is one causal sequence and ``positions`` from the data loader are ignored. ``documents``: the documents'
-        offsets, already computed from ``positions`` (:meth:`AttentionContext.document_offsets`)."""
+        offsets, already computed from ``positions`` (:meth:`AttentionContext.document_offsets`); ``cp_segments``
+        likewise under context parallelism (:meth:`cp_segments`)."""
         block = self.model_args.attn_mask_type == "block_causal"
         if self.cp is not None:
-            return self.cp_context(tokens, positions if block else None)
+            return self.cp_context(tokens, positions if block else None, cp_segments)
         if positions is None or not block:
             B, T = tokens.shape
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -111,21 +113,35 @@ class Transformer(ModelProtocol):
         self.fill_rope(ctx, tokens.shape[1], tokens.device)
         return ctx
 
-    def cp_context(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> AttentionContext:
+    def cp_context(self, tokens: torch.Tensor, positions: torch.Tensor | None,
+                   segments: BatchSegments | None = None) -> AttentionContext:
         """The context under context parallelism: ``tokens`` [B, T/N] and the documents' ``positions`` are this
         rank's shard of each row (:meth:`attention.cp.ContextParallel.shard`); the document index of every token of
-        the row comes from all ranks' positions (None: one causal sequence per row)."""
+        the row comes from ``segments`` (:meth:`cp_segments`, built by the trainer) or else from all ranks'
+        positions (None: one causal sequence per row)."""
         cp = self.cp
         B, n = tokens.shape
-        if positions is None:
-            positions = cp.global_index(n, tokens.device).expand(B, n)
+        if segments is not None:
+            docs = segments.docs
+        elif positions is None:
             docs = torch.zeros(B, n * cp.size, dtype=torch.int64, device=tokens.device)
         else:
             docs = documents(cp.gather(positions))
+        if positions is None:
+            positions = cp.global_index(n, tokens.device).expand(B, n)
         ctx = AttentionContext(positions=positions, rope_theta=self.model_args.rope_theta, max_position=n * cp.size,
-                               cp=cp, cp_docs=docs)
+                               cp=cp, cp_docs=docs, cp_segments=segments)
         self.fill_rope(ctx, n * cp.size, tokens.device)
         return ctx
+
+    def cp_segments(self, positions: torch.Tensor | None, shape: tuple[int, int]) -> BatchSegments:
+        """Under context parallelism: every segment layout this rank's layers take of a batch of ``shape`` [B, T]
+        (whole rows), built from its per-document ``positions`` [B, T] on the host, before the batch's copy (the
+        trainer, :mod:`attnlab.trainer.step`), so no layer reads them back from the device. The halo widths are the
+        ``cp_halo_width`` of the modules that have one."""
+        block = self.model_args.attn_mask_type == "block_causal"
+        widths = sorted({m.cp_halo_width for m in self.modules() if hasattr(m, "cp_halo_width")})
+        return BatchSegments.on_host(self.cp, positions if block else None, shape).build(widths)
 
     def fill_rope(self, ctx: AttentionContext, length: int, device: torch.device) -> None:
         """Give ``ctx`` the cos/sin of its positions (all < ``length``) from the cached table of
@@ -135,13 +151,15 @@ class Transformer(ModelProtocol):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 ctx: AttentionContext | None = None, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0, documents: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                loss_chunk_tokens: int = 0, documents: tuple[torch.Tensor, int] | None = None,
+                cp_segments: BatchSegments | None = None) -> torch.Tensor:
         """tokens: [B, T] int64 -> logits [B, T, vocab]. ``ctx`` overrides the context (decoding). With ``labels``
         [B, T] (training under ``training.loss_chunk_tokens``): the summed cross-entropy over the labels that are not
         torchtitan's IGNORE_INDEX instead, an fp32 scalar, computed ``loss_chunk_tokens`` tokens at a time without
         the [B, T, vocab] logits (:class:`Head`). ``documents``: (cu_seqlens [n_docs + 1] int32, the longest
-        document) of ``positions``, computed by the trainer on the host (:mod:`attnlab.trainer.step`)."""
-        ctx = ctx if ctx is not None else self.context(tokens, positions, documents)
+        document) of ``positions``, computed by the trainer on the host (:mod:`attnlab.trainer.step`); ``cp_segments``
+        likewise under context parallelism (:meth:`cp_segments`)."""
+        ctx = ctx if ctx is not None else self.context(tokens, positions, documents, cp_segments)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, ctx)

@@ -11,7 +11,9 @@ document back from the GPU (:meth:`attention.base.AttentionContext.from_position
   all-reduce, no read back);
 - each microbatch moves from pinned memory with ``non_blocking=True`` (:func:`batch_to_device`);
 - the document offsets of a ``block_causal`` batch are computed on the host from its positions before the copy
-  (:meth:`attention.base.AttentionContext.document_offsets`) and handed to the model as ``documents``.
+  (:meth:`attention.base.AttentionContext.document_offsets`) and handed to the model as ``documents``; under context
+  parallelism every segment layout of the rank's chunks likewise (:meth:`models.model.Transformer.cp_segments`),
+  handed over as ``cp_segments``.
 
 The host then runs ahead of the GPU into the next step, as it does within a step. Loss, gradient clipping, optimizer,
 schedulers and the logged metrics are torchtitan's, unchanged.
@@ -33,14 +35,20 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
-def batch_to_device(input_dict: dict, labels: torch.Tensor, device: torch.device, documents: bool):
+def batch_to_device(input_dict: dict, labels: torch.Tensor, device: torch.device, documents: bool,
+                    cp_segments=None):
     """A microbatch from the data loader, on ``device`` without blocking. With ``documents`` (a ``block_causal`` run
     outside context parallelism) ``input_dict`` gains ``"documents"``: (cu_seqlens [n_docs + 1] int32 on ``device``,
-    the longest document), computed from the host's ``positions`` [B, T]."""
+    the longest document), computed from the host's ``positions`` [B, T]. Under context parallelism ``cp_segments``
+    (the model's :meth:`models.model.Transformer.cp_segments`) builds the batch's segment layouts from the host's
+    positions (None without) and ``input_dict`` gains them, copied to ``device``, as ``"cp_segments"``."""
     out = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
     if documents and "positions" in input_dict:
         cu, longest = AttentionContext.document_offsets(input_dict["positions"])
         out["documents"] = (to_device(cu, device), longest)
+    if cp_segments is not None:
+        segments = cp_segments(input_dict.get("positions"), tuple(input_dict["input"].shape))
+        out["cp_segments"] = segments.to(lambda t: to_device(t, device))
     return out, to_device(labels, device)
 
 
@@ -57,9 +65,11 @@ def run_step(trainer, data_iterator, documents: bool) -> None:
         global_valid_tokens = funcol.all_reduce(local_valid_tokens.float(), "sum", dims.get_mesh("batch"))
     else:
         global_valid_tokens = local_valid_tokens.float()
+    model = trainer.model_parts[0]
+    cp_segments = model.cp_segments if model.cp is not None else None
     losses = []
     for input_dict, labels in microbatches:
-        input_dict, labels = batch_to_device(input_dict, labels, trainer.device, documents)
+        input_dict, labels = batch_to_device(input_dict, labels, trainer.device, documents, cp_segments)
         loss = trainer.forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
         losses.append(loss.detach())

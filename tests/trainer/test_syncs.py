@@ -1,7 +1,10 @@
 """Host syncs per training step (attnlab/trainer/syncs.py): the CPU counter's rules, call by call, and the count of a
-real softmax training run, so that a new sync in the training step fails here with its file and line."""
+real softmax training run and (slow) of context-parallel ones, so that a new sync in the training step fails here with
+its file and line."""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 import torch
@@ -86,6 +89,34 @@ def test_softmax_training_steps_stay_within_their_host_syncs(tmp_path, monkeypat
         kind = "log step" if step % 2 == 0 else "step"
         record = steps[step]
         assert record["count"] <= MAX_SYNCS[kind], f"{kind} {step}: {record['count']} host syncs: {record['syncs']}"
+
+
+CP_SYNCS = {"softmax": {"attnlab/attention/ops/common.py": 16}, "gdn": {}}
+"""The most host syncs a plain training step under context parallelism (CP = 2, 4 layers) may make, by file: the
+segment layouts come built from the host (trainer.step), so none is the segments'; softmax's CPU reference kernel
+reads its query and key counts (2 per chunk and layer), a path CUDA does not run."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", sorted(CP_SYNCS))
+def test_context_parallel_training_steps_stay_within_their_host_syncs(mechanism, tmp_path, monkeypatch):
+    """4 steps of the tiny run on 2 gloo processes (CP = 2) with documents crossing the chunks, logging at steps 2
+    and 4: a plain step makes at most :data:`CP_SYNCS`, a log step also the logged metrics' one read."""
+    corpus = make_corpus(tmp_path / "corpus", seq_len=6, n_train=96, n_val=16)
+    dump = tmp_path / "run"
+    args = tiny_args(corpus, dump, 4, 16, 2, "--metrics.log_freq", "2", "--checkpoint.no-enable",
+                     "--validation.no-enable", "--model.attention", mechanism, "--model.attn_mask_type",
+                     "block_causal", "--parallelism.context_parallel_degree", "2")
+    monkeypatch.setenv("ATTNLAB_COUNT_SYNCS", "1")
+    run_train(args, nproc=2)
+    for rank in (0, 1):
+        steps = read_step_syncs(dump / "syncs" / f"rank{rank}.jsonl")
+        for step in (2, 3, 4):
+            allowed = {**CP_SYNCS[mechanism], **({"attnlab/trainer/step.py": 1} if step % 2 == 0 else {})}
+            by_file = collections.Counter()
+            for where, n in steps[step]["syncs"].items():
+                by_file[where.split(":")[0]] += n
+            assert all(n <= allowed.get(f, 0) for f, n in by_file.items()), (rank, step, steps[step]["syncs"])
 
 
 def test_the_guard_decides_nothing_per_step_and_names_the_first_bad_step_at_the_log_step():
