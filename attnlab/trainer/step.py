@@ -48,8 +48,16 @@ def batch_to_device(input_dict: dict, labels: torch.Tensor, device: torch.device
         out["documents"] = (to_device(cu, device), longest)
     if cp_segments is not None:
         segments = cp_segments(input_dict.get("positions"), tuple(input_dict["input"].shape))
-        out["cp_segments"] = segments.to(lambda t: to_device(t, device))
+        out["cp_segments"] = segments.to(lambda t: _varying(to_device(t, device)))
     return out, to_device(labels, device)
+
+
+def _varying(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its length marked as varying by batch for torch.compile when it is 1-D (segment offsets): the
+    compiled blocks take it as a dynamic size from the first batch instead of recompiling at the first change."""
+    if t.dim() == 1:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
 
 
 def run_step(trainer, data_iterator, documents: bool) -> None:
