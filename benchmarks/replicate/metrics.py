@@ -38,7 +38,9 @@ def read_metrics(run_dir: str) -> dict:
     """Last validation/training record, the median training tokens/s (log intervals after step 1), the peak
     reserved GPU memory (``mem_gib``, None on the CPU) and ``spike``: the largest rise of a logged training loss over
     the median of the five logged before it, past the first tenth of the steps (nats). A logged loss is one step's
-    batch, and batches differ in difficulty by up to ~0.5 nats at the repl-68M scale; a spike shows above that."""
+    batch, and batches differ in difficulty by up to ~0.5 nats at the repl-68M scale; a spike shows above that.
+    ``gnorm_spike``: the largest logged gradient norm after step 1 over their median; gradient clipping can hide a
+    spike from the loss, not from the norm."""
     from attnlab.trainer.metrics import read_records
 
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -50,12 +52,14 @@ def read_metrics(run_dir: str) -> dict:
     tps = [r["tps"] for r in train if r["step"] > 1 and "tps" in r]
     mem = [r["memory_gib"] for r in train if "memory_gib" in r]
     late = [r["loss"] for r in train if r["step"] > train[-1]["step"] // 10 and r["loss"] is not None] if train else []
+    norms = [r["grad_norm"] for r in train if r["step"] > 1 and r.get("grad_norm") is not None]
     return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
             "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
             "val_step": val[-1]["step"] if val else None,
             "tps": statistics.median(tps) if tps else None, "mem_gib": max(mem) if mem else None,
             "spike": max((max(0.0, b - statistics.median(late[max(0, i - 5):i])) for i, b in enumerate(late) if i),
-                         default=None)}
+                         default=None),
+            "gnorm_spike": max(norms) / statistics.median(norms) if norms and statistics.median(norms) > 0 else None}
 
 
 def finished_at(metrics: dict, steps: int) -> bool:

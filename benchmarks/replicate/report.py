@@ -38,6 +38,9 @@ def arm_rows(rows: list[dict]) -> list[dict]:
 
 OUTLIER_DELTA = 25.0
 """An arm more than this many % worse than softmax (validation perplexity, means over seeds) is an outlier."""
+GNORM_SPIKE = 20.0
+"""A logged gradient norm this many times the run's median (``metrics.read_metrics``'s ``gnorm_spike``) flags the
+arm as unstable: clipping keeps such a step out of the loss curve (the registry runs' largest is ~5× past step 1)."""
 SPIKE_NATS = 1.0
 """A logged training loss this far above the median of the ones before it (``metrics.read_metrics``'s ``spike``)
 flags an unstable run: twice the batch-to-batch spread of a stable repl-68M run (0.34-0.43 nats)."""
@@ -52,7 +55,7 @@ def _mean(values: list) -> float | None:
 def registry_rows(rows: list[dict]) -> list[dict]:
     """:func:`arm_rows` with the registry suites' columns averaged over seeds (:data:`MEAN_KEYS`, and ``pos_ppl`` per
     bucket), the largest ``spike``, the runs that did not finish, and ``flags``: why the arm needs a write-up
-    (:data:`OUTLIER_DELTA`, :data:`SPIKE_NATS`, failed runs)."""
+    (:data:`OUTLIER_DELTA`, :data:`SPIKE_NATS`, :data:`GNORM_SPIKE`, failed runs)."""
     arms = arm_rows(rows)
     by_arm: dict[str, list[dict]] = {}
     for r in rows:
@@ -67,10 +70,13 @@ def registry_rows(rows: list[dict]) -> list[dict]:
         buckets = {b for r in ok for b in r.get("pos_ppl") or {}}
         a["pos_ppl"] = {b: _mean([(r.get("pos_ppl") or {}).get(b) for r in ok]) for b in sorted(buckets, key=int)}
         a["spike"] = max((r["spike"] for r in ok if r.get("spike") is not None), default=None)
+        a["gnorm_spike"] = max((r["gnorm_spike"] for r in ok if r.get("gnorm_spike") is not None), default=None)
         a["failed"] = [r["run"] for r in runs if not r.get("ok")]
         wide = max((r.get("gpus") or 1 for r in ok), default=1)
         a["flags"] = ([f"{a['delta']:+.0f}% vs softmax"] if a["delta"] is not None and a["delta"] > OUTLIER_DELTA
                       else []) + ([f"loss spike {a['spike']:.2f}"] if (a["spike"] or 0) > SPIKE_NATS else []) + \
+                     ([f"gradient-norm spike {a['gnorm_spike']:.0f}x"] if (a["gnorm_spike"] or 0) > GNORM_SPIKE
+                      else []) + \
                      ([f"{wide} GPUs data-parallel: tok/s per GPU, documents packed per rank"] if wide > 1 else []) + \
                      ([f"not finished: {','.join(a['failed'])}"] if a["failed"] else [])
     return arms
@@ -88,7 +94,7 @@ def format_registry(rows: list[dict], excluded: dict[str, str] | None = None) ->
     w = max([14, *(len(a["arm"]) + 1 for a in arms)])
     head = (f"{'arm':<{w}}{'seeds':>6}{'val ppl':>9}{'min':>8}{'max':>8}{'vs sm':>7}{'ood ppl':>9}{'tok/s':>9}"
             f"{'GiB':>6}" + "".join(f"{'pos' + b:>9}" for b in buckets)
-            + f"{'pk1x':>6}{'pk2x':>6}{'pk_lp':>7}{'mqar':>6}{'ref err':>9}{'spike':>6}  flags")
+            + f"{'pk1x':>6}{'pk2x':>6}{'pk_lp':>7}{'mqar':>6}{'ref err':>9}{'spike':>6}{'gn x':>6}  flags")
     lines = [head, "-" * len(head)]
     for a in arms:
         delta = "-" if a["delta"] is None else f"{a['delta']:+.1f}%"
@@ -98,7 +104,7 @@ def format_registry(rows: list[dict], excluded: dict[str, str] | None = None) ->
                      + "".join(fmt(a["pos_ppl"].get(b), "9.2f") for b in buckets)
                      + f"{fmt(a['passkey_1x'], '6.2f')}{fmt(a['passkey_2x'], '6.2f')}{fmt(a['passkey_logp'], '7.2f')}"
                      f"{fmt(a['mqar'], '6.3f')}{fmt(a['ref_err'], '9.1e')}"
-                     f"{fmt(a['spike'], '6.2f')}  {'; '.join(a['flags'])}")
+                     f"{fmt(a['spike'], '6.2f')}{fmt(a['gnorm_spike'], '6.0f')}  {'; '.join(a['flags'])}")
     lines += [f"not trained: {m}: {why}" for m, why in (excluded or {}).items()]
     return "\n".join(lines)
 
