@@ -53,13 +53,14 @@ def read_metrics(run_dir: str) -> dict:
     mem = [r["memory_gib"] for r in train if "memory_gib" in r]
     late = [r["loss"] for r in train if r["step"] > train[-1]["step"] // 10 and r["loss"] is not None] if train else []
     norms = [r["grad_norm"] for r in train if r["step"] > 1 and r.get("grad_norm") is not None]
+    norm_median = statistics.median(norms) if norms else 0.0
     return {"val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
             "train_loss": train[-1]["loss"] if train else None, "step": train[-1]["step"] if train else None,
             "val_step": val[-1]["step"] if val else None,
             "tps": statistics.median(tps) if tps else None, "mem_gib": max(mem) if mem else None,
             "spike": max((max(0.0, b - statistics.median(late[max(0, i - 5):i])) for i, b in enumerate(late) if i),
                          default=None),
-            "gnorm_spike": max(norms) / statistics.median(norms) if norms and statistics.median(norms) > 0 else None}
+            "gnorm_spike": max(norms) / norm_median if norm_median > 0 else None}
 
 
 def finished_at(metrics: dict, steps: int) -> bool:

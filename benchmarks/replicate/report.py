@@ -40,7 +40,7 @@ OUTLIER_DELTA = 25.0
 """An arm more than this many % worse than softmax (validation perplexity, means over seeds) is an outlier."""
 GNORM_SPIKE = 20.0
 """A logged gradient norm this many times the run's median (``metrics.read_metrics``'s ``gnorm_spike``) flags the
-arm as unstable: clipping keeps such a step out of the loss curve (the registry runs' largest is ~5× past step 1)."""
+arm as unstable: clipping keeps such a step out of the loss curve (stable registry runs: 3-6× past step 1)."""
 SPIKE_NATS = 1.0
 """A logged training loss this far above the median of the ones before it (``metrics.read_metrics``'s ``spike``)
 flags an unstable run: twice the batch-to-batch spread of a stable repl-68M run (0.34-0.43 nats)."""

@@ -48,7 +48,8 @@ def _env() -> dict:
 
 def _run(cmd: list[str], log: str, timeout: float, append: bool = False, gpu: str | None = None,
          cpus: list[int] | None = None) -> tuple[bool, float]:
-    """Run ``cmd`` with its output in ``log``; ``gpu``: the one device it sees (``CUDA_VISIBLE_DEVICES``);
+    """Run ``cmd`` with its output in ``log``; ``gpu``: the devices it sees (``CUDA_VISIBLE_DEVICES``: one, or a
+    comma list for a data-parallel run);
     ``cpus``: the cores it may run on (its compile workers too)."""
     t0 = time.time()
     env = _env() if gpu is None else {**_env(), "CUDA_VISIBLE_DEVICES": gpu}
