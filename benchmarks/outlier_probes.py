@@ -26,6 +26,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from attnlab.tools.common import positive_int, split_train_flags
+
 BASE = "replication/repl_base"
 
 
@@ -124,11 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("mechs", nargs="?", default="softmax", help="comma-separated mechanisms (init, roles)")
     p.add_argument("--data", default=None, help="validation text for the rows (default: random token ids)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder of --data (model.hf_assets_path)")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per row")
+    p.add_argument("--seq", type=positive_int, default=1024, help="tokens per row")
     p.epilog = "Flags after `--` go to every model (train.py's --section.key value)."
     argv = list(argv if argv is not None else sys.argv[1:])
-    cut = argv.index("--") if "--" in argv else len(argv)
-    a, flags = p.parse_args(argv[:cut]), argv[cut + 1:]
+    own, flags = split_train_flags(argv)
+    a = p.parse_args(own)
     if a.probe == "init":
         for mech in a.mechs.split(","):
             print(json.dumps(init_stats(mech, flags, a.data, a.tokenizer, a.seq)), flush=True)

@@ -19,7 +19,7 @@ from torchtitan.tools.logging import logger
 
 from attnlab.attention.cp import ContextParallel
 from attnlab.attention.ops import sac_save_ops
-from attnlab.attention.ops.common import fla_gated_backward_ok, fla_importable
+from attnlab.attention.ops.linear_attn import fla_usable
 
 
 def sac_save_list(attention_ops: bool = True) -> set:
@@ -61,9 +61,7 @@ def parallelize_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
 def log_fla_state(device: torch.device) -> None:
     """Ask fla's state once, eagerly (the compiled blocks then only read it), and log the fallback the compiled
     paths cannot log themselves: fla missing, or its gated backward unsafe on this GPU and Triton."""
-    ok, why = fla_importable()
-    if ok:
-        ok, why = fla_gated_backward_ok(device)
+    ok, why = fla_usable(device, needs_grad=True)
     if not ok:
         logger.warning(f"fla-core's training kernels are unavailable here ({why}): 'auto' paths that train "
                        "through them take their fallbacks (docs/kernels.md)")

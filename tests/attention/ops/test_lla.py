@@ -285,7 +285,7 @@ def test_triton_truncated_cg_matches_chunked():
 
 
 @pytest.mark.parametrize("T, D", [(18, 8), (32, 16)])
-@pytest.mark.parametrize("cg_iters", [0, 1, 3, "converged"])
+@pytest.mark.parametrize("cg_iters", [0, 1, 3, pytest.param("converged", marks=pytest.mark.slow)])
 def test_triton_few_iterations_match_chunked(cg_iters, T, D):
     """The kernels form x once, in the last CG step, from the direction history (x = Σ α_j p_j); 0 steps (x = 0), 1 step
     (nothing summed from the history), 3 and a converged solve (2·D steps) match the chunked path's iterates, forward
@@ -483,7 +483,7 @@ def test_truncated_cg_keeps_delta_positive_on_short_documents(impl):
     """Regression for the NaN loss of qwen3_0.6b_lla on an H100. δ = ω − μ·ρ > 0 is a theorem (Σ_i is positive
     definite), but CG used to run on the q-centred Σ_i, whose rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for RMS-normed q, k) makes ω −
     μ·ρ cancel: with 16 iterations in fp32, rows got δ ≤ 0 and outputs far outside the values' range. CG now solves
-    against the k̄-centred Σ_c and maps back by Sherman–Morrison (naive.from_centred): δ > 0 by construction. Measured
+    against the k̄-centred Σ_c and maps back by Sherman–Morrison (docs/kernels.md, LLA): δ > 0 by construction. Measured
     here with the q-centred solve: δ ≤ 0 on 17 of 192 rows, max |o| 198 (chunked) / 288 (Triton) against 5.75 exact;
     centred: δ > 0, max |o| 7.8 / 7.9 (16 iterations are not converged)."""
     gen = torch.Generator().manual_seed(0)

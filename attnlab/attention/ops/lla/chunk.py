@@ -5,7 +5,7 @@ weight tile, so memory is O(BR·T) per step; no T×T and no T×d×d tensor is fo
 
 Everything is written in the k̄-centred variables (per row i): p_j = w_j/ω (the softmax weights), k̄ = Σ p_j k_j,
 y_j = k_j − k̄, A = Σ p_j y_j y_jᵀ + λI = Σ_c/ω, ρ_c = A⁻¹(k̄ − q). The output is the intercept
-o = Σ_j p_j (1 − y_j·ρ_c) v_j (eq. 8 with Sherman–Morrison, :func:`naive.from_centred`: the δ of eq. 8 cancels).
+o = Σ_j p_j (1 − y_j·ρ_c) v_j (eq. 8 with Sherman–Morrison, docs/kernels.md, LLA: the δ of eq. 8 cancels).
 Forward: statistics (ω, μ̃, optional Jacobi diagonal), ρ_c by CG on the matrix-free Σ_c (eq. 13), output.
 Backward: the exact gradient of that function (implicit function theorem, one adjoint CG solve with the same
 matrix). With g = dL/do_i, γ_j = g·v_j, s_j = p_j (1 − y_j·ρ_c) (the scores) and ḡ = Σ_j p_j γ_j = g·v̄:
@@ -47,7 +47,7 @@ def _block_mask(doc_start, r0, r1, lo, device):
 
 
 def _solve(kbar, kb, w, mu_t, ksq_w, rid, rhs, cg_iters, jacobi, rtol):
-    """CG against Σ_c (keys centred at their weighted mean k̄ = μ̃/ω, :func:`naive.from_centred`): Σ_c⁻¹ rhs."""
+    """CG against Σ_c (keys centred at their weighted mean k̄ = μ̃/ω, docs/kernels.md, LLA): Σ_c⁻¹ rhs."""
     diag = None
     if jacobi:  # diag Σ_c = Σ_j w k² − ω k̄² + ridge  (the Jacobi diagonal, centred at k̄)
         diag = ksq_w - mu_t * kbar + rid[..., None]

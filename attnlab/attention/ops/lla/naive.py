@@ -43,19 +43,6 @@ def sigma_matvec(p, q, k, w, ridge) -> torch.Tensor:
     return t @ k - t.sum(-1, keepdim=True) * q + ridge[..., None] * p
 
 
-def from_centred(rho_c: torch.Tensor, mu: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ρ, δ) of the q-centred system from ρ_c = Σ_c⁻¹ μ, the solve against the k̄-centred matrix.
-
-    Σ_i = Σ_j w_ij (k_j − q_i)(k_j − q_i)ᵀ + ridge = Σ_c + μμᵀ/ω with Σ_c = Σ_j w_ij (k_j − k̄_i)(k_j − k̄_i)ᵀ
-    + ridge and k̄ = μ̃/ω (μ = ω(k̄ − q)). Sherman–Morrison with t = μᵀρ_c/ω ≥ 0 gives ρ = ρ_c/(1 + t) and
-    δ = ω − μᵀρ = ω/(1 + t) > 0. Σ_i has the rank-one spike μμᵀ/ω (‖k̄ − q‖² ≫ λ for normalised q, k), so CG on
-    Σ_i converges slowly and ω − μᵀρ cancels catastrophically (δ/ω ~ λ/‖k̄ − q‖²): in fp32 the output was
-    wrong by O(1)–O(10) relative and went non-finite at λ ≈ 0.01, D=128. Σ_c has no spike and δ comes out
-    positive by construction; the function is unchanged. Shapes: [..., D] vectors, [...] scalars."""
-    t = (mu * rho_c).sum(-1) / omega
-    return rho_c / (1 + t)[..., None], omega / (1 + t)
-
-
 def cg_solve(
     matvec: Callable[[torch.Tensor], torch.Tensor],
     b: torch.Tensor,

@@ -1,7 +1,7 @@
 """LLA forward: pass (i) statistics and the CG start, pass (iii) output (docs/kernels.md, "LLA").
 
 The solve between them is ``cg._cg_step_kernel``. ρ is solved in the k̄-centred form Σ_c ρ_c = μ (Sherman–Morrison
-back to ρ, as ``naive.from_centred``), which keeps δ = ω − μ·ρ > 0 under truncated CG.
+back to ρ, as in docs/kernels.md, LLA), which keeps δ = ω − μ·ρ > 0 under truncated CG.
 """
 
 from __future__ import annotations
