@@ -248,20 +248,24 @@ class BatchSegments:
         return self
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "BatchSegments":
-        """A copy with every tensor, the built layouts' included, replaced by ``move(tensor)`` (the host's copied to
-        the device); the Python ints stay."""
+        """A copy of the built layouts with every tensor replaced by ``move(tensor)`` (the host's copied to the
+        device; the Python ints stay). It holds nothing to build from: a layout :meth:`build` did not make fails
+        with its name instead of being rebuilt on the device with host syncs."""
         def moved(v):
             if isinstance(v, torch.Tensor):
                 return move(v)
             return replace(v, **{f.name: move(getattr(v, f.name)) for f in fields(v)
                                  if isinstance(getattr(v, f.name), torch.Tensor)})
 
-        out = BatchSegments(self.cp, move(self.docs), move(self.positions))
+        out = BatchSegments(self.cp, None, None)
         out._built = {k: moved(v) for k, v in self._built.items()}
         return out
 
     def _get(self, key, build):
         if key not in self._built:
+            if self.docs is None:
+                raise RuntimeError(f"context parallelism: the segment layout {key!r} was not built on the host "
+                                   "(BatchSegments.build; a module's cp_halo_width?)")
             self._built[key] = build()
         return self._built[key]
 

@@ -9,6 +9,8 @@ state-dict adapter apply.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -122,7 +124,7 @@ class Transformer(ModelProtocol):
         cp = self.cp
         B, n = tokens.shape
         if segments is not None:
-            docs = segments.docs
+            docs = None  # the layouts are built (BatchSegments.to)
         elif positions is None:
             docs = torch.zeros(B, n * cp.size, dtype=torch.int64, device=tokens.device)
         else:
@@ -140,8 +142,12 @@ class Transformer(ModelProtocol):
         trainer, :mod:`attnlab.trainer.step`), so no layer reads them back from the device. The halo widths are the
         ``cp_halo_width`` of the modules that have one."""
         block = self.model_args.attn_mask_type == "block_causal"
-        widths = sorted({m.cp_halo_width for m in self.modules() if hasattr(m, "cp_halo_width")})
-        return BatchSegments.on_host(self.cp, positions if block else None, shape).build(widths)
+        return BatchSegments.on_host(self.cp, positions if block else None, shape).build(self._cp_halo_widths)
+
+    @functools.cached_property
+    def _cp_halo_widths(self) -> list[int]:
+        """The ``cp_halo_width`` of the modules that have one (asked once, not per batch)."""
+        return sorted({m.cp_halo_width for m in self.modules() if hasattr(m, "cp_halo_width")})
 
     def fill_rope(self, ctx: AttentionContext, length: int, device: torch.device) -> None:
         """Give ``ctx`` the cos/sin of its positions (all < ``length``) from the cached table of

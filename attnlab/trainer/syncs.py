@@ -216,7 +216,7 @@ class CpuSyncs(_Counter, TorchFunctionMode):
     def _count(self, name, args, kwargs, tensors, device_in, target) -> None:
         self_device = bool(args) and isinstance(args[0], torch.Tensor) and not self.is_host(args[0])
         if name in READS and self_device:
-            self.note(f"Tensor.{name}" if name != "cpu" else "Tensor.cpu")
+            self.note(f"Tensor.{name}")
         elif name in DATA_DEPENDENT and device_in:
             self.note(name)
         elif name == "where" and len(args) + len(kwargs) == 1 and device_in:
@@ -235,7 +235,7 @@ class CpuSyncs(_Counter, TorchFunctionMode):
                     self.note("host index tensor")
         elif name in FROM_DATA and (self_device if name == "new_tensor" else self._device_kwarg(kwargs)):
             self.note(f"{name} to device")
-        elif target == "host" and tensors and not self.is_host(tensors[0]) and name not in READS:
+        elif target == "host" and tensors and not self.is_host(tensors[0]):
             self.note(f"Tensor.{name} to host")
         elif target == "device" and tensors and self.is_host(tensors[0]) and not _non_blocking(args, kwargs):
             self.note(f"Tensor.{name} blocking to device")
